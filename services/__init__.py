@@ -1,0 +1,1 @@
+"""downpour services: the parameter server, the worker, and the command line around them."""

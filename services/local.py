@@ -1,0 +1,298 @@
+"""``downpour run-local``: the demo. A server and N workers as separate processes on loopback.
+
+Shows progress bars while training, evaluates the held-out set with the server's weights,
+writes ``history.csv`` and a PNG plot into a run directory, and prints
+``held-out accuracy: 0.xxxx`` as its last line. Ctrl-C stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from services.status import fetch_status
+from shared.transport import Deadline, tcp
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``downpour run-local``."""
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--epochs", type=float, default=3.0, help="passes over the training set, per worker"
+    )
+    p.add_argument("--steps", type=int, help="steps per worker (overrides --epochs)")
+    p.add_argument("--model", default="shared.models:deep_mnist")
+    p.add_argument("--data-dir", help="standard MNIST IDX files (default: embedded MNIST-5k)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adagrad", "sgd"])
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--n-fetch", type=int, default=1)
+    p.add_argument("--n-push", type=int, default=1)
+    p.add_argument("--run-dir", help="where logs, history and plots go (default runs/<time>)")
+    p.add_argument(
+        "--eval-every", type=float, default=10.0, help="seconds between held-out evaluations"
+    )
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of bars")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGTERM if this process dies, so nothing is left behind."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(args: list[str], log_path: Path, stdout: int | None = None) -> subprocess.Popen:
+    """Start ``downpour ARGS`` with this interpreter, stderr to a log file."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    with open(log_path, "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            stdout=stdout if stdout is not None else subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def wait_ready(
+    proc: subprocess.Popen, ready_file: Path, timeout_s: float, log_path: Path
+) -> dict[str, Any]:
+    """Wait for the server's ready file; fail early if the server exits."""
+    deadline = Deadline(timeout_s)
+    while not deadline.expired():
+        if ready_file.exists():
+            return json.loads(ready_file.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        time.sleep(0.1)  # polling the file for a bounded time, not synchronising on a guess
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+
+
+class Evaluator:
+    """Holds a local copy of the model to score the server's weights on the held-out set."""
+
+    def __init__(self, model_ref: str, data_dir: str | None) -> None:
+        from shared.models import build_model, load_spec
+
+        self.spec = load_spec(model_ref)
+        self.data = self.spec.load_data(data_dir)
+        self.model = build_model(self.spec)
+        self.names = [v.path for v in self.model.trainable_variables]
+
+    def score(self, host: str, port: int) -> tuple[int, float]:
+        """(server version, held-out metric) with the server's current weights."""
+        from shared import protocol
+        from shared.models import evaluate
+        from shared.transport import ReqClient, make_context
+
+        ctx = make_context()
+        client = ReqClient(ctx, tcp(host, port), timeout_s=30.0, retries=1)
+        try:
+            reply = client.request(
+                protocol.Message(protocol.PULL, "run-local-eval"), protocol.DEFAULT_LIMITS
+            )
+        finally:
+            client.close()
+            ctx.term()
+        for v, a in zip(self.model.trainable_variables, reply.tensors.values(), strict=True):
+            v.assign(a)
+        return reply.base_version, evaluate(
+            self.spec, self.model, self.data.x_test, self.data.y_test
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole demo; returns the exit code."""
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        return _run(args, run_dir, procs)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
+    from tqdm import tqdm
+
+    ready_file = run_dir / "server.json"
+    ready_file.unlink(missing_ok=True)
+    server_log = run_dir / "server.log"
+    server = spawn(
+        [
+            "server",
+            "--model",
+            args.model,
+            "--port",
+            "0",
+            "--push-port",
+            "0",
+            "--status-port",
+            "0",
+            "--optimizer",
+            args.optimizer,
+            "--lr",
+            str(args.lr),
+            "--ready-file",
+            str(ready_file),
+        ],
+        server_log,
+    )
+    procs.append(server)
+    print(f"run directory: {run_dir}", flush=True)
+    evaluator_box: dict[str, Any] = {}
+    loader = threading.Thread(
+        target=lambda: evaluator_box.setdefault("e", Evaluator(args.model, args.data_dir)),
+        daemon=True,
+    )
+    loader.start()  # import TensorFlow and load data while the server starts
+    ep = wait_ready(server, ready_file, 180.0, server_log)
+    host, port, status_ep = "127.0.0.1", ep["port"], tcp("127.0.0.1", ep["status_port"])
+    workers = []
+    for i in range(args.workers):
+        wargs = [
+            "worker",
+            "--server",
+            f"{host}:{port}",
+            "--id",
+            f"worker-{i}",
+            "--model",
+            args.model,
+            "--n-fetch",
+            str(args.n_fetch),
+            "--n-push",
+            str(args.n_push),
+            "--log-every",
+            "0",
+        ]
+        wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
+        if args.data_dir:
+            wargs += ["--data-dir", args.data_dir]
+        workers.append(spawn(wargs, run_dir / f"worker-{i}.log", stdout=subprocess.PIPE))
+        procs.append(workers[-1])
+    loader.join(timeout=300)
+    evaluator: Evaluator = evaluator_box["e"]
+    per_worker = args.steps or int(
+        round(args.epochs * (len(evaluator.data.x_train) // evaluator.spec.batch_size))
+    )
+    bars = {
+        f"worker-{i}": tqdm(
+            total=per_worker,
+            desc=f"worker-{i}",
+            position=i,
+            leave=True,
+            disable=args.no_progress,
+            dynamic_ncols=True,
+        )
+        for i in range(args.workers)
+    }
+    history: list[dict[str, Any]] = []
+    t_start = time.monotonic()
+    last_eval = t_start
+    while any(w.poll() is None for w in workers):
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with {server.returncode}; see {server_log}")
+        doc = fetch_status(status_ep, timeout_s=10.0)
+        row: dict[str, Any] = {
+            "t": round(time.monotonic() - t_start, 2),
+            "version": doc["version"],
+            "loss": doc["loss"],
+            "staleness_mean": doc["staleness"]["mean"],
+            "updates_per_s": doc["updates_per_s"],
+            "accuracy": None,
+        }
+        for wid, w in doc["workers"].items():
+            if wid in bars:
+                bars[wid].n = min(w["steps"], per_worker)
+                bars[wid].set_postfix(
+                    loss=f"{w['loss'] or 0:.3f}", stale=w["staleness"], refresh=False
+                )
+                bars[wid].refresh()
+        if time.monotonic() - last_eval >= args.eval_every:
+            row["version"], row["accuracy"] = evaluator.score(host, port)
+            last_eval = time.monotonic()
+            if args.no_progress:
+                print(
+                    f"t={row['t']:.0f}s version {row['version']} loss {row['loss']} "
+                    f"held-out {row['accuracy']:.4f}",
+                    flush=True,
+                )
+        history.append(row)
+        _wait_any(workers, 0.5)
+    for bar in bars.values():
+        bar.close()
+    failed = [w.returncode for w in workers if w.returncode != 0]
+    for i, w in enumerate(workers):
+        out = w.stdout.read().decode() if w.stdout else ""
+        for line in out.splitlines():
+            if line.startswith("{"):
+                s = json.loads(line)["summary"]
+                print(
+                    f"worker-{i}: {s['steps']} steps, {s['steps_per_s']:.2f} steps/s, "
+                    f"last loss {s['loss']:.4f}"
+                )
+    doc = fetch_status(status_ep, timeout_s=10.0)
+    version, acc = evaluator.score(host, port)
+    history.append(
+        {
+            "t": round(time.monotonic() - t_start, 2),
+            "version": version,
+            "loss": doc["loss"],
+            "staleness_mean": doc["staleness"]["mean"],
+            "updates_per_s": doc["updates_per_s"],
+            "accuracy": acc,
+        }
+    )
+    (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
+    _write_history(run_dir / "history.csv", history)
+    from services.plot import plot_run
+
+    for png in plot_run(run_dir):
+        print(f"plot: {png}")
+    st = doc["staleness"]
+    print(
+        f"server: version {version}, {doc['updates_applied']} updates, staleness mean "
+        f"{st['mean']:.2f} max {st['max']:.0f}, rejected {doc['rejected_total']}"
+    )
+    if failed:
+        print(
+            f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
+        )
+    print(f"held-out accuracy: {acc:.4f}", flush=True)
+    return 1 if failed else 0
+
+
+def _wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Return when a running process exits or after ``timeout_s`` (the UI refresh period)."""
+    running = [p for p in procs if p.poll() is None]
+    if running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            running[0].wait(timeout=timeout_s)
+
+
+def _write_history(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)

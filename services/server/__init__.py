@@ -1,0 +1,1 @@
+"""The parameter-server service."""

@@ -1,0 +1,490 @@
+"""The parameter-server service: sockets, the apply loop, validation, bookkeeping.
+
+One thread owns the parameters and serves gradients (PULL) and hello/pull (REP) from one
+poll loop, so a weight reply is always a whole version and never races an apply. The status
+socket has its own thread and answers from a snapshot the loop publishes, so a slow or
+flooding status client never stalls training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from services.server.state import ParameterState
+from shared import protocol
+from shared.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter
+from shared.models import ModelSpec
+from shared.protocol import Message, ProtocolError
+from shared.transport import bind, make_context
+
+log = logging.getLogger("downpour.server")
+
+LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
+
+
+@dataclass
+class ServerConfig:
+    """Everything the server needs besides the model."""
+
+    host: str = "127.0.0.1"
+    port: int = 5570  # REP: hello and weights
+    push_port: int = 5571  # PULL: gradients
+    status_port: int = 5572  # REP: status (read-only)
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    seed: int = 0
+    ready_file: str | None = None
+    missing_after_s: float = 10.0
+    gone_after_s: float = 60.0
+    allow_nonfinite: bool = False
+    drain_timeout_s: float = 10.0
+    io_threads: int = 2
+    publish_interval_s: float = 0.2
+
+
+@dataclass
+class WorkerRecord:
+    """What the server knows about one worker id."""
+
+    first_seen: float
+    last_seen: float
+    last_seq: int = 0
+    pushes: int = 0
+    applied: int = 0
+    rejected: int = 0
+    pulls: int = 0
+    steps: int = 0
+    loss: float | None = None
+    staleness: int | None = None
+    reported: dict[str, Any] = field(default_factory=dict)
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """True if no NaN/Inf; a sum catches both in one pass, overflow falls back to a scan."""
+    if a.dtype.kind not in "fc" or a.size == 0:
+        return True
+    with np.errstate(all="ignore"):
+        if np.isfinite(a.sum()):
+            return True
+    return bool(np.isfinite(a).all())
+
+
+class RateLimitedLog:
+    """Logs a warning once per key per interval, then how many were suppressed."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self.last: dict[str, float] = {}
+        self.suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: Any) -> None:
+        """Log now if this key has been quiet for the interval, else count it."""
+        now = time.monotonic()
+        if now - self.last.get(key, -1e9) >= self.interval_s:
+            n = self.suppressed.pop(key, 0)
+            suffix = f" (+{n} more since last report)" if n else ""
+            log.warning(msg + suffix, *args)
+            self.last[key] = now
+        else:
+            self.suppressed[key] = self.suppressed.get(key, 0) + 1
+
+
+class Server:
+    """A parameter server for one model. ``run()`` blocks until ``stop()`` or SIGTERM/SIGINT."""
+
+    def __init__(self, spec: ModelSpec, config: ServerConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.state = ParameterState(spec, config.optimizer, config.learning_rate, config.seed)
+        self.limits = protocol.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
+        self.workers: dict[str, WorkerRecord] = {}
+        self.rejected = ReasonCounter()
+        self.staleness = Histogram(STALENESS_BOUNDS)
+        self.apply_ms = Ewma(0.05)
+        self.loss = Ewma(0.05)
+        self.update_rate = Rate(10.0)
+        self.counters = {
+            "pushes_received": 0,
+            "pulls": 0,
+            "pulls_unchanged": 0,
+            "hellos": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "status_requests": 0,
+            "status_rejected": 0,
+        }
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self._stop = threading.Event()
+        self._published: dict[str, Any] = {}
+        self._last_publish = 0.0
+        self._warn = RateLimitedLog()
+        self.ctx = make_context(config.io_threads)
+        self.rep = self.ctx.socket(zmq.REP)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.status_sock = self.ctx.socket(zmq.REP)
+        for s in (self.rep, self.pull, self.status_sock):
+            s.setsockopt(zmq.LINGER, 0)
+        # A peer sending more than the model could need is cut off before we allocate.
+        self.pull.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
+        self.rep.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.status_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        self.port = bind(self.rep, config.host, config.port)
+        self.push_port = bind(self.pull, config.host, config.push_port)
+        self.status_port = bind(self.status_sock, config.host, config.status_port)
+        self._publish(force=True)
+        self._status_thread = threading.Thread(
+            target=self._serve_status, name="status", daemon=True
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def endpoints(self) -> dict[str, Any]:
+        """Where this server listens, as written to the ready file."""
+        return {
+            "pid": os.getpid(),
+            "host": self.config.host,
+            "port": self.port,
+            "push_port": self.push_port,
+            "status_port": self.status_port,
+            "fingerprint": self.state.fingerprint,
+            "version": self.state.version,
+        }
+
+    def _write_ready_file(self) -> None:
+        if not self.config.ready_file:
+            return
+        path = Path(self.config.ready_file)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.endpoints()))
+        os.replace(tmp, path)
+
+    def stop(self) -> None:
+        """Ask the loop to finish: drain received gradients, then return from run()."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the server cleanly (main thread only)."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            log.info("received %s, stopping", signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> None:
+        """Serve until stopped; then apply what has been received and close the sockets."""
+        self._status_thread.start()
+        self._write_ready_file()
+        log.info(
+            "serving %s (%d variables, %.1f MB, fingerprint %s) on %s ports %d/%d/%d",
+            self.spec.name,
+            len(self.state.variables),
+            self.state.payload_bytes / 1e6,
+            self.state.fingerprint[:12],
+            self.config.host,
+            self.port,
+            self.push_port,
+            self.status_port,
+        )
+        poller = zmq.Poller()
+        poller.register(self.rep, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if self.rep in events:
+                    self._serve_rep_once()
+                if self.pull in events:
+                    self._drain_pushes(max_messages=16)
+                self._publish()
+            self._drain_pushes(deadline=time.monotonic() + self.config.drain_timeout_s)
+        finally:
+            self._publish(force=True)
+            log.info(
+                "stopped at version %d after %d updates; rejected %s",
+                self.state.version,
+                self.state.version,
+                dict(self.rejected) or "none",
+            )
+            self.close()
+
+    def close(self) -> None:
+        """Close sockets and the context (idempotent)."""
+        self._stop.set()
+        if self._status_thread.is_alive():
+            self._status_thread.join(timeout=2.0)
+        for s in (self.rep, self.pull, self.status_sock):
+            s.close(linger=0)
+        self.ctx.term()
+
+    # ------------------------------------------------------------ gradients
+
+    def _drain_pushes(self, max_messages: int = 1 << 30, deadline: float | None = None) -> None:
+        for _ in range(max_messages):
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle_push(frames)
+            if self.rep.poll(0, zmq.POLLIN):  # keep weight fetches prompt under a flood
+                self._serve_rep_once()
+
+    def _worker(self, worker_id: str) -> WorkerRecord:
+        now = time.monotonic()
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            rec = self.workers[worker_id] = WorkerRecord(first_seen=now, last_seen=now)
+            log.info("worker %s joined", worker_id)
+        rec.last_seen = now
+        return rec
+
+    def _reject(self, code: str, message: str, sender: str | None) -> None:
+        self.rejected[code] += 1
+        if sender is not None and sender in self.workers:
+            self.workers[sender].rejected += 1
+        self._warn.warning(code, "rejected message from %s: %s: %s", sender or "?", code, message)
+
+    def _gradients(self, msg: Message) -> list[np.ndarray]:
+        """Check a push's tensors against the model; return them in variable order."""
+        st = self.state
+        if len(msg.tensors) != len(st.names):
+            raise ProtocolError(
+                protocol.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(st.names)}"
+            )
+        grads = []
+        for (name, t), want, shape, dtype in zip(
+            msg.tensors.items(), st.names, st.shapes, st.dtypes, strict=True
+        ):
+            if name != want:
+                raise ProtocolError(protocol.R_NAME, f"tensor {name!r} where {want!r} was expected")
+            got_shape = t.dense_shape if isinstance(t, protocol.Sparse) else t.shape
+            got_dtype = t.values.dtype if isinstance(t, protocol.Sparse) else t.dtype
+            if tuple(got_shape) != shape:
+                raise ProtocolError(
+                    protocol.R_SHAPE, f"{name!r}: shape {tuple(got_shape)} != {shape}"
+                )
+            if got_dtype != dtype:
+                raise ProtocolError(protocol.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
+            grads.append(t.to_dense() if isinstance(t, protocol.Sparse) else t)
+        return grads
+
+    def _handle_push(self, frames: list[zmq.Frame]) -> None:
+        self.counters["pushes_received"] += 1
+        self.counters["bytes_in"] += sum(len(f) for f in frames)
+        sender: str | None = None
+        try:
+            msg = protocol.decode(frames, self.limits)
+            sender = msg.sender
+            if msg.type != protocol.PUSH:
+                raise ProtocolError(
+                    protocol.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket"
+                )
+            rec = self._worker(msg.sender)
+            rec.pushes += 1
+            grads = self._gradients(msg)
+            if msg.seq <= rec.last_seq:
+                raise ProtocolError(
+                    protocol.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}"
+                )
+            if msg.base_version > self.state.version:
+                raise ProtocolError(
+                    protocol.R_FUTURE,
+                    f"base_version {msg.base_version} > server version {self.state.version}",
+                )
+            if not self.config.allow_nonfinite:
+                for name, g in zip(self.state.names, grads, strict=True):
+                    if not all_finite(g):
+                        raise ProtocolError(protocol.R_NONFINITE, f"{name!r} has NaN or Inf")
+        except ProtocolError as exc:
+            self._reject(exc.code, exc.message, sender)
+            return
+        staleness = self.state.version - msg.base_version
+        t0 = time.perf_counter()
+        self.state.apply(grads)
+        self.apply_ms.update(1e3 * (time.perf_counter() - t0))
+        self.update_rate.mark()
+        self.staleness.observe(staleness)
+        rec.last_seq = msg.seq
+        rec.applied += 1
+        rec.staleness = staleness
+        rec.steps = int(msg.body.get("steps", rec.steps) or 0)
+        loss = msg.body.get("loss")
+        if isinstance(loss, float | int) and np.isfinite(loss):
+            rec.loss = float(loss)
+            self.loss.update(float(loss))
+        stats = msg.body.get("stats")
+        if isinstance(stats, dict):
+            rec.reported = {k: v for k, v in stats.items() if isinstance(v, int | float)}
+
+    # ------------------------------------------------------------ hello / pull
+
+    def _serve_rep_once(self) -> None:
+        try:
+            frames = self.rep.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        self.counters["bytes_in"] += sum(len(f) for f in frames)
+        try:
+            reply = self._answer(frames)
+        except ProtocolError as exc:
+            self._reject(exc.code, exc.message, None)
+            reply = protocol.error_message(exc.code, exc.message)
+        except Exception as exc:  # never leave a REQ peer without an answer
+            log.exception("internal error answering a request")
+            reply = protocol.error_message(protocol.R_INTERNAL, repr(exc))
+        out = protocol.encode(reply)
+        self.counters["bytes_out"] += sum(memoryview(f).nbytes for f in out)
+        self.rep.send_multipart(out, copy=False)
+
+    def _answer(self, frames: list[zmq.Frame]) -> Message:
+        msg = protocol.decode(frames, protocol.DEFAULT_LIMITS)
+        if msg.type == protocol.HELLO:
+            return self._hello(msg)
+        if msg.type == protocol.PULL:
+            return self._pull(msg)
+        raise ProtocolError(protocol.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
+
+    def _hello(self, msg: Message) -> Message:
+        self.counters["hellos"] += 1
+        theirs = msg.body.get("fingerprint")
+        if theirs != self.state.fingerprint:
+            self.rejected[protocol.R_FINGERPRINT] += 1
+            log.warning(
+                "refused worker %s: model fingerprint %s != %s",
+                msg.sender,
+                theirs,
+                self.state.fingerprint,
+            )
+            return protocol.error_message(
+                protocol.R_FINGERPRINT,
+                f"worker model {msg.body.get('model')!r} (fingerprint {theirs}) differs from the "
+                f"server's {self.spec.name!r} (fingerprint {self.state.fingerprint}): start the "
+                f"worker with the same --model as the server",
+            )
+        rec = self._worker(msg.sender)
+        return Message(
+            protocol.HELLO,
+            sender="server",
+            base_version=self.state.version,
+            body={
+                "push_port": self.push_port,
+                "status_port": self.status_port,
+                "fingerprint": self.state.fingerprint,
+                "model": self.spec.name,
+                "last_seq": rec.last_seq,
+                "payload_bytes": self.state.payload_bytes,
+            },
+        )
+
+    def _pull(self, msg: Message) -> Message:
+        self.counters["pulls"] += 1
+        rec = self.workers.get(msg.sender)
+        if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
+            rec.pulls += 1
+            rec.last_seen = time.monotonic()
+        version, arrays = self.state.weights()
+        if msg.body.get("have") == version:
+            self.counters["pulls_unchanged"] += 1
+            return Message(
+                protocol.WEIGHTS, "server", base_version=version, body={"unchanged": True}
+            )
+        return Message(
+            protocol.WEIGHTS,
+            "server",
+            base_version=version,
+            tensors=dict(zip(self.state.names, arrays, strict=True)),
+        )
+
+    # ------------------------------------------------------------ status
+
+    def worker_state(self, rec: WorkerRecord, now: float) -> str:
+        """alive / missing / gone from the time since the worker was last heard."""
+        idle = now - rec.last_seen
+        if idle <= self.config.missing_after_s:
+            return "alive"
+        return "missing" if idle <= self.config.gone_after_s else "gone"
+
+    def snapshot(self) -> dict[str, Any]:
+        """The status document (see README "Status"): plain types, JSON-serialisable."""
+        now = time.monotonic()
+        uptime = now - self.started
+        workers = {
+            wid: {
+                "state": self.worker_state(r, now),
+                "last_seen_s": round(now - r.last_seen, 3),
+                "pushes": r.pushes,
+                "applied": r.applied,
+                "rejected": r.rejected,
+                "pulls": r.pulls,
+                "last_seq": r.last_seq,
+                "steps": r.steps,
+                "loss": r.loss,
+                "staleness": r.staleness,
+                **r.reported,
+            }
+            for wid, r in self.workers.items()
+        }
+        return {
+            "service": "server",
+            "protocol": protocol.PROTOCOL_VERSION,
+            "model": self.spec.name,
+            "fingerprint": self.state.fingerprint,
+            "version": self.state.version,
+            "updates_applied": self.state.version,
+            "updates_per_s": round(self.update_rate.per_second(now), 3),
+            "uptime_s": round(uptime, 3),
+            "started_at": self.started_wall,
+            "apply_ms": self.apply_ms.value,
+            "apply_traces": self.state.apply_traces,
+            "loss": self.loss.value,
+            "staleness": self.staleness.snapshot(),
+            "rejected": dict(self.rejected),
+            "rejected_total": self.rejected.total(),
+            "workers": workers,
+            **self.counters,
+        }
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_publish >= self.config.publish_interval_s:
+            self._published = self.snapshot()  # one reference swap: readers see whole dicts
+            self._last_publish = now
+
+    def _serve_status(self) -> None:
+        sock = self.status_sock
+        while not self._stop.is_set():
+            if not sock.poll(100, zmq.POLLIN):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            try:
+                msg = protocol.decode(frames, protocol.DEFAULT_LIMITS)
+                if msg.type != protocol.STATUS:
+                    raise ProtocolError(
+                        protocol.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket"
+                    )
+                self.counters["status_requests"] += 1
+                reply = Message(protocol.STATUS, "server", body=self._published)
+            except ProtocolError as exc:
+                self.counters["status_rejected"] += 1  # only this thread writes it
+                reply = protocol.error_message(exc.code, exc.message)
+            sock.send_multipart(protocol.encode(reply))
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost."""
+    return host.startswith(LOOPBACK_PREFIXES)

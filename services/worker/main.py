@@ -1,0 +1,102 @@
+"""``downpour worker``: command-line options for the worker service."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from shared.logs import setup_logging
+
+log = logging.getLogger("downpour.worker")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``downpour worker``."""
+    p.add_argument("--server", default="127.0.0.1:5570", help="HOST:PORT of the server's REP port")
+    p.add_argument("--id", default="", help="worker id (default hostname-pid)")
+    p.add_argument(
+        "--model", default="shared.models:deep_mnist", help="module:function returning a ModelSpec"
+    )
+    p.add_argument(
+        "--data-dir",
+        help="directory with the standard MNIST IDX files (default: embedded MNIST-5k)",
+    )
+    p.add_argument("--steps", type=int, help="steps to train (overrides --epochs)")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training set")
+    p.add_argument("--n-fetch", type=int, default=1, help="pull weights every N steps")
+    p.add_argument("--n-push", type=int, default=1, help="push gradients every N steps (averaged)")
+    p.add_argument("--seed", type=int, help="data-order seed (default from the worker id)")
+    p.add_argument(
+        "--request-timeout", type=float, default=10.0, help="seconds to wait for one reply"
+    )
+    p.add_argument(
+        "--server-timeout",
+        type=float,
+        default=120.0,
+        help="give up after the server is away this long",
+    )
+    p.add_argument(
+        "--push-timeout",
+        type=float,
+        default=1.0,
+        help="send timeout of one push at the high-water mark",
+    )
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log-level", default="INFO")
+
+
+def parse_server(s: str) -> tuple[str, int]:
+    """HOST:PORT (or tcp://HOST:PORT, [v6]:PORT) -> (host, port)."""
+    s = s.removeprefix("tcp://")
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--server must be HOST:PORT, got {s!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the worker, train, print a one-line JSON summary on stdout."""
+    setup_logging("worker", args.log_level)
+    if args.n_fetch < 1 or args.n_push < 1:
+        log.error("--n-fetch and --n-push must be >= 1")
+        return 2
+    from services.worker.service import Worker, WorkerConfig, WorkerError
+    from shared.models import load_spec
+
+    host, port = parse_server(args.server)
+    config = WorkerConfig(
+        host=host,
+        port=port,
+        worker_id=args.id,
+        steps=args.steps,
+        epochs=args.epochs,
+        n_fetch=args.n_fetch,
+        n_push=args.n_push,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+        server_timeout_s=args.server_timeout,
+        push_timeout_s=args.push_timeout,
+        log_every=args.log_every,
+    )
+    spec = load_spec(args.model)
+    worker = Worker(spec, config, spec.load_data(args.data_dir))
+    worker.install_signal_handlers()
+    try:
+        summary = worker.run()
+    except WorkerError as exc:
+        log.error("%s", exc)
+        return 3
+    finally:
+        worker.close()
+    log.info(
+        "worker %s done: %d steps in %.1f s (%.2f steps/s), %d pushes, last loss %.4f",
+        summary["worker"],
+        summary["steps"],
+        summary["seconds"],
+        summary["steps_per_s"],
+        summary["pushes"],
+        summary["loss"],
+    )
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0

@@ -1,0 +1,317 @@
+"""The worker service: pull weights, compute the whole gradient list, push it; repeat.
+
+DistBelief's knobs: weights are pulled every ``n_fetch`` steps (a pull of an unchanged
+version moves no tensors) and gradients are pushed every ``n_push`` steps, averaged over the
+steps in between. Every push carries the weight version it was computed from.
+
+Nothing blocks forever: requests time out and their REQ socket is recreated, pushes have a
+send timeout, and a server that stays away longer than ``server_timeout_s`` ends the worker
+with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from services.worker.step import Accumulator, GradientStep
+from shared import protocol
+from shared.data import Dataset
+from shared.models import ModelSpec, build_model, fingerprint
+from shared.protocol import Message
+from shared.transport import (
+    Deadline,
+    RemoteError,
+    ReqClient,
+    RequestTimeout,
+    backoff_delays,
+    make_context,
+    tcp,
+)
+
+log = logging.getLogger("downpour.worker")
+
+
+class WorkerError(Exception):
+    """The worker cannot go on (refused by the server, or the server stayed away too long)."""
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker needs besides the model."""
+
+    host: str = "127.0.0.1"
+    port: int = 5570
+    worker_id: str = ""
+    steps: int | None = None
+    epochs: float = 1.0
+    n_fetch: int = 1
+    n_push: int = 1
+    seed: int | None = None
+    request_timeout_s: float = 10.0
+    server_timeout_s: float = 120.0
+    push_timeout_s: float = 1.0
+    push_hwm: int = 4
+    push_linger_s: float = 5.0
+    io_threads: int = 1
+    log_every: int = 50
+
+    def resolved_id(self) -> str:
+        """The configured id, or hostname-pid."""
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless full batches, reshuffled every epoch with a per-worker seed."""
+    rng = np.random.default_rng(seed)
+    n = len(data.x_train)
+    if n < batch_size:
+        raise ValueError(f"{n} training examples, fewer than one batch of {batch_size}")
+    while True:
+        order = rng.permutation(n)
+        for i in range(0, n - batch_size + 1, batch_size):
+            idx = np.sort(order[i : i + batch_size])
+            yield data.x_train[idx], data.y_train[idx]
+
+
+class Worker:
+    """One training worker. ``run()`` returns a summary dict, or raises WorkerError."""
+
+    def __init__(self, spec: ModelSpec, config: WorkerConfig, data: Dataset) -> None:
+        self.spec = spec
+        self.config = config
+        self.data = data
+        self.id = config.resolved_id()
+        self.model = build_model(spec)
+        self.step_fn = GradientStep(spec, self.model, data.x_train[:1])
+        self.names = [v.path for v in self.model.trainable_variables]
+        self.fingerprint = fingerprint(self.model.trainable_variables)
+        self.payload_bytes = sum(
+            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize
+            for v in self.model.trainable_variables
+        )
+        self.limits = protocol.DEFAULT_LIMITS.for_payload(self.payload_bytes)
+        self.version = -1  # weights held locally; -1 = none yet
+        self.seq = 0
+        self.push_port: int | None = None
+        self._stop = threading.Event()
+        self.stats: dict[str, float] = {
+            "compute_ms": 0.0,
+            "push_ms": 0.0,
+            "pull_ms": 0.0,
+            "bytes_sent": 0,
+            "backpressure": 0,
+            "pulls": 0,
+            "pulls_unchanged": 0,
+            "pushes": 0,
+            "reconnects": 0,
+        }
+        self.ctx = make_context(config.io_threads)
+        self.req = ReqClient(
+            self.ctx,
+            tcp(config.host, config.port),
+            timeout_s=config.request_timeout_s,
+            retries=0,
+            max_msg_bytes=self.limits.max_total_bytes,
+        )
+        self.push_sock: zmq.Socket | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Finish the current step, then return from run()."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the worker cleanly (main thread only)."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            log.info("received %s, stopping", signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def close(self) -> None:
+        """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
+        self.req.close()
+        if self.push_sock is not None:
+            self.push_sock.close(linger=int(1000 * self.config.push_linger_s))
+        self.ctx.term()
+
+    # ------------------------------------------------------------ server calls
+
+    def _call(self, msg: Message) -> Message:
+        """One request, retried with capped backoff until server_timeout_s; never hangs."""
+        deadline = Deadline(self.config.server_timeout_s)
+        delay = backoff_delays(0.1, 2.0)
+        while True:
+            try:
+                return self.req.request(msg, self.limits)
+            except RequestTimeout:
+                if self._stop.is_set():
+                    raise WorkerError("stopped while waiting for the server") from None
+                if deadline.expired():
+                    raise WorkerError(
+                        f"server {self.req.endpoint} did not answer for "
+                        f"{self.config.server_timeout_s:.0f} s"
+                    ) from None
+                self.stats["reconnects"] += 1
+                log.warning("server %s not answering; retrying", self.req.endpoint)
+                self._stop.wait(min(delay(), deadline.remaining()))
+
+    def hello(self) -> None:
+        """Introduce ourselves; learn the gradient port and where our sequence resumes."""
+        msg = Message(
+            protocol.HELLO,
+            self.id,
+            body={
+                "fingerprint": self.fingerprint,
+                "model": self.spec.name,
+                "variables": len(self.names),
+            },
+        )
+        try:
+            reply = self._call(msg)
+        except RemoteError as exc:
+            raise WorkerError(f"server refused this worker: {exc.message}") from None
+        push_port = int(reply.body["push_port"])
+        self.seq = max(self.seq, int(reply.body.get("last_seq", 0)))
+        if push_port != self.push_port:
+            if self.push_sock is not None:
+                self.push_sock.close(linger=0)
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self.config.push_hwm)
+            sock.setsockopt(zmq.SNDTIMEO, int(1000 * self.config.push_timeout_s))
+            sock.connect(tcp(self.config.host, push_port))
+            self.push_sock, self.push_port = sock, push_port
+        log.info(
+            "worker %s joined server %s at version %d (model %s)",
+            self.id,
+            self.req.endpoint,
+            reply.base_version,
+            self.spec.name,
+        )
+
+    def pull(self) -> None:
+        """Fetch weights if the server has a newer version than ours."""
+        t0 = time.perf_counter()
+        body = {"have": self.version} if self.version >= 0 else {}
+        reply = self._call(Message(protocol.PULL, self.id, body=body))
+        self.stats["pulls"] += 1
+        if reply.body.get("unchanged"):
+            self.stats["pulls_unchanged"] += 1
+        else:
+            if list(reply.tensors) != self.names:
+                raise WorkerError("weights from the server do not match this model's variables")
+            self.step_fn.set_weights(list(reply.tensors.values()))
+            self.version = reply.base_version
+        self.stats["pull_ms"] = 1e3 * (time.perf_counter() - t0)
+
+    def push(
+        self,
+        grads: list[protocol.Tensor],
+        base_version: int,
+        loss: float,
+        steps: int,
+        batch_size: int,
+    ) -> None:
+        """Send one gradient message; waits out back-pressure within server_timeout_s."""
+        assert self.push_sock is not None
+        self.seq += 1
+        msg = Message(
+            protocol.PUSH,
+            self.id,
+            seq=self.seq,
+            base_version=base_version,
+            body={"loss": loss, "batch_size": batch_size, "steps": steps, "stats": self.stats},
+            tensors=dict(zip(self.names, grads, strict=True)),
+        )
+        frames = protocol.encode(msg)
+        t0 = time.perf_counter()
+        deadline = Deadline(self.config.server_timeout_s)
+        while True:
+            try:
+                self.push_sock.send_multipart(frames, copy=False)
+                break
+            except zmq.Again:
+                self.stats["backpressure"] += 1
+                log.warning("push blocked at the high-water mark (server slow or away)")
+                if deadline.expired() or self._stop.is_set():
+                    raise WorkerError("could not push gradients: server not taking them") from None
+        self.stats["pushes"] += 1
+        self.stats["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+        self.stats["push_ms"] = 1e3 * (time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ training
+
+    def total_steps(self) -> int:
+        """--steps, or --epochs worth of full batches."""
+        if self.config.steps is not None:
+            return self.config.steps
+        per_epoch = len(self.data.x_train) // self.spec.batch_size
+        return max(1, int(round(self.config.epochs * per_epoch)))
+
+    def run(self) -> dict[str, Any]:
+        """Train until the step budget is spent or stop() is called."""
+        cfg = self.config
+        seed = cfg.seed if cfg.seed is not None else zlib.crc32(self.id.encode())
+        data = batches(self.data, self.spec.batch_size, seed)
+        total = self.total_steps()
+        acc = Accumulator()
+        started = time.monotonic()
+        loss = float("nan")
+        base_version = 0
+        step = 0
+        self.hello()
+        while step < total and not self._stop.is_set():
+            if step % cfg.n_fetch == 0 or self.version < 0:
+                self.pull()
+            if acc.count == 0:
+                base_version = self.version  # the oldest weights in this accumulation
+            x, y = next(data)
+            t0 = time.perf_counter()
+            loss, grads = self.step_fn(x, y)
+            self.stats["compute_ms"] = 1e3 * (time.perf_counter() - t0)
+            acc.add(grads)
+            step += 1
+            self.stats["steps_per_s"] = step / max(time.monotonic() - started, 1e-9)
+            if acc.count >= cfg.n_push:
+                self.push(acc.take(), base_version, loss, step, self.spec.batch_size)
+            if cfg.log_every and step % cfg.log_every == 0:
+                log.info(
+                    "worker %s step %d/%d loss %.4f version %d",
+                    self.id,
+                    step,
+                    total,
+                    loss,
+                    self.version,
+                )
+        elapsed = time.monotonic() - started
+        summary = {
+            "worker": self.id,
+            "steps": step,
+            "seconds": round(elapsed, 2),
+            "steps_per_s": round(step / max(elapsed, 1e-9), 3),
+            "loss": loss,
+            "version": self.version,
+            "pushes": int(self.stats["pushes"]),
+            "pulls": int(self.stats["pulls"]),
+            "pulls_unchanged": int(self.stats["pulls_unchanged"]),
+            "backpressure": int(self.stats["backpressure"]),
+            "reconnects": int(self.stats["reconnects"]),
+            "stopped_early": step < total,
+        }
+        return summary

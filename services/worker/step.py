@@ -1,0 +1,103 @@
+"""The worker's compute step: one compiled evaluation returns the loss and the whole gradient list.
+
+Evaluating each gradient tensor on its own re-runs the forward and backward pass once per
+variable; one ``tf.function`` returning the list runs them once per batch. Its
+``input_signature`` leaves the batch dimension open, so it is traced exactly once.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from shared.models import ModelSpec
+from shared.protocol import Sparse, Tensor
+
+
+def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:
+    """A gradient as the protocol sends it: an ndarray, or Sparse for IndexedSlices."""
+    if isinstance(g, tf.IndexedSlices):
+        shape = tuple(int(d) for d in g.dense_shape.numpy())
+        return Sparse(g.indices.numpy(), g.values.numpy(), shape)
+    return g.numpy()
+
+
+class GradientStep:
+    """``step(x, y) -> (loss, [gradient per trainable variable])`` in one evaluation."""
+
+    def __init__(self, spec: ModelSpec, model: keras.Model, x_example: np.ndarray) -> None:
+        self.model = model
+        self.variables = list(model.trainable_variables)
+        self.traces = 0
+        signature = [
+            tf.TensorSpec((None, *x_example.shape[1:]), tf.as_dtype(x_example.dtype)),
+            tf.TensorSpec((None,), spec.label_dtype),
+        ]
+
+        @tf.function(input_signature=signature)
+        def compute(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+            self.traces += 1  # runs only while tracing
+            with tf.GradientTape() as tape:
+                out = model(x, training=True)
+                loss = spec.loss(y, out)
+            return loss, tape.gradient(loss, self.variables)
+
+        self._compute = compute
+
+    def __call__(self, x: np.ndarray, y: np.ndarray) -> tuple[float, list[Tensor]]:
+        """Loss as a float and the gradients as wire tensors, in variable order."""
+        loss, grads = self._compute(x, y)
+        return float(loss), [to_wire(g) for g in grads]
+
+    def set_weights(self, arrays: list[np.ndarray]) -> None:
+        """Load pulled weights into the local model copy."""
+        for v, a in zip(self.variables, arrays, strict=True):
+            v.assign(a)
+
+
+class Accumulator:
+    """Sums gradient lists over ``n_push`` steps and returns their mean (DistBelief's n_push)."""
+
+    def __init__(self) -> None:
+        self.total: list[Tensor] | None = None
+        self.count = 0
+
+    def add(self, grads: list[Tensor]) -> None:
+        """Fold one step's gradients in; dense ones are summed, sparse ones concatenated."""
+        if self.total is None:
+            self.total = list(grads)
+        else:
+            self.total = [_add(a, b) for a, b in zip(self.total, grads, strict=True)]
+        self.count += 1
+
+    def take(self) -> list[Tensor]:
+        """The mean gradient list since the last take; resets the accumulator."""
+        assert self.total is not None and self.count > 0
+        total, n = self.total, self.count
+        self.total, self.count = None, 0
+        if n == 1:
+            return total
+        return [_scale(g, 1.0 / n) for g in total]
+
+
+def _add(a: Tensor, b: Tensor) -> Tensor:
+    if isinstance(a, Sparse) or isinstance(b, Sparse):
+        a = a if isinstance(a, Sparse) else _as_sparse(a)
+        b = b if isinstance(b, Sparse) else _as_sparse(b)
+        return Sparse(
+            np.concatenate([a.indices, b.indices]),
+            np.concatenate([a.values, b.values]),
+            a.dense_shape,
+        )
+    return a + b  # a fresh array: never mutates one that may still be queued for sending
+
+
+def _as_sparse(a: np.ndarray) -> Sparse:
+    return Sparse(np.arange(a.shape[0], dtype=np.int64), a, a.shape)
+
+
+def _scale(g: Tensor, s: float) -> Tensor:
+    if isinstance(g, Sparse):
+        return Sparse(g.indices, (g.values * s).astype(g.values.dtype), g.dense_shape)
+    return (g * s).astype(g.dtype)

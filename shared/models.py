@@ -1,0 +1,111 @@
+"""Model specs: what the server and the workers must build identically.
+
+A model is a plugin named ``module:function``; the function takes no arguments and returns a
+``ModelSpec``. Both services call it, so both get the same variables in the same order; the
+fingerprint (a hash of the trainable variables' names, shapes and dtypes) proves it at hello.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from shared.data import Dataset, load_mnist  # noqa: E402
+
+DEFAULT_MODEL = "shared.models:deep_mnist"
+
+
+def sparse_softmax_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Mean sparse softmax cross-entropy on logits."""
+    return tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    )
+
+
+def accuracy(labels: np.ndarray, logits: np.ndarray) -> float:
+    """Fraction of rows whose arg-max logit is the label."""
+    return float(np.mean(np.argmax(logits, axis=-1) == labels))
+
+
+@dataclass
+class ModelSpec:
+    """Everything both services need to know about a model.
+
+    ``build`` must return a fresh, built Keras model (variables created) and be
+    deterministic in variable names and order. ``load_data`` gets the ``--data-dir`` value.
+    """
+
+    name: str
+    build: Callable[[], keras.Model]
+    load_data: Callable[[str | None], Dataset]
+    loss: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = sparse_softmax_loss
+    metric: Callable[[np.ndarray, np.ndarray], float] = accuracy
+    batch_size: int = 50
+    label_dtype: tf.DType = tf.int64
+
+
+def load_spec(ref: str = DEFAULT_MODEL) -> ModelSpec:
+    """Import ``module:function`` and call it; the result must be a ModelSpec."""
+    module_name, sep, func_name = ref.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"model must be 'module:function', got {ref!r}")
+    func = getattr(importlib.import_module(module_name), func_name)
+    spec = func()
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"{ref} returned {type(spec).__name__}, not a ModelSpec")
+    return spec
+
+
+def describe_variables(variables: Sequence[keras.Variable]) -> list[tuple[str, list[int], str]]:
+    """(name, shape, dtype) per variable, the basis of the fingerprint."""
+    return [(v.path, [int(d) for d in v.shape], str(v.dtype)) for v in variables]
+
+
+def fingerprint(variables: Sequence[keras.Variable]) -> str:
+    """Hex digest identifying the trainable variables' names, shapes and dtypes."""
+    blob = json.dumps(describe_variables(variables), separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
+    """Build the spec's model with a fixed initialisation seed."""
+    keras.utils.set_random_seed(seed)
+    model = spec.build()
+    if not model.built or not model.trainable_variables:
+        raise ValueError(f"model {spec.name!r} has no built trainable variables")
+    return model
+
+
+def evaluate(spec: ModelSpec, model: keras.Model, x: np.ndarray, y: np.ndarray) -> float:
+    """The spec's metric on (x, y), in batches of 500, inference mode."""
+    outs = [model(x[i : i + 500], training=False).numpy() for i in range(0, len(x), 500)]
+    return spec.metric(y, np.concatenate(outs))
+
+
+def _deep_mnist_model() -> keras.Model:
+    layers = keras.layers
+    inp = keras.Input((28, 28, 1), name="image")
+    x = layers.Conv2D(32, 5, padding="same", activation="relu", name="conv1")(inp)
+    x = layers.MaxPool2D(2, name="pool1")(x)
+    x = layers.Conv2D(64, 5, padding="same", activation="relu", name="conv2")(x)
+    x = layers.MaxPool2D(2, name="pool2")(x)
+    x = layers.Flatten(name="flatten")(x)
+    x = layers.Dense(1024, activation="relu", name="fc1")(x)
+    x = layers.Dropout(0.5, name="dropout")(x)
+    out = layers.Dense(10, name="logits")(x)
+    return keras.Model(inp, out, name="deep_mnist")
+
+
+def deep_mnist() -> ModelSpec:
+    """TensorFlow's "Deep MNIST" CNN (3,274,634 parameters) on MNIST-5k or ``--data-dir``."""
+    return ModelSpec(name="deep_mnist", build=_deep_mnist_model, load_data=load_mnist)

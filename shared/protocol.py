@@ -1,0 +1,407 @@
+"""The downpour wire protocol. This module is the spec, and the only one that imports msgpack.
+
+A message is one ZeroMQ multipart message::
+
+    frame 0         header: a msgpack map, at most ``Limits.max_header_bytes``
+    frame 1 .. n    tensor payloads in descriptor order, raw little-endian C-order bytes:
+                    a ``dense`` tensor takes one frame, a ``sparse`` tensor two
+                    (indices, then values)
+
+Header map (string keys; msgpack ext types are refused, nothing is ever unpickled)::
+
+    version       int    PROTOCOL_VERSION; a peer with another version gets ERROR "version"
+    type          str    one of MSG_TYPES
+    sender        str    worker id, or "server"
+    seq           int    sender's sequence number (pushes: strictly increasing per worker id)
+    base_version  int    the weight version the payload was computed from (push) or the
+                         version the sender holds / is sent (pull, weights)
+    tensors       list   one descriptor map per tensor, see below
+    body          map    type-specific scalars, strings, lists and maps
+
+Tensor descriptor::
+
+    name          str    variable name (unique within a message)
+    dtype         str    numpy dtype name from ALLOWED_DTYPES
+    shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
+    encoding      str    "dense" | "sparse"
+    nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize
+    nnz           int    sparse only: rows present; values frame is (nnz, *shape[1:])
+    index_dtype   str    sparse only: "int32" | "int64"; indices frame is (nnz,)
+
+Message types (REQ/REP unless noted)::
+
+    hello    -> hello      worker announces protocol + model fingerprint; reply carries the
+                           server version, gradient port, and the worker's last accepted seq
+    pull     -> weights    body {"have": V} when the sender holds version V (omitted when it
+                           holds none); reply base_version = current version with all tensors,
+                           or body {"unchanged": true} and no tensors when it is still V
+    push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps"}
+    status   -> status     body = metrics snapshot (status socket)
+    any      -> error      body {"code": reason, "message": text}
+
+Decoding validates before it allocates: every size is checked against the header and the
+limits before any array is made, and dense payloads are zero-copy ``np.frombuffer`` views.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+HELLO = "hello"
+PULL = "pull"
+WEIGHTS = "weights"
+PUSH = "push"
+STATUS = "status"
+ERROR = "error"
+MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, ERROR})
+
+DENSE = "dense"
+SPARSE = "sparse"
+ENCODINGS = frozenset({DENSE, SPARSE})
+
+ALLOWED_DTYPES: frozenset[str] = frozenset(
+    {
+        "float16",
+        "float32",
+        "float64",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+    }
+)
+INDEX_DTYPES = frozenset({"int32", "int64"})
+
+# Rejection reasons: the stable vocabulary used in ERROR replies and status counters.
+R_TRUNCATED = "truncated"  # fewer / more frames than the descriptors need
+R_HEADER = "bad_header"  # header is not a well-formed msgpack map of the schema
+R_VERSION = "version"  # protocol version differs
+R_TYPE = "unknown_type"
+R_DTYPE = "dtype"
+R_SHAPE = "shape"
+R_NBYTES = "nbytes"
+R_TOO_LARGE = "too_large"
+R_COUNT = "count"  # wrong number of tensors
+R_NAME = "name"  # tensor names do not match
+R_NONFINITE = "nonfinite"  # NaN or Inf in a gradient
+R_DUPLICATE = "duplicate"  # (sender, seq) already applied: a replay or a resend
+R_FUTURE = "future_version"  # base_version ahead of the server (e.g. after a restore)
+R_FINGERPRINT = "fingerprint"  # worker built another model
+R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not serve it
+R_INTERNAL = "internal"  # the server failed handling a valid-looking message
+
+
+class ProtocolError(Exception):
+    """A message broke the protocol. ``code`` is a stable reason for counters and replies.
+
+    Recovery: the receiver drops the message (answering ERROR where it has a reply) and
+    goes on serving; the sender has to fix what it sends, resending the same bytes fails again.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds enforced by decode before any allocation."""
+
+    max_header_bytes: int = 1 << 20
+    max_tensors: int = 4096
+    max_ndim: int = 8
+    max_total_bytes: int = 1 << 31
+    max_str_len: int = 4096
+
+    def for_payload(self, payload_bytes: int) -> Limits:
+        """Limits sized for a model: total payload at most ``payload_bytes`` plus slack."""
+        return Limits(
+            max_header_bytes=self.max_header_bytes,
+            max_tensors=self.max_tensors,
+            max_ndim=self.max_ndim,
+            max_total_bytes=int(payload_bytes * 1.05) + 4096,
+            max_str_len=self.max_str_len,
+        )
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """Row-sparse tensor (``tf.IndexedSlices``): ``dense[indices[i]] += values[i]``."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple[int, ...]
+
+    def to_dense(self) -> np.ndarray:
+        """Materialise as a dense array; repeated indices are summed, as TF does."""
+        out = np.zeros(self.dense_shape, dtype=self.values.dtype)
+        np.add.at(out, self.indices, self.values)
+        return out
+
+
+Tensor = np.ndarray | Sparse
+
+
+@dataclass
+class Message:
+    """One decoded or to-be-encoded message. ``tensors`` keeps insertion order."""
+
+    type: str
+    sender: str = ""
+    seq: int = 0
+    base_version: int = 0
+    body: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- encode
+
+
+def _dense_frame(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def encode(msg: Message) -> list[Any]:
+    """Message -> multipart frames. Tensor frames are the arrays themselves (send copy=False).
+
+    The caller must not mutate the arrays until ZeroMQ has sent them.
+    """
+    if msg.type not in MSG_TYPES:
+        raise ValueError(f"unknown message type {msg.type!r}")
+    descriptors: list[dict[str, Any]] = []
+    frames: list[Any] = [b""]
+    for name, t in msg.tensors.items():
+        if isinstance(t, Sparse):
+            values = _dense_frame(t.values)
+            indices = _dense_frame(t.indices)
+            if indices.dtype.name not in INDEX_DTYPES:
+                indices = indices.astype(np.int64)
+            descriptors.append(
+                {
+                    "name": name,
+                    "dtype": values.dtype.name,
+                    "shape": [int(d) for d in t.dense_shape],
+                    "encoding": SPARSE,
+                    "nbytes": values.nbytes,
+                    "nnz": int(indices.shape[0]),
+                    "index_dtype": indices.dtype.name,
+                }
+            )
+            frames.append(indices)
+            frames.append(values)
+        else:
+            a = _dense_frame(np.asarray(t))
+            descriptors.append(
+                {
+                    "name": name,
+                    "dtype": a.dtype.name,
+                    "shape": list(a.shape),
+                    "encoding": DENSE,
+                    "nbytes": a.nbytes,
+                }
+            )
+            frames.append(a)
+    header = {
+        "version": PROTOCOL_VERSION,
+        "type": msg.type,
+        "sender": msg.sender,
+        "seq": int(msg.seq),
+        "base_version": int(msg.base_version),
+        "tensors": descriptors,
+        "body": msg.body,
+    }
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def error_message(code: str, message: str, sender: str = "server") -> Message:
+    """An ERROR reply carrying a stable reason code and a human-readable message."""
+    return Message(ERROR, sender=sender, body={"code": code, "message": message})
+
+
+# ---------------------------------------------------------------- decode
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(R_HEADER, f"msgpack ext type {code} is not allowed")
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame when received with copy=False
+    return memoryview(buf if buf is not None else frame)
+
+
+def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError(R_TOO_LARGE, f"header of {len(raw)} bytes exceeds limit")
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_str_len=limits.max_str_len,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=max(limits.max_tensors, limits.max_ndim, 64),
+            max_map_len=max(limits.max_tensors, 64),
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise ProtocolError(R_HEADER, f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(R_HEADER, "header is not a map")
+    return header
+
+
+def _int(header: Mapping[str, Any], key: str) -> int:
+    v = header.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
+        raise ProtocolError(R_HEADER, f"header field {key!r} must be a non-negative int")
+    return v
+
+
+def _str(header: Mapping[str, Any], key: str) -> str:
+    v = header.get(key)
+    if not isinstance(v, str):
+        raise ProtocolError(R_HEADER, f"header field {key!r} must be a string")
+    return v
+
+
+def _shape(desc: Mapping[str, Any], limits: Limits) -> tuple[int, ...]:
+    shape = desc.get("shape")
+    if not isinstance(shape, list) or len(shape) > limits.max_ndim:
+        raise ProtocolError(R_SHAPE, f"shape must be a list of at most {limits.max_ndim} dims")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d >= 1 << 40:
+            raise ProtocolError(R_SHAPE, f"bad dimension {d!r} in shape")
+    return tuple(shape)
+
+
+def _dtype(name: Any, allowed: frozenset[str]) -> np.dtype:
+    if not isinstance(name, str) or name not in allowed:
+        raise ProtocolError(R_DTYPE, f"dtype {name!r} is not allowed")
+    return np.dtype(name).newbyteorder("<")
+
+
+def _view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Multipart frames -> Message, or ProtocolError with a reason code.
+
+    Dense tensors are read-only views on the received frames (no copy).
+    """
+    if len(frames) < 1:
+        raise ProtocolError(R_TRUNCATED, "empty message")
+    header = _unpack_header(_buffer(frames[0]), limits)
+    version = header.get("version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            R_VERSION, f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}"
+        )
+    mtype = _str(header, "type")
+    if mtype not in MSG_TYPES:
+        raise ProtocolError(R_TYPE, f"unknown message type {mtype[:64]!r}")
+    sender = _str(header, "sender")
+    seq = _int(header, "seq")
+    base_version = _int(header, "base_version")
+    body = header.get("body", {})
+    if not isinstance(body, dict):
+        raise ProtocolError(R_HEADER, "body must be a map")
+    descs = header.get("tensors", [])
+    if not isinstance(descs, list):
+        raise ProtocolError(R_HEADER, "tensors must be a list")
+    if len(descs) > limits.max_tensors:
+        raise ProtocolError(R_COUNT, f"{len(descs)} tensors exceed the limit {limits.max_tensors}")
+
+    # Pass 1: validate every descriptor and the frame sizes, allocate nothing.
+    plan: list[tuple[str, str, np.dtype, tuple[int, ...], int, np.dtype | None]] = []
+    needed = 1
+    total = 0
+    names: set[str] = set()
+    for desc in descs:
+        if not isinstance(desc, dict):
+            raise ProtocolError(R_HEADER, "tensor descriptor must be a map")
+        name = _str(desc, "name")
+        if name in names:
+            raise ProtocolError(R_NAME, f"duplicate tensor name {name!r}")
+        names.add(name)
+        encoding = desc.get("encoding")
+        if encoding not in ENCODINGS:
+            raise ProtocolError(R_HEADER, f"unknown encoding {encoding!r} for {name!r}")
+        dtype = _dtype(desc.get("dtype"), ALLOWED_DTYPES)
+        shape = _shape(desc, limits)
+        nbytes = _int(desc, "nbytes")
+        if encoding == DENSE:
+            expect = math.prod(shape) * dtype.itemsize
+            index_dtype = None
+            nnz = -1
+            needed += 1
+        else:
+            if len(shape) < 1:
+                raise ProtocolError(R_SHAPE, f"sparse tensor {name!r} needs a rank >= 1 shape")
+            nnz = _int(desc, "nnz")
+            index_dtype = _dtype(desc.get("index_dtype"), INDEX_DTYPES)
+            expect = nnz * math.prod(shape[1:]) * dtype.itemsize
+            total += nnz * index_dtype.itemsize
+            needed += 2
+        if nbytes != expect:
+            raise ProtocolError(
+                R_NBYTES, f"{name!r}: nbytes {nbytes} != {expect} implied by shape and dtype"
+            )
+        total += nbytes
+        if total > limits.max_total_bytes:
+            raise ProtocolError(
+                R_TOO_LARGE, f"payload exceeds the limit of {limits.max_total_bytes} bytes"
+            )
+        plan.append((name, encoding, dtype, shape, nnz, index_dtype))
+    if len(frames) != needed:
+        raise ProtocolError(R_TRUNCATED, f"{len(frames)} frames, the header describes {needed}")
+
+    # Pass 2: check each frame's length, then view it.
+    tensors: dict[str, Tensor] = {}
+    i = 1
+    for name, encoding, dtype, shape, nnz, index_dtype in plan:
+        if encoding == DENSE:
+            buf = _buffer(frames[i])
+            i += 1
+            if len(buf) != math.prod(shape) * dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: frame has {len(buf)} bytes")
+            tensors[name] = _view(buf, dtype, shape)
+        else:
+            assert index_dtype is not None
+            ibuf, vbuf = _buffer(frames[i]), _buffer(frames[i + 1])
+            i += 2
+            if len(ibuf) != nnz * index_dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: index frame has {len(ibuf)} bytes")
+            if len(vbuf) != nnz * math.prod(shape[1:]) * dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: value frame has {len(vbuf)} bytes")
+            indices = _view(ibuf, index_dtype, (nnz,))
+            if nnz and (int(indices.min()) < 0 or int(indices.max()) >= shape[0]):
+                raise ProtocolError(R_SHAPE, f"{name!r}: sparse index out of range")
+            values = _view(vbuf, dtype, (nnz, *shape[1:]))
+            tensors[name] = Sparse(indices, values, shape)
+    return Message(mtype, sender, seq, base_version, body, tensors)
