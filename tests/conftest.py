@@ -1,0 +1,168 @@
+"""Shared fixtures: start real server and worker processes on loopback, clean up after."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def env() -> dict[str, str]:
+    """Environment for spawned services: the tests dir importable (tiny_models)."""
+    path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+
+
+@dataclass
+class Service:
+    """A started process, its log, and (for servers) its bound ports."""
+
+    proc: subprocess.Popen
+    log: Path
+    info: dict[str, Any]
+
+    @property
+    def rep(self) -> str:
+        return f"tcp://127.0.0.1:{self.info['port']}"
+
+    @property
+    def status(self) -> str:
+        return f"tcp://127.0.0.1:{self.info['status_port']}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        """Exit code, waiting at most ``timeout`` seconds (raises on timeout)."""
+        return self.proc.wait(timeout=timeout)
+
+
+class Cluster:
+    """Starts services for one test and stops them all at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+        self.n = 0
+
+    def _spawn(
+        self, args: list[str], name: str, stdout: int | None = None
+    ) -> tuple[subprocess.Popen, Path]:
+        self.n += 1
+        log = self.tmp / f"{self.n:02d}-{name}.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *args],
+                stdout=stdout if stdout is not None else subprocess.DEVNULL,
+                stderr=err,
+                env=env(),
+                cwd=ROOT,
+            )
+        self.procs.append(proc)
+        return proc, log
+
+    def server(
+        self, *args: str, model: str = "tiny_models:tiny", port: int = 0, wait: bool = True
+    ) -> Service:
+        """Start ``downpour server`` on free ports; wait until it serves."""
+        from services.local import wait_ready
+
+        ready = self.tmp / f"ready-{self.n + 1}.json"
+        proc, log = self._spawn(
+            [
+                "server",
+                "--model",
+                model,
+                "--port",
+                str(port),
+                "--push-port",
+                "0",
+                "--status-port",
+                "0",
+                "--ready-file",
+                str(ready),
+                *args,
+            ],
+            "server",
+        )
+        info = wait_ready(proc, ready, 120.0, log) if wait else {}
+        return Service(proc, log, info)
+
+    def worker(
+        self, server_port: int, *args: str, model: str = "tiny_models:tiny", worker_id: str = "w"
+    ) -> Service:
+        """Start ``downpour worker`` against 127.0.0.1:server_port."""
+        proc, log = self._spawn(
+            [
+                "worker",
+                "--server",
+                f"127.0.0.1:{server_port}",
+                "--model",
+                model,
+                "--id",
+                worker_id,
+                "--log-every",
+                "0",
+                *args,
+            ],
+            f"worker-{worker_id}",
+            stdout=subprocess.PIPE,
+        )
+        return Service(proc, log, {})
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def summary(worker: Service) -> dict[str, Any]:
+    """The JSON summary line a finished worker printed on stdout."""
+    assert worker.proc.stdout is not None
+    for line in worker.proc.stdout.read().decode().splitlines():
+        if line.startswith('{"summary"'):
+            return json.loads(line)["summary"]
+    raise AssertionError(f"no summary from worker; log:\n{worker.log_text()}")
+
+
+def wait_until(predicate: Any, timeout: float, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds.
+
+    A bounded wait on an observable condition, never a guess at how long something takes.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)

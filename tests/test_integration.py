@@ -1,0 +1,244 @@
+"""Real processes, real sockets on 127.0.0.1: a server and workers train together."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import ROOT, Cluster, env, summary, wait_until
+from services.status import fetch_status
+from shared import protocol
+from shared.protocol import Message
+from shared.transport import ReqClient, make_context
+
+
+def pull_weights(endpoint: str) -> tuple[int, list[np.ndarray]]:
+    """(version, copies of every weight) straight from a server's REP socket."""
+    ctx = make_context()
+    client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
+    try:
+        reply = client.request(Message(protocol.PULL, "test-probe"))
+        return reply.base_version, [np.array(a) for a in reply.tensors.values()]
+    finally:
+        client.close()
+        ctx.term()
+
+
+def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> None:
+    from services.local import Evaluator
+
+    server = cluster.server(model="shared.models:deep_mnist")
+    workers = [
+        cluster.worker(
+            server.info["port"],
+            "--steps",
+            "40",
+            model="shared.models:deep_mnist",
+            worker_id=f"w{i}",
+        )
+        for i in range(2)
+    ]
+    evaluator = Evaluator("shared.models:deep_mnist", None)  # loads TF while the workers train
+    for w in workers:
+        assert w.wait(timeout=300) == 0, w.log_text()
+    sums = [summary(w) for w in workers]
+    assert [s["steps"] for s in sums] == [40, 40] and all(s["pushes"] == 40 for s in sums)
+
+    doc = fetch_status(server.status)
+    assert doc["version"] == doc["updates_applied"] == 80  # every push applied, none lost
+    assert set(doc["workers"]) == {"w0", "w1"}
+    for w in doc["workers"].values():
+        assert w["applied"] == 40 and w["state"] == "alive" and w["staleness"] is not None
+    assert doc["staleness"]["count"] == 80
+    assert doc["staleness"]["max"] >= 1  # two asynchronous workers: some updates are stale
+    assert doc["apply_traces"] == 1
+    assert doc["rejected_total"] == 0
+
+    version, acc = evaluator.score("127.0.0.1", server.info["port"])
+    assert version == 80
+    assert acc > 0.6, f"held-out accuracy {acc} is not well above chance (0.1)"
+
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--json", server.status],
+        capture_output=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
+    cli = json.loads(out.stdout)
+    for key in (
+        "version",
+        "updates_applied",
+        "updates_per_s",
+        "rejected",
+        "workers",
+        "staleness",
+        "loss",
+        "bytes_in",
+        "bytes_out",
+    ):
+        assert key in cli
+    assert set(cli["staleness"]) >= {"mean", "max", "buckets"}
+    assert cli["bytes_in"] >= 80 * 13_000_000  # 80 gradient lists of 13.1 MB came in
+
+
+def test_worker_with_another_model_is_refused(cluster: Cluster) -> None:
+    server = cluster.server(model="tiny_models:tiny")
+    w = cluster.worker(server.info["port"], "--steps", "5", model="tiny_models:tiny_other")
+    assert w.wait(timeout=120) == 3
+    log = w.log_text()
+    assert "fingerprint" in log and "--model" in log
+    doc = fetch_status(server.status)
+    assert doc["rejected"].get("fingerprint") == 1
+    assert doc["version"] == 0 and doc["workers"] == {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_worker_started_before_the_server_connects_when_it_comes_up(cluster: Cluster) -> None:
+    port = _free_port()
+    w = cluster.worker(port, "--steps", "20", "--request-timeout", "1", "--server-timeout", "120")
+    with pytest.raises(subprocess.TimeoutExpired):
+        w.wait(timeout=8)  # no server yet: the worker keeps trying instead of failing or hanging
+    server = cluster.server(port=port)
+    assert w.wait(timeout=120) == 0, w.log_text()
+    assert summary(w)["steps"] == 20
+    assert fetch_status(server.status)["version"] == 20
+
+
+def test_worker_gives_up_when_the_server_never_answers(cluster: Cluster) -> None:
+    # a REP socket that reads requests and never replies: the worst kind of server
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.ROUTER)
+    port = rep.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        w = cluster.worker(port, "--steps", "5", "--request-timeout", "1", "--server-timeout", "4")
+        assert w.wait(timeout=90) == 3
+        assert "did not answer" in w.log_text()
+    finally:
+        rep.close(0)
+        ctx.term()
+
+
+def test_bad_messages_are_rejected_counted_and_change_nothing(cluster: Cluster) -> None:
+    server = cluster.server()
+    version0, before = pull_weights(server.rep)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{server.info['push_port']}")
+    good = Message(
+        protocol.PUSH,
+        "attacker",
+        seq=1,
+        tensors={f"t{i}": np.zeros_like(a) for i, a in enumerate(before)},
+    )
+    valid = protocol.encode(
+        Message(
+            protocol.PUSH,
+            "attacker",
+            seq=5,
+            tensors={
+                n: np.zeros_like(a)
+                for n, a in zip(
+                    ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"],
+                    before,
+                    strict=True,
+                )
+            },
+        )
+    )
+    nan = [np.full_like(a, np.nan) for a in before]
+    bad = {
+        "bad_header": [b"\xc1garbage"],
+        "truncated": protocol.encode(good)[:-1],
+        "name": protocol.encode(good),
+        "nonfinite": protocol.encode(
+            Message(
+                protocol.PUSH,
+                "attacker",
+                seq=2,
+                tensors=dict(
+                    zip(
+                        ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"],
+                        nan,
+                        strict=True,
+                    )
+                ),
+            )
+        ),
+        "shape": protocol.encode(
+            Message(
+                protocol.PUSH,
+                "attacker",
+                seq=3,
+                tensors=dict(
+                    zip(
+                        ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"],
+                        [a.T.copy() if a.ndim == 2 else a for a in before],
+                        strict=True,
+                    )
+                ),
+            )
+        ),
+        "count": protocol.encode(
+            Message(protocol.PUSH, "attacker", seq=4, tensors={"hidden/kernel": before[0]})
+        ),
+    }
+    try:
+        for frames in bad.values():
+            push.send_multipart(frames)
+        push.send_multipart(
+            valid
+        )  # in order after the bad ones: when it is applied, they were seen
+        push.send_multipart(valid)  # the same seq again: a replay
+        client = ReqClient(ctx, server.rep, timeout_s=10, retries=0)
+        reply = protocol.decode(client.request_frames([b"not msgpack \xc1"]))
+        assert reply.type == protocol.ERROR and reply.body["code"] == "bad_header"
+        client.close()
+
+        def seen_all() -> dict | None:
+            doc = fetch_status(server.status)
+            return doc if doc["pushes_received"] >= 8 and doc["rejected_total"] >= 8 else None
+
+        doc = wait_until(seen_all, 30, "the server to process all eight pushes")
+        assert doc["rejected"].pop("bad_header") == 2  # one gradient message, one request
+        for reason in bad:
+            assert doc["rejected"].get(reason, 0) == (reason != "bad_header"), (
+                reason,
+                doc["rejected"],
+            )
+        assert doc["rejected"].get("duplicate") == 1
+        version1, after = pull_weights(server.rep)
+        # only the one valid zero gradient was applied; Adam's step on a zero gradient is zero
+        assert version1 == version0 + 1
+        for a, b in zip(before, after, strict=True):
+            assert np.array_equal(a, b)
+        assert server.proc.poll() is None  # still serving
+    finally:
+        push.close(0)
+        ctx.term()
+
+
+def test_sigterm_stops_server_and_worker_cleanly(cluster: Cluster) -> None:
+    server = cluster.server()
+    w = cluster.worker(server.info["port"], "--steps", "100000")
+    wait_until(lambda: fetch_status(server.status)["version"] > 3, 120, "the worker to push")
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=60) == 0
+    s = summary(w)
+    assert s["stopped_early"] and s["steps"] > 3
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=60) == 0
+    assert "stopped at version" in server.log_text()

@@ -1,0 +1,84 @@
+"""Small model plugins for tests: seconds to train, so process tests stay fast.
+
+Importable by spawned services through PYTHONPATH (the tests directory).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from shared.data import Dataset
+from shared.models import ModelSpec
+
+
+def blobs(seed: int = 7, n: int = 1200, dim: int = 16, classes: int = 4) -> Dataset:
+    """Gaussian blobs: linearly separable enough to learn in a few dozen steps."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0, 3, (classes, dim)).astype(np.float32)
+    y = rng.integers(0, classes, n).astype(np.int64)
+    x = (centers[y] + rng.normal(0, 1, (n, dim))).astype(np.float32)
+    cut = n * 4 // 5
+    return Dataset(x[:cut], y[:cut], x[cut:], y[cut:])
+
+
+def _mlp(hidden: int) -> keras.Model:
+    inp = keras.Input((16,), name="features")
+    h = keras.layers.Dense(hidden, activation="relu", name="hidden")(inp)
+    out = keras.layers.Dense(4, name="logits")(h)
+    return keras.Model(inp, out, name=f"mlp{hidden}")
+
+
+def tiny() -> ModelSpec:
+    """A 16-32-4 MLP on blobs."""
+    return ModelSpec(name="tiny", build=lambda: _mlp(32), load_data=lambda _d: blobs(), batch_size=32)
+
+
+def tiny_other() -> ModelSpec:
+    """Same problem, another hidden width: a different fingerprint."""
+    return ModelSpec(name="tiny_other", build=lambda: _mlp(48), load_data=lambda _d: blobs(), batch_size=32)
+
+
+class CountingLayer(keras.layers.Layer):
+    """Identity layer that counts how often its forward pass executes (not traces)."""
+
+    def build(self, input_shape: tuple) -> None:
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def call(self, x):  # noqa: ANN001, ANN201
+        self.calls.assign_add(1.0)
+        return x
+
+
+def counting() -> ModelSpec:
+    """An MLP whose forward passes are counted by a non-trainable variable."""
+
+    def build() -> keras.Model:
+        inp = keras.Input((16,), name="features")
+        h = CountingLayer(name="counter")(inp)
+        h = keras.layers.Dense(8, activation="relu", name="h1")(h)
+        h = keras.layers.Dense(8, activation="relu", name="h2")(h)
+        out = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inp, out, name="counting")
+
+    return ModelSpec(name="counting", build=build, load_data=lambda _d: blobs(), batch_size=32)
+
+
+def embedding() -> ModelSpec:
+    """A bag-of-tokens classifier whose Embedding gradient is row-sparse (IndexedSlices)."""
+    vocab = 5000
+
+    def build() -> keras.Model:
+        inp = keras.Input((6,), dtype="int32", name="tokens")
+        e = keras.layers.Embedding(vocab, 8, name="embed")(inp)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
+        out = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inp, out, name="embedding")
+
+    def data(_d: str | None) -> Dataset:
+        rng = np.random.default_rng(3)
+        y = rng.integers(0, 4, 600).astype(np.int64)
+        x = (rng.integers(0, 50, (600, 6)) + 50 * y[:, None]).astype(np.int32)
+        return Dataset(x[:500], y[:500], x[500:], y[500:])
+
+    return ModelSpec(name="embedding", build=build, load_data=data, batch_size=20)
