@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="send timeout of one push at the high-water mark",
     )
+    p.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="pull weights synchronously instead of overlapping the pull with computation",
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--log-level", default="INFO")
 
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         server_timeout_s=args.server_timeout,
         push_timeout_s=args.push_timeout,
+        prefetch=args.prefetch,
         log_every=args.log_every,
     )
     spec = load_spec(args.model)

@@ -11,8 +11,10 @@ with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -64,6 +66,7 @@ class WorkerConfig:
     push_timeout_s: float = 1.0
     push_hwm: int = 4
     push_linger_s: float = 5.0
+    prefetch: bool = True
     io_threads: int = 1
     log_every: int = 50
 
@@ -83,6 +86,56 @@ def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndar
         for i in range(0, n - batch_size + 1, batch_size):
             idx = np.sort(order[i : i + batch_size])
             yield data.x_train[idx], data.y_train[idx]
+
+
+class Fetcher:
+    """Weight pulls on a background thread with its own REQ socket.
+
+    The transfer of version V+1 overlaps the computation on version V; the worker installs
+    the result between steps, so a step never sees a mix of two versions.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.client = worker.new_client()
+        self._requests: queue.Queue[int | None] = queue.Queue(maxsize=1)
+        self._results: queue.Queue[Message | BaseException] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="fetcher", daemon=True)
+        self._thread.start()
+
+    def request(self, have: int) -> None:
+        """Start fetching weights newer than ``have``."""
+        self._requests.put_nowait(have)
+
+    def take(self) -> Message:
+        """The reply to the last request; waits at most the worker's server timeout."""
+        cfg = self.worker.config
+        bound = cfg.server_timeout_s + 2 * cfg.request_timeout_s + 5.0
+        try:
+            result = self._results.get(timeout=bound)
+        except queue.Empty:
+            raise WorkerError(f"no weights from the server within {bound:.0f} s") from None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _loop(self) -> None:
+        while (have := self._requests.get()) is not None:
+            try:
+                self._results.put(self.worker.call(self.client, self.worker.pull_message(have)))
+            except BaseException as exc:  # handed to the main thread by take()
+                self._results.put(exc)
+
+    def close(self) -> bool:
+        """Stop the thread after its current attempt (bounded by the request timeout; the
+        worker's stop flag ends its retries) and close its socket. False if it is stuck."""
+        with contextlib.suppress(queue.Full):
+            self._requests.put_nowait(None)
+        self._thread.join(timeout=self.worker.config.request_timeout_s + 1.0)
+        if self._thread.is_alive():
+            return False
+        self.client.close()
+        return True
 
 
 class Worker:
@@ -118,13 +171,8 @@ class Worker:
             "reconnects": 0,
         }
         self.ctx = make_context(config.io_threads)
-        self.req = ReqClient(
-            self.ctx,
-            tcp(config.host, config.port),
-            timeout_s=config.request_timeout_s,
-            retries=0,
-            max_msg_bytes=self.limits.max_total_bytes,
-        )
+        self.req = self.new_client()
+        self.fetcher: Fetcher | None = None
         self.push_sock: zmq.Socket | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -145,30 +193,45 @@ class Worker:
 
     def close(self) -> None:
         """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
+        self._stop.set()  # ends any retry loop still waiting on the server
+        clean = self.fetcher.close() if self.fetcher is not None else True
         self.req.close()
         if self.push_sock is not None:
             self.push_sock.close(linger=int(1000 * self.config.push_linger_s))
-        self.ctx.term()
+        if clean:
+            self.ctx.term()  # waits up to the push linger for queued gradients to leave
+        else:
+            self.ctx.destroy(linger=0)
 
     # ------------------------------------------------------------ server calls
 
-    def _call(self, msg: Message) -> Message:
+    def new_client(self) -> ReqClient:
+        """A REQ client for the server's REP port (one per thread)."""
+        return ReqClient(
+            self.ctx,
+            tcp(self.config.host, self.config.port),
+            timeout_s=self.config.request_timeout_s,
+            retries=0,
+            max_msg_bytes=self.limits.max_total_bytes,
+        )
+
+    def call(self, client: ReqClient, msg: Message) -> Message:
         """One request, retried with capped backoff until server_timeout_s; never hangs."""
         deadline = Deadline(self.config.server_timeout_s)
         delay = backoff_delays(0.1, 2.0)
         while True:
             try:
-                return self.req.request(msg, self.limits)
+                return client.request(msg, self.limits)
             except RequestTimeout:
                 if self._stop.is_set():
                     raise WorkerError("stopped while waiting for the server") from None
                 if deadline.expired():
                     raise WorkerError(
-                        f"server {self.req.endpoint} did not answer for "
+                        f"server {client.endpoint} did not answer for "
                         f"{self.config.server_timeout_s:.0f} s"
                     ) from None
                 self.stats["reconnects"] += 1
-                log.warning("server %s not answering; retrying", self.req.endpoint)
+                log.warning("server %s not answering; retrying", client.endpoint)
                 self._stop.wait(min(delay(), deadline.remaining()))
 
     def hello(self) -> None:
@@ -183,7 +246,7 @@ class Worker:
             },
         )
         try:
-            reply = self._call(msg)
+            reply = self.call(self.req, msg)
         except RemoteError as exc:
             raise WorkerError(f"server refused this worker: {exc.message}") from None
         push_port = int(reply.body["push_port"])
@@ -205,11 +268,12 @@ class Worker:
             self.spec.name,
         )
 
-    def pull(self) -> None:
-        """Fetch weights if the server has a newer version than ours."""
-        t0 = time.perf_counter()
-        body = {"have": self.version} if self.version >= 0 else {}
-        reply = self._call(Message(protocol.PULL, self.id, body=body))
+    def pull_message(self, have: int) -> Message:
+        """A pull request; ``have`` < 0 means this worker holds no weights yet."""
+        return Message(protocol.PULL, self.id, body={"have": have} if have >= 0 else {})
+
+    def install(self, reply: Message, started: float) -> None:
+        """Load the weights of a pull reply into the model, unless they are unchanged."""
         self.stats["pulls"] += 1
         if reply.body.get("unchanged"):
             self.stats["pulls_unchanged"] += 1
@@ -218,7 +282,17 @@ class Worker:
                 raise WorkerError("weights from the server do not match this model's variables")
             self.step_fn.set_weights(list(reply.tensors.values()))
             self.version = reply.base_version
-        self.stats["pull_ms"] = 1e3 * (time.perf_counter() - t0)
+        self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
+
+    def pull(self) -> None:
+        """Fetch weights if the server has a newer version than ours: synchronously, or by
+        taking what the background fetcher brought and starting the next fetch."""
+        t0 = time.perf_counter()
+        if self.fetcher is None:
+            self.install(self.call(self.req, self.pull_message(self.version)), t0)
+            return
+        self.install(self.fetcher.take(), t0)
+        self.fetcher.request(self.version)
 
     def push(
         self,
@@ -276,8 +350,12 @@ class Worker:
         base_version = 0
         step = 0
         self.hello()
+        self.install(self.call(self.req, self.pull_message(-1)), time.perf_counter())
+        if cfg.prefetch:
+            self.fetcher = Fetcher(self)
+            self.fetcher.request(self.version)
         while step < total and not self._stop.is_set():
-            if step % cfg.n_fetch == 0 or self.version < 0:
+            if step and step % cfg.n_fetch == 0:
                 self.pull()
             if acc.count == 0:
                 base_version = self.version  # the oldest weights in this accumulation

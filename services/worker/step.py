@@ -45,15 +45,21 @@ class GradientStep:
 
         self._compute = compute
 
+        @tf.function(input_signature=[tf.TensorSpec(v.shape, v.dtype) for v in self.variables])
+        def assign_all(*arrays: tf.Tensor) -> None:
+            for v, a in zip(self.variables, arrays, strict=True):
+                v.assign(a)
+
+        self._assign_all = assign_all
+
     def __call__(self, x: np.ndarray, y: np.ndarray) -> tuple[float, list[Tensor]]:
         """Loss as a float and the gradients as wire tensors, in variable order."""
         loss, grads = self._compute(x, y)
         return float(loss), [to_wire(g) for g in grads]
 
     def set_weights(self, arrays: list[np.ndarray]) -> None:
-        """Load pulled weights into the local model copy."""
-        for v, a in zip(self.variables, arrays, strict=True):
-            v.assign(a)
+        """Load pulled weights into the local model copy (one compiled call for all)."""
+        self._assign_all(*arrays)
 
 
 class Accumulator:
