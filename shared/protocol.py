@@ -32,10 +32,15 @@ Message types (REQ/REP unless noted)::
 
     hello    -> hello      worker announces protocol + model fingerprint; reply carries the
                            server version, gradient port, and the worker's last accepted seq
-    pull     -> weights    body {"have": V} when the sender holds version V (omitted when it
-                           holds none); reply base_version = current version with all tensors,
-                           or body {"unchanged": true} and no tensors when it is still V
+    pull     -> weights    body {"have": V, "incarnation": I} when the sender holds version V
+                           from server incarnation I (omitted when it holds none); reply
+                           base_version = current version with all tensors, or body
+                           {"unchanged": true} and no tensors when it is still V of I.
+                           Replies to hello and pull carry the server's "incarnation" (random
+                           per start), so versions from before a restart are never confused
     push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps"}
+    heartbeat -> heartbeat a worker that is otherwise silent says it is alive; body = its
+                           figures; reply base_version = current version
     status   -> status     body = metrics snapshot (status socket)
     any      -> error      body {"code": reason, "message": text}
 
@@ -60,8 +65,9 @@ PULL = "pull"
 WEIGHTS = "weights"
 PUSH = "push"
 STATUS = "status"
+HEARTBEAT = "heartbeat"
 ERROR = "error"
-MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, ERROR})
+MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, HEARTBEAT, ERROR})
 
 DENSE = "dense"
 SPARSE = "sparse"
@@ -175,7 +181,7 @@ class Message:
 
 
 def _dense_frame(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
     return a
@@ -247,8 +253,26 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 
 def _buffer(frame: Any) -> memoryview:
+    """A flat byte view of a frame (zmq.Frame, bytes, or an ndarray from encode)."""
     buf = getattr(frame, "buffer", None)  # zmq.Frame when received with copy=False
-    return memoryview(buf if buf is not None else frame)
+    mv = memoryview(buf if buf is not None else frame)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+def _check_plain(obj: Any, depth: int = 0) -> None:
+    """Header values must be str/int/float/bool/None, lists and str-keyed maps: no bytes."""
+    if depth > 32:
+        raise ProtocolError(R_HEADER, "header nests too deeply")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ProtocolError(R_HEADER, "header map keys must be strings")
+            _check_plain(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_plain(v, depth + 1)
+    elif not (obj is None or isinstance(obj, str | int | float | bool)):
+        raise ProtocolError(R_HEADER, f"{type(obj).__name__} is not allowed in a header")
 
 
 def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
@@ -272,6 +296,7 @@ def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
         raise ProtocolError(R_HEADER, f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(R_HEADER, "header is not a map")
+    _check_plain(header)
     return header
 
 
@@ -296,6 +321,9 @@ def _shape(desc: Mapping[str, Any], limits: Limits) -> tuple[int, ...]:
     for d in shape:
         if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d >= 1 << 40:
             raise ProtocolError(R_SHAPE, f"bad dimension {d!r} in shape")
+    # bounded even when a 0 dim makes the byte count 0: numpy cannot shape 2^39 x 2^39 x 0
+    if math.prod(max(d, 1) for d in shape) > limits.max_total_bytes:
+        raise ProtocolError(R_TOO_LARGE, f"shape {shape} exceeds the element limit")
     return tuple(shape)
 
 
@@ -306,7 +334,9 @@ def _dtype(name: Any, allowed: frozenset[str]) -> np.dtype:
 
 
 def _view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    a = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    a.flags.writeable = False  # a view on the received frame: nobody may change it
+    return a
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -318,7 +348,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(R_TRUNCATED, "empty message")
     header = _unpack_header(_buffer(frames[0]), limits)
     version = header.get("version")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             R_VERSION, f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}"
         )
@@ -350,7 +380,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             raise ProtocolError(R_NAME, f"duplicate tensor name {name!r}")
         names.add(name)
         encoding = desc.get("encoding")
-        if encoding not in ENCODINGS:
+        if not isinstance(encoding, str) or encoding not in ENCODINGS:
             raise ProtocolError(R_HEADER, f"unknown encoding {encoding!r} for {name!r}")
         dtype = _dtype(desc.get("dtype"), ALLOWED_DTYPES)
         shape = _shape(desc, limits)
@@ -388,17 +418,17 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         if encoding == DENSE:
             buf = _buffer(frames[i])
             i += 1
-            if len(buf) != math.prod(shape) * dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: frame has {len(buf)} bytes")
+            if buf.nbytes != math.prod(shape) * dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: frame has {buf.nbytes} bytes")
             tensors[name] = _view(buf, dtype, shape)
         else:
             assert index_dtype is not None
             ibuf, vbuf = _buffer(frames[i]), _buffer(frames[i + 1])
             i += 2
-            if len(ibuf) != nnz * index_dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: index frame has {len(ibuf)} bytes")
-            if len(vbuf) != nnz * math.prod(shape[1:]) * dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: value frame has {len(vbuf)} bytes")
+            if ibuf.nbytes != nnz * index_dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: index frame has {ibuf.nbytes} bytes")
+            if vbuf.nbytes != nnz * math.prod(shape[1:]) * dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: value frame has {vbuf.nbytes} bytes")
             indices = _view(ibuf, index_dtype, (nnz,))
             if nnz and (int(indices.min()) < 0 or int(indices.max()) >= shape[0]):
                 raise ProtocolError(R_SHAPE, f"{name!r}: sparse index out of range")
