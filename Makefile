@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 WORKERS ?= 2
 ARGS   ?=
 
-.PHONY: run-local test test-slow lint bench clean venv
+.PHONY: run-local test test-slow test-faults lint bench clean venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
 venv: $(VENV)/.stamp-base
 
 run-local: $(VENV)/.stamp-base
-	$(VENV)/bin/downpour run-local --workers $(WORKERS) $(ARGS)
+	$(VENV)/bin/downpour run-local --workers $(WORKERS) $(if $(filter 1,$(SECURE)),--secure) $(ARGS)
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -ra
@@ -34,9 +34,18 @@ test: $(VENV)/.stamp-test
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -ra -m slow
 
+# The long fault variants: slow-marked fault tests and 20,000 fuzz cases of the decoder.
+test-faults: $(VENV)/.stamp-test
+	DOWNPOUR_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q -ra -m "slow or not slow" \
+		tests/test_protocol.py tests/test_bad_input.py tests/test_faults.py tests/test_network.py
+
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check services shared tests
 	$(VENV)/bin/ruff format --check services shared tests
+
+# Side-by-side performance run; writes bench-results.json. QUICK=1: < 3 min, else < 15 min.
+bench: $(VENV)/.stamp-test
+	$(PY) tests/bench/bench.py $(if $(filter 1,$(QUICK)),--quick) --out bench-results.json
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache

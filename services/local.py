@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.status import fetch_status
+from shared import security
 from shared.transport import Deadline, tcp
 
 
@@ -43,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--eval-every", type=float, default=10.0, help="seconds between held-out evaluations"
     )
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of bars")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="generate CURVE keys into RUN_DIR/keys and encrypt + authenticate every socket",
+    )
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -89,14 +95,18 @@ class Evaluator:
         self.model = build_model(self.spec)
         self.names = [v.path for v in self.model.trainable_variables]
 
-    def score(self, host: str, port: int) -> tuple[int, float]:
+    def score(
+        self, host: str, port: int, keys: security.ClientKeys | None = None
+    ) -> tuple[int, float]:
         """(server version, held-out metric) with the server's current weights."""
         from shared import protocol
         from shared.models import evaluate
         from shared.transport import ReqClient, make_context
 
         ctx = make_context()
-        client = ReqClient(ctx, tcp(host, port), timeout_s=30.0, retries=1)
+        client = ReqClient(
+            ctx, tcp(host, port), timeout_s=30.0, retries=1, configure=security.curve_client(keys)
+        )
         try:
             reply = client.request(
                 protocol.Message(protocol.PULL, "run-local-eval"), protocol.DEFAULT_LIMITS
@@ -139,6 +149,16 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     ready_file = run_dir / "server.json"
     ready_file.unlink(missing_ok=True)
     server_log = run_dir / "server.log"
+    key_dir = run_dir / "keys"
+    status_keys = eval_keys = None
+    server_extra: list[str] = []
+    if args.secure:  # a worker key each, one for the evaluator, a reader key for status
+        names = [f"worker-{i}" for i in range(args.workers)]
+        security.generate_keys(key_dir, [*names, "run-local-eval"], ["run-local"])
+        server_extra = ["--keys", str(key_dir)]
+        server_pub = key_dir / security.SERVER_PUBLIC
+        status_keys = security.load_client_keys(_secret(key_dir, "run-local"), server_pub)
+        eval_keys = security.load_client_keys(_secret(key_dir, "run-local-eval"), server_pub)
     server = spawn(
         [
             "server",
@@ -156,6 +176,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             str(args.lr),
             "--ready-file",
             str(ready_file),
+            *server_extra,
         ],
         server_log,
     )
@@ -189,6 +210,9 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
         if args.data_dir:
             wargs += ["--data-dir", args.data_dir]
+        if args.secure:
+            wargs += ["--key", str(_secret(key_dir, f"worker-{i}"))]
+            wargs += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
         workers.append(spawn(wargs, run_dir / f"worker-{i}.log", stdout=subprocess.PIPE))
         procs.append(workers[-1])
     loader.join(timeout=300)
@@ -213,7 +237,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     while any(w.poll() is None for w in workers):
         if server.poll() is not None:
             raise RuntimeError(f"server exited with {server.returncode}; see {server_log}")
-        doc = fetch_status(status_ep, timeout_s=10.0)
+        doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
         row: dict[str, Any] = {
             "t": round(time.monotonic() - t_start, 2),
             "version": doc["version"],
@@ -230,7 +254,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
                 )
                 bars[wid].refresh()
         if time.monotonic() - last_eval >= args.eval_every:
-            row["version"], row["accuracy"] = evaluator.score(host, port)
+            row["version"], row["accuracy"] = evaluator.score(host, port, eval_keys)
             last_eval = time.monotonic()
             if args.no_progress:
                 print(
@@ -252,8 +276,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
                     f"worker-{i}: {s['steps']} steps, {s['steps_per_s']:.2f} steps/s, "
                     f"last loss {s['loss']:.4f}"
                 )
-    doc = fetch_status(status_ep, timeout_s=10.0)
-    version, acc = evaluator.score(host, port)
+    doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
+    version, acc = evaluator.score(host, port, eval_keys)
     history.append(
         {
             "t": round(time.monotonic() - t_start, 2),
@@ -281,6 +305,10 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         )
     print(f"held-out accuracy: {acc:.4f}", flush=True)
     return 1 if failed else 0
+
+
+def _secret(key_dir: Path, name: str) -> Path:
+    return key_dir / security.CLIENTS_DIR / f"{name}.key_secret"
 
 
 def _wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:

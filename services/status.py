@@ -11,13 +11,20 @@ from typing import Any
 
 from shared import protocol
 from shared.protocol import Message
+from shared.security import ClientKeys, curve_client
 from shared.transport import ReqClient, make_context
 
 
-def fetch_status(endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The status document of the server at ``endpoint`` (tcp://host:port)."""
+def fetch_status(
+    endpoint: str, timeout_s: float = 5.0, keys: ClientKeys | None = None
+) -> dict[str, Any]:
+    """The status document of the server at ``endpoint`` (tcp://host:port).
+
+    With ``keys`` the request goes over CURVE (a server started with --keys answers nothing
+    else: a refused key looks like a server that does not answer).
+    """
     ctx = make_context()
-    client = ReqClient(ctx, endpoint, timeout_s=timeout_s, retries=0)
+    client = ReqClient(ctx, endpoint, timeout_s=timeout_s, retries=0, configure=curve_client(keys))
     try:
         reply = client.request(Message(protocol.STATUS, "status-cli"))
         return reply.body
@@ -67,19 +74,26 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(
             f"{wid:<24} {w.get('state', '?'):<8} {w.get('steps', 0):>7} {w.get('applied', 0):>8} "
             f"{w.get('rejected', 0):>8} {_fmt(w.get('staleness')):>9} {_fmt(w.get('loss')):>8} "
-            f"{_fmt(w.get('steps_per_s'), 3):>8} {w.get('last_seen_s', 0):>8.1f}s"
+            f"{_fmt(w.get('reported', {}).get('steps_per_s'), 3):>8} "
+            f"{w.get('last_seen_s', 0):>8.1f}s"
         )
     return "\n".join(lines)
 
 
-def main(targets: list[str], as_json: bool, watch: float | None, timeout_s: float) -> int:
+def main(
+    targets: list[str],
+    as_json: bool,
+    watch: float | None,
+    timeout_s: float,
+    keys: ClientKeys | None = None,
+) -> int:
     """Print status for each target; with ``watch``, refresh every that many seconds."""
     while True:
         docs = {}
         for t in targets:
             ep = normalise_endpoint(t)
             try:
-                docs[ep] = fetch_status(ep, timeout_s)
+                docs[ep] = fetch_status(ep, timeout_s, keys)
             except Exception as exc:  # report every endpoint, then fail
                 docs[ep] = {"error": str(exc)}
         if as_json:

@@ -109,9 +109,16 @@ class ReqClient:
         timeout_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
         attempts = 1 + (self.retries if retries is None else retries)
         for attempt in range(attempts):
-            self.sock.send_multipart(frames, copy=False)
-            if self.sock.poll(timeout_ms, zmq.POLLIN):
-                return self.sock.recv_multipart(copy=False)
+            # A REQ socket whose connection failed its handshake (e.g. a CURVE server refused
+            # our key) has no pipe to queue into, and a send would wait forever: bound it too.
+            self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            try:
+                self.sock.send_multipart(frames, copy=False)
+            except zmq.Again:
+                pass  # counts as no reply: recreate the socket and try again
+            else:
+                if self.sock.poll(timeout_ms, zmq.POLLIN):
+                    return self.sock.recv_multipart(copy=False)
             log.debug("no reply from %s (attempt %d/%d)", self.endpoint, attempt + 1, attempts)
             self._reset()
         raise RequestTimeout(f"no reply from {self.endpoint} after {attempts} attempt(s)")

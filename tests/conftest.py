@@ -34,11 +34,11 @@ class Service:
 
     @property
     def rep(self) -> str:
-        return f"tcp://127.0.0.1:{self.info['port']}"
+        return f"tcp://{self.info.get('host', '127.0.0.1')}:{self.info['port']}"
 
     @property
     def status(self) -> str:
-        return f"tcp://127.0.0.1:{self.info['status_port']}"
+        return f"tcp://{self.info.get('host', '127.0.0.1')}:{self.info['status_port']}"
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -57,13 +57,17 @@ class Cluster:
         self.n = 0
 
     def _spawn(
-        self, args: list[str], name: str, stdout: int | None = None
+        self,
+        args: list[str],
+        name: str,
+        stdout: int | None = None,
+        prefix: list[str] | None = None,
     ) -> tuple[subprocess.Popen, Path]:
         self.n += 1
         log = self.tmp / f"{self.n:02d}-{name}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *args],
+                [*(prefix or []), sys.executable, "-m", "services.cli", *args],
                 stdout=stdout if stdout is not None else subprocess.DEVNULL,
                 stderr=err,
                 env=env(),
@@ -73,9 +77,17 @@ class Cluster:
         return proc, log
 
     def server(
-        self, *args: str, model: str = "tiny_models:tiny", port: int = 0, wait: bool = True
+        self,
+        *args: str,
+        model: str = "tiny_models:tiny",
+        port: int = 0,
+        wait: bool = True,
+        prefix: list[str] | None = None,
     ) -> Service:
-        """Start ``downpour server`` on free ports; wait until it serves."""
+        """Start ``downpour server`` on free ports; wait until it serves.
+
+        ``prefix`` runs it elsewhere, e.g. ``ip netns exec NS`` (then pass --host and
+        --insecure in ``args``)."""
         from services.local import wait_ready
 
         ready = self.tmp / f"ready-{self.n + 1}.json"
@@ -95,19 +107,26 @@ class Cluster:
                 *args,
             ],
             "server",
+            prefix=prefix,
         )
         info = wait_ready(proc, ready, 120.0, log) if wait else {}
         return Service(proc, log, info)
 
     def worker(
-        self, server_port: int, *args: str, model: str = "tiny_models:tiny", worker_id: str = "w"
+        self,
+        server_port: int,
+        *args: str,
+        model: str = "tiny_models:tiny",
+        worker_id: str = "w",
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
     ) -> Service:
-        """Start ``downpour worker`` against 127.0.0.1:server_port."""
+        """Start ``downpour worker`` against host:server_port (``prefix`` as for server)."""
         proc, log = self._spawn(
             [
                 "worker",
                 "--server",
-                f"127.0.0.1:{server_port}",
+                f"{host}:{server_port}",
                 "--model",
                 model,
                 "--id",
@@ -118,6 +137,7 @@ class Cluster:
             ],
             f"worker-{worker_id}",
             stdout=subprocess.PIPE,
+            prefix=prefix,
         )
         return Service(proc, log, {})
 

@@ -31,12 +31,16 @@ def _mlp(hidden: int) -> keras.Model:
 
 def tiny() -> ModelSpec:
     """A 16-32-4 MLP on blobs."""
-    return ModelSpec(name="tiny", build=lambda: _mlp(32), load_data=lambda _d: blobs(), batch_size=32)
+    return ModelSpec(
+        name="tiny", build=lambda: _mlp(32), load_data=lambda _d: blobs(), batch_size=32
+    )
 
 
 def tiny_other() -> ModelSpec:
     """Same problem, another hidden width: a different fingerprint."""
-    return ModelSpec(name="tiny_other", build=lambda: _mlp(48), load_data=lambda _d: blobs(), batch_size=32)
+    return ModelSpec(
+        name="tiny_other", build=lambda: _mlp(48), load_data=lambda _d: blobs(), batch_size=32
+    )
 
 
 class CountingLayer(keras.layers.Layer):
@@ -82,3 +86,16 @@ def embedding() -> ModelSpec:
         return Dataset(x[:500], y[:500], x[500:], y[500:])
 
     return ModelSpec(name="embedding", build=build, load_data=data, batch_size=20)
+
+
+def wide() -> ModelSpec:
+    """Cheap to compute, 8.5 MB to send: makes pushes long enough to be caught mid-flight."""
+
+    def build() -> keras.Model:
+        inp = keras.Input((16,), name="features")
+        h = keras.layers.Dense(2048, activation="relu", name="h1")(inp)
+        h = keras.layers.Dense(1024, activation="relu", name="h2")(h)
+        out = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inp, out, name="wide")
+
+    return ModelSpec(name="wide", build=build, load_data=lambda _d: blobs(), batch_size=32)

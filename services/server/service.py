@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,11 @@ from typing import Any
 import numpy as np
 import zmq
 
+from services.server.checkpoint import CheckpointStore, CheckpointWriter, capture
+from services.server.checkpoint import restore as restore_checkpoint
 from services.server.state import ParameterState
-from shared import protocol
+from shared import protocol, security
+from shared.logs import RateLimitedLog
 from shared.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter
 from shared.models import ModelSpec
 from shared.protocol import Message, ProtocolError
@@ -51,6 +56,11 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     io_threads: int = 2
     publish_interval_s: float = 0.2
+    state_dir: str | None = None
+    checkpoint_every: int = 500  # updates between checkpoints (0 = never by count)
+    checkpoint_secs: float = 60.0  # seconds between checkpoints (0 = never by time)
+    keep_checkpoints: int = 3
+    keys: security.ServerKeys | None = None  # CURVE on every socket when set (--keys)
 
 
 @dataclass
@@ -80,26 +90,6 @@ def all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
-class RateLimitedLog:
-    """Logs a warning once per key per interval, then how many were suppressed."""
-
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
-        self.last: dict[str, float] = {}
-        self.suppressed: dict[str, int] = {}
-
-    def warning(self, key: str, msg: str, *args: Any) -> None:
-        """Log now if this key has been quiet for the interval, else count it."""
-        now = time.monotonic()
-        if now - self.last.get(key, -1e9) >= self.interval_s:
-            n = self.suppressed.pop(key, 0)
-            suffix = f" (+{n} more since last report)" if n else ""
-            log.warning(msg + suffix, *args)
-            self.last[key] = now
-        else:
-            self.suppressed[key] = self.suppressed.get(key, 0) + 1
-
-
 class Server:
     """A parameter server for one model. ``run()`` blocks until ``stop()`` or SIGTERM/SIGINT."""
 
@@ -107,6 +97,17 @@ class Server:
         self.spec = spec
         self.config = config
         self.state = ParameterState(spec, config.optimizer, config.learning_rate, config.seed)
+        self.incarnation = secrets.token_hex(8)
+        self.restored_seqs: dict[str, int] = {}
+        self.restored_from: int | None = None
+        self.checkpoints: CheckpointWriter | None = None
+        if config.state_dir:
+            self.checkpoints = CheckpointWriter(
+                CheckpointStore(config.state_dir, config.keep_checkpoints, _test_write_hook()),
+                config.checkpoint_every,
+                config.checkpoint_secs,
+            )
+            self._restore()
         self.limits = protocol.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
         self.workers: dict[str, WorkerRecord] = {}
         self.rejected = ReasonCounter()
@@ -129,7 +130,7 @@ class Server:
         self._stop = threading.Event()
         self._published: dict[str, Any] = {}
         self._last_publish = 0.0
-        self._warn = RateLimitedLog()
+        self._warn = RateLimitedLog(log)
         self.ctx = make_context(config.io_threads)
         self.rep = self.ctx.socket(zmq.REP)
         self.pull = self.ctx.socket(zmq.PULL)
@@ -140,6 +141,21 @@ class Server:
         self.pull.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
         self.rep.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self.status_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        self.auth: security.Authenticator | None = None
+        if config.keys is not None:  # CURVE + ZAP on every socket, enforced before any bind
+            self.auth = security.Authenticator(self.ctx, config.keys)
+            for sock, domain, label in (
+                (self.rep, security.TRAINING_DOMAIN, "rep"),
+                (self.pull, security.TRAINING_DOMAIN, "push"),
+                (self.status_sock, security.STATUS_DOMAIN, "status"),
+            ):
+                security.configure_curve_server(sock, config.keys, domain)
+                self.auth.watch(sock, label)
+            try:
+                self.auth.start()  # raises SecurityError: the server refuses to start
+            except security.SecurityError:
+                self.ctx.destroy(linger=0)
+                raise
         self.port = bind(self.rep, config.host, config.port)
         self.push_port = bind(self.pull, config.host, config.push_port)
         self.status_port = bind(self.status_sock, config.host, config.status_port)
@@ -147,6 +163,36 @@ class Server:
         self._status_thread = threading.Thread(
             target=self._serve_status, name="status", daemon=True
         )
+
+    # ------------------------------------------------------------ durability
+
+    def _restore(self) -> None:
+        assert self.checkpoints is not None
+        store = self.checkpoints.store
+        store.clean_leftovers()
+        ckpt = store.latest()
+        if ckpt is None:
+            log.info("no checkpoint in %s: starting from fresh weights", store.dir)
+            return
+        restore_checkpoint(self.state, ckpt)
+        self.restored_seqs = {str(k): int(v) for k, v in ckpt.meta.get("workers", {}).items()}
+        self.restored_from = ckpt.version
+        log.info("restored version %d from %s", ckpt.version, ckpt.path)
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        seqs = dict(self.restored_seqs)
+        seqs.update({wid: r.last_seq for wid, r in self.workers.items()})
+        return {"fingerprint": self.state.fingerprint, "model": self.spec.name, "workers": seqs}
+
+    def _maybe_checkpoint(self, final: bool = False) -> None:
+        cp = self.checkpoints
+        if cp is None or not (final or cp.due(self.state.version)):
+            return
+        arrays = capture(self.state)
+        if final:
+            cp.write_now(self.state.version, arrays, self._checkpoint_meta())
+        else:
+            cp.submit(self.state.version, arrays, self._checkpoint_meta())
 
     # ------------------------------------------------------------ lifecycle
 
@@ -183,6 +229,8 @@ class Server:
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        if (auth := self.auth) is not None:  # SIGHUP: re-read the allow-lists (key rotation)
+            signal.signal(signal.SIGHUP, lambda _signum, _frame: auth.request_reload())
 
     def run(self) -> None:
         """Serve until stopped; then apply what has been received and close the sockets."""
@@ -209,8 +257,10 @@ class Server:
                     self._serve_rep_once()
                 if self.pull in events:
                     self._drain_pushes(max_messages=16)
+                self._maybe_checkpoint()
                 self._publish()
             self._drain_pushes(deadline=time.monotonic() + self.config.drain_timeout_s)
+            self._maybe_checkpoint(final=True)
         finally:
             self._publish(force=True)
             log.info(
@@ -224,10 +274,14 @@ class Server:
     def close(self) -> None:
         """Close sockets and the context (idempotent)."""
         self._stop.set()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if self._status_thread.is_alive():
             self._status_thread.join(timeout=2.0)
         for s in (self.rep, self.pull, self.status_sock):
             s.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()  # closes its sockets, or ctx.term() would wait for them
         self.ctx.term()
 
     # ------------------------------------------------------------ gradients
@@ -248,7 +302,9 @@ class Server:
         now = time.monotonic()
         rec = self.workers.get(worker_id)
         if rec is None:
-            rec = self.workers[worker_id] = WorkerRecord(first_seen=now, last_seen=now)
+            rec = self.workers[worker_id] = WorkerRecord(
+                first_seen=now, last_seen=now, last_seq=self.restored_seqs.get(worker_id, 0)
+            )
             log.info("worker %s joined", worker_id)
         rec.last_seen = now
         return rec
@@ -283,6 +339,15 @@ class Server:
             grads.append(t.to_dense() if isinstance(t, protocol.Sparse) else t)
         return grads
 
+    def _check_identity(self, user: str | None, claimed: str) -> None:
+        """With CURVE, a worker may only speak as the name of its key (ZAP User-Id)."""
+        if user != claimed:
+            assert self.auth is not None
+            self.auth.deny(security.R_IDENTITY, f"key {user!r} claimed to be {claimed!r}")
+            raise ProtocolError(
+                security.R_IDENTITY, f"sender {claimed!r} but the message came with {user!r}'s key"
+            )
+
     def _handle_push(self, frames: list[zmq.Frame]) -> None:
         self.counters["pushes_received"] += 1
         self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -294,6 +359,9 @@ class Server:
                 raise ProtocolError(
                     protocol.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket"
                 )
+            if self.auth is not None:  # CURVE: count against the key's owner; bind the id
+                sender = security.user_id(frames[0])
+                self._check_identity(sender, msg.sender)
             rec = self._worker(msg.sender)
             rec.pushes += 1
             grads = self._gradients(msg)
@@ -353,10 +421,14 @@ class Server:
 
     def _answer(self, frames: list[zmq.Frame]) -> Message:
         msg = protocol.decode(frames, protocol.DEFAULT_LIMITS)
+        if self.auth is not None:  # CURVE: a request speaks only as its key's name
+            self._check_identity(security.user_id(frames[0]), msg.sender)
         if msg.type == protocol.HELLO:
             return self._hello(msg)
         if msg.type == protocol.PULL:
             return self._pull(msg)
+        if msg.type == protocol.HEARTBEAT:
+            return self._heartbeat(msg)
         raise ProtocolError(protocol.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
 
     def _hello(self, msg: Message) -> Message:
@@ -388,7 +460,20 @@ class Server:
                 "model": self.spec.name,
                 "last_seq": rec.last_seq,
                 "payload_bytes": self.state.payload_bytes,
+                "incarnation": self.incarnation,
             },
+        )
+
+    def _heartbeat(self, msg: Message) -> Message:
+        rec = self._worker(msg.sender)
+        stats = msg.body.get("stats")
+        if isinstance(stats, dict):
+            rec.reported = {k: v for k, v in stats.items() if isinstance(v, int | float)}
+        return Message(
+            protocol.HEARTBEAT,
+            "server",
+            base_version=self.state.version,
+            body={"incarnation": self.incarnation},
         )
 
     def _pull(self, msg: Message) -> Message:
@@ -398,15 +483,17 @@ class Server:
             rec.pulls += 1
             rec.last_seen = time.monotonic()
         version, arrays = self.state.weights()
-        if msg.body.get("have") == version:
+        body: dict[str, Any] = {"incarnation": self.incarnation}
+        if msg.body.get("have") == version and msg.body.get("incarnation") == self.incarnation:
             self.counters["pulls_unchanged"] += 1
             return Message(
-                protocol.WEIGHTS, "server", base_version=version, body={"unchanged": True}
+                protocol.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
             )
         return Message(
             protocol.WEIGHTS,
             "server",
             base_version=version,
+            body=body,
             tensors=dict(zip(self.state.names, arrays, strict=True)),
         )
 
@@ -435,7 +522,7 @@ class Server:
                 "steps": r.steps,
                 "loss": r.loss,
                 "staleness": r.staleness,
-                **r.reported,
+                "reported": dict(r.reported),
             }
             for wid, r in self.workers.items()
         }
@@ -455,7 +542,11 @@ class Server:
             "staleness": self.staleness.snapshot(),
             "rejected": dict(self.rejected),
             "rejected_total": self.rejected.total(),
+            **security.status_fields(self.auth),
             "workers": workers,
+            "incarnation": self.incarnation,
+            "restored_from": self.restored_from,
+            "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None,
             **self.counters,
         }
 
@@ -483,6 +574,15 @@ class Server:
                 self.counters["status_rejected"] += 1  # only this thread writes it
                 reply = protocol.error_message(exc.code, exc.message)
             sock.send_multipart(protocol.encode(reply))
+
+
+def _test_write_hook() -> Callable[[Path], None] | None:
+    """Fault tests only: DOWNPOUR_TEST_CHECKPOINT_DELAY_S slows every checkpoint write by that
+    many seconds, just before the rename, so a test can kill the server mid-write."""
+    delay = float(os.environ.get("DOWNPOUR_TEST_CHECKPOINT_DELAY_S", "0") or 0)
+    if delay <= 0:
+        return None
+    return lambda _tmp: time.sleep(delay)
 
 
 def is_loopback(host: str) -> bool:

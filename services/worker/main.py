@@ -48,6 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="pull weights synchronously instead of overlapping the pull with computation",
     )
+    p.add_argument(
+        "--heartbeat", type=float, default=2.0, help="seconds of silence before a heartbeat"
+    )
+    p.add_argument(
+        "--key",
+        metavar="FILE",
+        help="this worker's CURVE secret key (clients/NAME.key_secret from downpour keygen); "
+        "the default --id is its NAME",
+    )
+    p.add_argument(
+        "--server-key", metavar="FILE", help="the server's CURVE public key (server.key)"
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--log-level", default="INFO")
 
@@ -67,6 +79,22 @@ def run(args: argparse.Namespace) -> int:
     if args.n_fetch < 1 or args.n_push < 1:
         log.error("--n-fetch and --n-push must be >= 1")
         return 2
+    from shared.security import SecurityError, client_keys_from_args
+
+    try:  # before TensorFlow is imported: bad keys fail at once
+        keys = client_keys_from_args(args.key, args.server_key)
+    except SecurityError as exc:
+        log.error("refusing to start: %s", exc)
+        return 2
+    if keys is not None and not args.id:
+        args.id = keys.keypair.name  # the server binds pushes to the key's name
+    elif keys is not None and args.id != keys.keypair.name:
+        log.warning(
+            "--id %s differs from the key's name %s: the server refuses a worker id that is "
+            "not the name its key is listed under",
+            args.id,
+            keys.keypair.name,
+        )
     from services.worker.service import Worker, WorkerConfig, WorkerError
     from shared.models import load_spec
 
@@ -84,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
         server_timeout_s=args.server_timeout,
         push_timeout_s=args.push_timeout,
         prefetch=args.prefetch,
+        heartbeat_s=args.heartbeat,
         log_every=args.log_every,
+        keys=keys,
     )
     spec = load_spec(args.model)
     worker = Worker(spec, config, spec.load_data(args.data_dir))

@@ -28,8 +28,9 @@ import numpy as np
 import zmq
 
 from services.worker.step import Accumulator, GradientStep
-from shared import protocol
+from shared import protocol, security
 from shared.data import Dataset
+from shared.logs import RateLimitedLog
 from shared.models import ModelSpec, build_model, fingerprint
 from shared.protocol import Message
 from shared.transport import (
@@ -65,10 +66,12 @@ class WorkerConfig:
     server_timeout_s: float = 120.0
     push_timeout_s: float = 1.0
     push_hwm: int = 4
-    push_linger_s: float = 5.0
+    push_linger_s: float = 30.0
     prefetch: bool = True
+    heartbeat_s: float = 2.0
     io_threads: int = 1
     log_every: int = 50
+    keys: security.ClientKeys | None = None  # CURVE on every socket when set (--key)
 
     def resolved_id(self) -> str:
         """The configured id, or hostname-pid."""
@@ -89,10 +92,12 @@ def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndar
 
 
 class Fetcher:
-    """Weight pulls on a background thread with its own REQ socket.
+    """Weight pulls and heartbeats on a background thread with its own REQ socket.
 
     The transfer of version V+1 overlaps the computation on version V; the worker installs
-    the result between steps, so a step never sees a mix of two versions.
+    the result between steps, so a step never sees a mix of two versions. When the worker has
+    said nothing to the server for ``heartbeat_s`` (a long step, a large n_fetch), the thread
+    sends a heartbeat so the server does not mistake a busy worker for a missing one.
     """
 
     def __init__(self, worker: Worker) -> None:
@@ -120,11 +125,30 @@ class Fetcher:
         return result
 
     def _loop(self) -> None:
-        while (have := self._requests.get()) is not None:
+        w = self.worker
+        while True:
             try:
-                self._results.put(self.worker.call(self.client, self.worker.pull_message(have)))
+                have = self._requests.get(timeout=w.config.heartbeat_s)
+            except queue.Empty:
+                self._heartbeat()
+                continue
+            if have is None:
+                return
+            try:
+                self._results.put(w.call(self.client, w.pull_message(have)))
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
+
+    def _heartbeat(self) -> None:
+        w = self.worker
+        if time.monotonic() - w.last_contact < w.config.heartbeat_s or w.stopping():
+            return
+        msg = Message(protocol.HEARTBEAT, w.id, body={"stats": dict(w.stats)})
+        try:
+            self.client.request(msg, w.limits, retries=0)
+            w.last_contact = time.monotonic()
+        except (RequestTimeout, RemoteError, protocol.ProtocolError) as exc:
+            log.debug("heartbeat failed: %s", exc)
 
     def close(self) -> bool:
         """Stop the thread after its current attempt (bounded by the request timeout; the
@@ -159,6 +183,7 @@ class Worker:
         self.seq = 0
         self.push_port: int | None = None
         self._stop = threading.Event()
+        self._warn = RateLimitedLog(log)
         self.stats: dict[str, float] = {
             "compute_ms": 0.0,
             "push_ms": 0.0,
@@ -169,10 +194,14 @@ class Worker:
             "pulls_unchanged": 0,
             "pushes": 0,
             "reconnects": 0,
+            "steps_per_s": 0.0,
+            "dropped": 0,
         }
         self.ctx = make_context(config.io_threads)
         self.req = self.new_client()
         self.fetcher: Fetcher | None = None
+        self.incarnation: str | None = None
+        self.last_contact = time.monotonic()
         self.push_sock: zmq.Socket | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -180,6 +209,10 @@ class Worker:
     def stop(self) -> None:
         """Finish the current step, then return from run()."""
         self._stop.set()
+
+    def stopping(self) -> bool:
+        """True once stop() was called."""
+        return self._stop.is_set()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the worker cleanly (main thread only)."""
@@ -213,6 +246,7 @@ class Worker:
             timeout_s=self.config.request_timeout_s,
             retries=0,
             max_msg_bytes=self.limits.max_total_bytes,
+            configure=security.curve_client(self.config.keys),  # CURVE survives a recreate
         )
 
     def call(self, client: ReqClient, msg: Message) -> Message:
@@ -221,7 +255,9 @@ class Worker:
         delay = backoff_delays(0.1, 2.0)
         while True:
             try:
-                return client.request(msg, self.limits)
+                reply = client.request(msg, self.limits)
+                self.last_contact = time.monotonic()
+                return reply
             except RequestTimeout:
                 if self._stop.is_set():
                     raise WorkerError("stopped while waiting for the server") from None
@@ -249,6 +285,7 @@ class Worker:
             reply = self.call(self.req, msg)
         except RemoteError as exc:
             raise WorkerError(f"server refused this worker: {exc.message}") from None
+        self._note_incarnation(reply)
         push_port = int(reply.body["push_port"])
         self.seq = max(self.seq, int(reply.body.get("last_seq", 0)))
         if push_port != self.push_port:
@@ -258,6 +295,8 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.config.push_hwm)
             sock.setsockopt(zmq.SNDTIMEO, int(1000 * self.config.push_timeout_s))
+            if self.config.keys is not None:
+                security.configure_curve_client(sock, self.config.keys)
             sock.connect(tcp(self.config.host, push_port))
             self.push_sock, self.push_port = sock, push_port
         log.info(
@@ -270,11 +309,13 @@ class Worker:
 
     def pull_message(self, have: int) -> Message:
         """A pull request; ``have`` < 0 means this worker holds no weights yet."""
-        return Message(protocol.PULL, self.id, body={"have": have} if have >= 0 else {})
+        body = {"have": have, "incarnation": self.incarnation} if have >= 0 else {}
+        return Message(protocol.PULL, self.id, body=body)
 
     def install(self, reply: Message, started: float) -> None:
         """Load the weights of a pull reply into the model, unless they are unchanged."""
         self.stats["pulls"] += 1
+        self._note_incarnation(reply)
         if reply.body.get("unchanged"):
             self.stats["pulls_unchanged"] += 1
         else:
@@ -284,11 +325,17 @@ class Worker:
             self.version = reply.base_version
         self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
 
+    def _note_incarnation(self, reply: Message) -> None:
+        inc = reply.body.get("incarnation")
+        if self.incarnation is not None and inc != self.incarnation:
+            log.warning("server restarted (now at version %d); continuing", reply.base_version)
+        self.incarnation = inc
+
     def pull(self) -> None:
         """Fetch weights if the server has a newer version than ours: synchronously, or by
         taking what the background fetcher brought and starting the next fetch."""
         t0 = time.perf_counter()
-        if self.fetcher is None:
+        if self.fetcher is None or not self.config.prefetch:
             self.install(self.call(self.req, self.pull_message(self.version)), t0)
             return
         self.install(self.fetcher.take(), t0)
@@ -322,8 +369,14 @@ class Worker:
                 break
             except zmq.Again:
                 self.stats["backpressure"] += 1
-                log.warning("push blocked at the high-water mark (server slow or away)")
-                if deadline.expired() or self._stop.is_set():
+                self._warn.warning(
+                    "backpressure", "push blocked at the high-water mark (server slow or away)"
+                )
+                if self._stop.is_set():  # a planned stop: this gradient is dropped, and counted
+                    self.stats["dropped"] += 1
+                    log.info("stopping: dropped one unsent gradient (seq %d)", self.seq)
+                    return
+                if deadline.expired():
                     raise WorkerError("could not push gradients: server not taking them") from None
         self.stats["pushes"] += 1
         self.stats["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
@@ -351,8 +404,8 @@ class Worker:
         step = 0
         self.hello()
         self.install(self.call(self.req, self.pull_message(-1)), time.perf_counter())
+        self.fetcher = Fetcher(self)
         if cfg.prefetch:
-            self.fetcher = Fetcher(self)
             self.fetcher.request(self.version)
         while step < total and not self._stop.is_set():
             if step and step % cfg.n_fetch == 0:
@@ -390,6 +443,8 @@ class Worker:
             "pulls_unchanged": int(self.stats["pulls_unchanged"]),
             "backpressure": int(self.stats["backpressure"]),
             "reconnects": int(self.stats["reconnects"]),
+            "dropped": int(self.stats["dropped"]),
+            "last_seq": self.seq,
             "stopped_early": step < total,
         }
         return summary

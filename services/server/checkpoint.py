@@ -1,0 +1,260 @@
+"""Checkpoints of the server's whole training state, written atomically, the last K kept.
+
+A checkpoint is one file ``ckpt-<version, 12 digits>.npz`` in the state directory: an
+uncompressed numpy archive (loaded with ``allow_pickle=False``) holding every model variable
+and every optimizer variable by path, plus ``__meta__``, a JSON document (format, version,
+fingerprint, each worker's last accepted sequence number, time). It is written to
+``<name>.tmp-<pid>``, fsynced, renamed into place and the directory fsynced, so a crash at any
+moment leaves either the old set of checkpoints or the old set plus the new one; ``*.tmp-*``
+leftovers are removed at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("downpour.server")
+
+FORMAT = 1
+META_KEY = "__meta__"
+_NAME = re.compile(r"^ckpt-(\d{12})\.npz$")
+
+
+@dataclass
+class Checkpoint:
+    """One loaded checkpoint."""
+
+    path: Path
+    version: int
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    """Reads and writes checkpoints in one state directory.
+
+    ``write_hook`` exists for fault tests only: it is called after the arrays are written and
+    before the file is renamed into place, so a test can kill the process at that moment.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], keep: int = 3,
+        write_hook: Callable[[Path], None] | None = None,
+    ) -> None:  # fmt: skip
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.write_hook = write_hook
+
+    def list(self) -> list[tuple[int, Path]]:
+        """(version, path) of complete checkpoints, oldest first."""
+        found = []
+        for p in self.dir.iterdir():
+            m = _NAME.match(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def clean_leftovers(self) -> list[Path]:
+        """Remove partial files a crash left behind; return what was removed."""
+        removed = []
+        for p in self.dir.iterdir():
+            if ".npz.tmp-" in p.name:
+                p.unlink(missing_ok=True)
+                removed.append(p)
+        if removed:
+            log.warning("removed %d partial checkpoint file(s) left by a crash", len(removed))
+        return removed
+
+    def write(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
+        """Write one checkpoint atomically, then prune to the newest ``keep``."""
+        final = self.dir / f"ckpt-{version:012d}.npz"
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+        doc = {"format": FORMAT, "version": version, "written_at": time.time(), **meta}
+        payload = dict(arrays)
+        payload[META_KEY] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
+        with open(tmp, "wb") as f:
+            np.savez(f, **payload)
+            f.flush()
+            if self.write_hook is not None:
+                self.write_hook(tmp)
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints."""
+        for _, p in self.list()[: -self.keep]:
+            p.unlink(missing_ok=True)
+
+    @staticmethod
+    def read(path: Path) -> Checkpoint:
+        """Load one checkpoint file; raises ValueError if it is damaged."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            raise ValueError(f"{path}: unreadable checkpoint: {exc}") from None
+        raw = arrays.pop(META_KEY, None)
+        if raw is None:
+            raise ValueError(f"{path}: no metadata")
+        meta = json.loads(raw.tobytes().decode())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT}")
+        return Checkpoint(path, int(meta["version"]), arrays, meta)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint that loads; damaged ones are skipped with a warning."""
+        for _, path in reversed(self.list()):
+            try:
+                return self.read(path)
+            except ValueError as exc:
+                log.warning("skipping %s", exc)
+        return None
+
+
+def capture(state: Any) -> dict[str, np.ndarray]:
+    """Every model and optimizer variable of a ParameterState, by path, as arrays.
+
+    Called between applies on the loop thread, so the set is one consistent version; the
+    arrays stay valid while an apply runs (TensorFlow copies a buffer a read still holds).
+    """
+    arrays = {f"model/{v.path}": v.numpy() for v in state.variables}
+    arrays.update({f"optimizer/{v.name}": v.numpy() for v in state.optimizer.variables})
+    return arrays
+
+
+def restore(state: Any, ckpt: Checkpoint) -> None:
+    """Load a checkpoint into a ParameterState built for the same model.
+
+    The optimizer's learning rate is not restored: the one configured at start wins.
+    """
+    if ckpt.meta.get("fingerprint") != state.fingerprint:
+        raise ValueError(
+            f"{ckpt.path}: saved for model fingerprint {ckpt.meta.get('fingerprint')}, "
+            f"this server has {state.fingerprint}"
+        )
+    targets = [(f"model/{v.path}", v) for v in state.variables]
+    targets += [
+        (f"optimizer/{v.name}", v) for v in state.optimizer.variables if v.name != "learning_rate"
+    ]
+    for key, var in targets:
+        if key not in ckpt.arrays:
+            raise ValueError(f"{ckpt.path}: missing {key}")
+        a = ckpt.arrays[key]
+        if tuple(a.shape) != tuple(var.shape):
+            raise ValueError(f"{ckpt.path}: {key} has shape {a.shape}, expected {var.shape}")
+    for key, var in targets:
+        var.assign(ckpt.arrays[key])
+    state.version = ckpt.version
+
+
+class CheckpointWriter:
+    """Decides when to checkpoint and writes in a background thread.
+
+    The loop thread captures the arrays (cheap) and hands them over; the disk write happens
+    off the apply path. One write at a time: a checkpoint that falls due while one is being
+    written waits for the next trigger.
+    """
+
+    def __init__(self, store: CheckpointStore, every: int, secs: float) -> None:
+        self.store = store
+        self.every = every
+        self.secs = secs
+        self.last_version = -1
+        self.last_time = time.monotonic()
+        self.written = 0
+        self.failed = 0
+        self.last_ms: float | None = None
+        self.last_path: str | None = None
+        self._busy = threading.Lock()
+        self._thread: threading.Thread | None = None
+        latest = store.list()
+        if latest:
+            self.last_version = latest[-1][0]
+
+    def due(self, version: int) -> bool:
+        """True when N updates or T seconds have passed since the last checkpoint."""
+        if version == self.last_version or self._busy.locked():
+            return False
+        by_count = self.every > 0 and version - max(self.last_version, 0) >= self.every
+        by_time = self.secs > 0 and time.monotonic() - self.last_time >= self.secs
+        return by_count or by_time
+
+    def _write(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = self.store.write(version, arrays, meta)
+        except OSError as exc:
+            self.failed += 1
+            log.error("checkpoint of version %d failed: %s", version, exc)
+            return
+        finally:
+            self.last_time = time.monotonic()
+        self.last_ms = 1e3 * (time.perf_counter() - t0)
+        self.last_version = version
+        self.last_path = str(path)
+        self.written += 1
+        log.info("checkpoint of version %d written in %.0f ms", version, self.last_ms)
+
+    def _run(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        try:
+            self._write(version, arrays, meta)
+        finally:
+            self._busy.release()
+
+    def submit(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
+        """Write in the background; False if a write is already running."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        self._thread = threading.Thread(
+            target=self._run, args=(version, arrays, meta), name="checkpoint", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    def write_now(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Wait for a running write, then write this one on the calling thread."""
+        with self._busy:
+            if version != self.last_version:
+                self._write(version, arrays, meta)
+
+    def close(self) -> None:
+        """Wait for a background write to finish."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Figures for the status document."""
+        return {
+            "written": self.written,
+            "failed": self.failed,
+            "last_version": self.last_version,
+            "last_ms": self.last_ms,
+            "last_path": self.last_path,
+            "dir": str(self.store.dir),
+        }
