@@ -17,7 +17,16 @@ def test_deep_mnist_has_the_tutorial_architecture() -> None:
     model = build_model(deep_mnist())
     assert model.count_params() == 3_274_634
     shapes = [tuple(v.shape) for v in model.trainable_variables]
-    assert shapes == [(5, 5, 1, 32), (32,), (5, 5, 32, 64), (64,), (3136, 1024), (1024,), (1024, 10), (10,)]
+    assert shapes == [
+        (5, 5, 1, 32),
+        (32,),
+        (5, 5, 32, 64),
+        (64,),
+        (3136, 1024),
+        (1024,),
+        (1024, 10),
+        (10,),
+    ]
 
 
 def test_fingerprint_is_stable_and_tells_models_apart() -> None:
@@ -38,14 +47,16 @@ def test_load_spec_rejects_bad_references() -> None:
 def test_mnist_5k_is_shuffled_split_and_scaled() -> None:
     d = load_mnist_5k()
     assert d.x_train.shape == (4000, 28, 28, 1) and d.x_test.shape == (1000, 28, 28, 1)
-    assert d.x_train.dtype == np.float32 and 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+    assert d.x_train.dtype == np.float32 and d.x_train.min() >= 0.0 and d.x_train.max() <= 1.0
     # the file is sorted by label; a shuffled split has every digit on both sides
     assert set(np.unique(d.y_train)) == set(range(10)) == set(np.unique(d.y_test))
     assert np.array_equal(load_mnist_5k().y_test, d.y_test)  # fixed seed: same split every time
 
 
 def _write_idx(path: Path, arr: np.ndarray, gz: bool) -> None:
-    header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", d) for d in arr.shape)
+    header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(
+        struct.pack(">I", d) for d in arr.shape
+    )
     data = header + arr.astype(np.uint8).tobytes()
     if gz:
         path = path.with_name(path.name + ".gz")
