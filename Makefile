@@ -37,7 +37,8 @@ test-slow: $(VENV)/.stamp-test
 # The long fault variants: slow-marked fault tests and 20,000 fuzz cases of the decoder.
 test-faults: $(VENV)/.stamp-test
 	DOWNPOUR_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q -ra -m "slow or not slow" \
-		tests/test_protocol.py tests/test_bad_input.py tests/test_faults.py tests/test_network.py
+		tests/test_protocol.py tests/test_bad_input.py tests/test_faults.py tests/test_network.py \
+		tests/test_relay_faults.py
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check services shared tests

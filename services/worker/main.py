@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="send timeout of one push at the high-water mark",
     )
     p.add_argument(
+        "--push-endpoint",
+        metavar="HOST:PORT",
+        help="send gradients here instead of the port the server announces (NAT, port "
+        "mappings, proxies)",
+    )
+    p.add_argument(
         "--no-prefetch",
         dest="prefetch",
         action="store_false",
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         server_timeout_s=args.server_timeout,
         push_timeout_s=args.push_timeout,
+        push_endpoint=parse_server(args.push_endpoint) if args.push_endpoint else None,
         prefetch=args.prefetch,
         heartbeat_s=args.heartbeat,
         log_every=args.log_every,

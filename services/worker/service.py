@@ -68,6 +68,7 @@ class WorkerConfig:
     push_hwm: int = 4
     push_linger_s: float = 30.0
     prefetch: bool = True
+    push_endpoint: tuple[str, int] | None = None  # overrides the push port hello announces
     heartbeat_s: float = 2.0
     io_threads: int = 1
     log_every: int = 50
@@ -297,7 +298,7 @@ class Worker:
             sock.setsockopt(zmq.SNDTIMEO, int(1000 * self.config.push_timeout_s))
             if self.config.keys is not None:
                 security.configure_curve_client(sock, self.config.keys)
-            sock.connect(tcp(self.config.host, push_port))
+            sock.connect(tcp(*(self.config.push_endpoint or (self.config.host, push_port))))
             self.push_sock, self.push_port = sock, push_port
         log.info(
             "worker %s joined server %s at version %d (model %s)",
