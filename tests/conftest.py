@@ -186,3 +186,20 @@ def wait_until(predicate: Any, timeout: float, what: str = "condition") -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+def pull_weights(endpoint: str) -> tuple[int, list[Any]]:
+    """(version, copies of every weight) straight from a server's REP socket."""
+    import numpy as np
+
+    from shared import protocol
+    from shared.transport import ReqClient, make_context
+
+    ctx = make_context()
+    client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
+    try:
+        reply = client.request(protocol.Message(protocol.PULL, "test-probe"))
+        return reply.base_version, [np.array(a) for a in reply.tensors.values()]
+    finally:
+        client.close()
+        ctx.term()

@@ -308,9 +308,9 @@ class Relay:
             step = max(1, min(step, int(f.throttle_bps / 20)))
         for i in range(0, len(data), step):
             piece = data[i : i + step]
+            self._count(direction, piece)  # before the send: records keep forwarding order
             if not self._send(conn, dst, piece):
                 return False
-            self._count(direction, piece)
             if f.throttle_bps and not self._wait(len(piece) / f.throttle_bps, conn):
                 return False
         if reset_now:

@@ -9,7 +9,7 @@ from typing import Any
 import msgpack  # tests may craft raw headers; the services never import msgpack
 import numpy as np
 import zmq
-from conftest import Cluster, wait_until
+from conftest import Cluster, pull_weights, wait_until
 
 from services.status import fetch_status
 from shared import protocol
@@ -17,18 +17,6 @@ from shared.protocol import Message
 from shared.transport import ReqClient, make_context
 
 NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]
-
-
-def pull_weights(endpoint: str) -> tuple[int, list[np.ndarray]]:
-    """(version, copies of every weight) straight from a server's REP socket."""
-    ctx = make_context()
-    client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
-    try:
-        reply = client.request(Message(protocol.PULL, "test-probe"))
-        return reply.base_version, [np.array(a) for a in reply.tensors.values()]
-    finally:
-        client.close()
-        ctx.term()
 
 
 def push(tensors: list[np.ndarray], seq: int, names: list[str] = NAMES) -> list[Any]:

@@ -8,27 +8,11 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import zmq
 from conftest import ROOT, Cluster, env, summary, wait_until
 
 from services.status import fetch_status
-from shared import protocol
-from shared.protocol import Message
-from shared.transport import ReqClient, make_context
-
-
-def pull_weights(endpoint: str) -> tuple[int, list[np.ndarray]]:
-    """(version, copies of every weight) straight from a server's REP socket."""
-    ctx = make_context()
-    client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
-    try:
-        reply = client.request(Message(protocol.PULL, "test-probe"))
-        return reply.base_version, [np.array(a) for a in reply.tensors.values()]
-    finally:
-        client.close()
-        ctx.term()
 
 
 def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> None:

@@ -81,14 +81,17 @@ def roundtrip(port: int, payload: bytes, timeout: float = 10.0) -> bytes:
 def test_forwards_both_ways_and_records_each_direction(echo: EchoServer) -> None:
     payload = bytes(range(256)) * 4096  # 1 MiB, several chunks
     with Relay(("127.0.0.1", echo.port), record=True) as relay:
-        assert roundtrip(relay.port, payload) == payload
+        echoed = roundtrip(relay.port, payload) == payload  # a bool: no 1 MiB diff on failure
+        assert echoed, "the payload did not come back intact"
         assert roundtrip(relay.port, b"second connection") == b"second connection"
         total = len(payload) + 17
         wait_until(
             lambda: relay.stats["bytes_up"] == relay.stats["bytes_down"] == total, 10, "counts"
         )
-        assert relay.recorded(UP) == payload + b"second connection"
-        assert relay.recorded(DOWN) == payload + b"second connection"
+        for direction in (UP, DOWN):
+            rec = relay.recorded(direction)
+            same = rec == payload + b"second connection"  # a bool: no 1 MiB diff on failure
+            assert same, f"{direction}: {len(rec)} bytes recorded, not the two payloads in order"
         assert relay.stats["connections"] == 2 and relay.stats["resets"] == 0
     assert relay.open_connections() == 0
 
