@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 WORKERS ?= 2
 ARGS   ?=
 
-.PHONY: run-local test test-slow test-faults lint bench clean venv
+.PHONY: run-local test test-slow test-faults lint bench clean venv deploy-tools
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,15 @@ venv: $(VENV)/.stamp-base
 run-local: $(VENV)/.stamp-base
 	$(VENV)/bin/downpour run-local --workers $(WORKERS) $(if $(filter 1,$(SECURE)),--secure) $(ARGS)
 
-test: $(VENV)/.stamp-test
+test: $(VENV)/.stamp-test deploy-tools
 	$(PY) -m pytest -q -ra
+
+# systemd-analyze for the unit-file tests (Debian package systemd): installed once when missing
+# and possible (root + apt-get); otherwise those tests skip and say why.
+deploy-tools:
+	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; } \
+		|| echo "deploy-tools: systemd-analyze unavailable; the unit-file tests will skip"
 
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -ra -m slow

@@ -7,10 +7,16 @@ Heavy imports (TensorFlow) happen inside the subcommands that need them, so
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from services.server import main as server_main
 from services.worker import main as worker_main
+from shared import config
+
+# The configurable services: settings from defaults < --config FILE < DOWNPOUR_* < flags.
+SERVICES = {"server": server_main, "worker": worker_main}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,8 +25,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="downpour", description="Asynchronous Downpour-SGD parameter server for TensorFlow."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    server_main.add_arguments(sub.add_parser("server", help="run a parameter server"))
-    worker_main.add_arguments(sub.add_parser("worker", help="run a training worker"))
+    for name, help_text in (
+        ("server", "run a parameter server"),
+        ("worker", "run a training worker"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        SERVICES[name].add_arguments(p)
+        config.add_config_option(p)
+
+    cfg = sub.add_parser("config", help="show a service's effective settings and their sources")
+    show = cfg.add_subparsers(dest="config_command", required=True).add_parser(
+        "show",
+        help="print the effective settings of a service and where each value came from",
+        usage="downpour config show [--json] {server,worker} [--config FILE] [SERVICE FLAGS...]",
+    )
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("service", choices=sorted(SERVICES))
+    show.add_argument(
+        "flags", nargs=argparse.REMAINDER, help="--config FILE and flags, as the service takes them"
+    )
 
     st = sub.add_parser("status", help="show a server's status")
     st.add_argument(
@@ -28,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    st.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--key", metavar="FILE", help="own CURVE secret key (a reader's or worker's)")
     st.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key")
@@ -46,16 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_arguments(
         sub.add_parser("run-local", help="demo: a server and workers on this machine")
     )
+    pl = sub.add_parser("plot", help="PNG plots of a run directory (history.csv, status.json)")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by run-local")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``downpour`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.command == "server":
-        return server_main.run(args)
-    if args.command == "worker":
-        return worker_main.run(args)
+    if args.command in SERVICES:  # the top-level parser has no options: argv[0] is the command
+        return run_service(args.command, argv[argv.index(args.command) + 1 :])
+    if args.command == "config":
+        return config_show(args.service, args.flags, args.json)
     if args.command == "status":
         from services import status
         from shared.security import SecurityError, client_keys_from_args
@@ -65,14 +92,39 @@ def main(argv: list[str] | None = None) -> int:
         except SecurityError as exc:
             print(f"downpour status: {exc}", file=sys.stderr)
             return 2
-        return status.main(args.endpoints, args.json, args.watch, args.timeout, keys)
+        return status.main(args.endpoints, args.json, args.watch, args.timeout, keys, args.count)
     if args.command == "keygen":
         return keygen(args)
     if args.command == "run-local":
         from services import local
 
         return local.run(args)
+    if args.command == "plot":
+        from services.plot import main as plot_main
+
+        return plot_main(args.run_dir)
     raise AssertionError(args.command)
+
+
+def run_service(name: str, argv: list[str]) -> int:
+    """Resolve the service's settings (defaults, file, environment, flags), then run it."""
+    try:
+        settings = config.load(name, SERVICES[name].add_arguments, argv, os.environ, SERVICES)
+    except config.ConfigError as exc:
+        print(f"downpour {name}: error: {exc}", file=sys.stderr)
+        return 2
+    return SERVICES[name].run(settings.namespace())
+
+
+def config_show(name: str, argv: list[str], as_json: bool) -> int:
+    """``downpour config show``: the effective settings of a service and their sources."""
+    try:
+        settings = config.load(name, SERVICES[name].add_arguments, argv, os.environ, SERVICES)
+    except config.ConfigError as exc:
+        print(f"downpour config show: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(settings.as_dict(), indent=2) if as_json else settings.render())
+    return 0
 
 
 def keygen(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """``downpour run-local``: the demo. A server and N workers as separate processes on loopback.
 
 Shows progress bars while training, evaluates the held-out set with the server's weights,
-writes ``history.csv`` and a PNG plot into a run directory, and prints
+writes ``history.csv``, ``workers.csv``, ``status.json``, TensorBoard events and PNG plots
+(``downpour plot``) into a run directory, and prints
 ``held-out accuracy: 0.xxxx`` as its last line. Ctrl-C stops every process it started.
 """
 
@@ -42,6 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="where logs, history and plots go (default runs/<time>)")
     p.add_argument(
         "--eval-every", type=float, default=10.0, help="seconds between held-out evaluations"
+    )
+    p.add_argument(
+        "--server-eval-every",
+        type=int,
+        default=100,
+        metavar="N",
+        help="the server also evaluates the held-out set every N updates (0 = off)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="the server's Prometheus port (0 = any)"
     )
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of bars")
     p.add_argument(
@@ -176,6 +187,13 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             str(args.lr),
             "--ready-file",
             str(ready_file),
+            "--metrics-port",
+            str(args.metrics_port),
+            "--logdir",
+            str(run_dir / "tensorboard"),
+            "--eval-every",
+            str(args.server_eval_every),
+            *(["--data-dir", args.data_dir] if args.data_dir else []),
             *server_extra,
         ],
         server_log,
@@ -190,6 +208,13 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     loader.start()  # import TensorFlow and load data while the server starts
     ep = wait_ready(server, ready_file, 180.0, server_log)
     host, port, status_ep = "127.0.0.1", ep["port"], tcp("127.0.0.1", ep["status_port"])
+    print(
+        f"status: downpour status --watch 2 127.0.0.1:{ep['status_port']}"
+        f"{'  (with --key/--server-key)' if args.secure else ''}\n"
+        f"metrics: http://127.0.0.1:{ep['metrics_port']}/metrics\n"
+        f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
+        flush=True,
+    )
     workers = []
     for i in range(args.workers):
         wargs = [
@@ -232,6 +257,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         for i in range(args.workers)
     }
     history: list[dict[str, Any]] = []
+    worker_rows: list[dict[str, Any]] = []  # workers.csv: per-worker throughput over time
     t_start = time.monotonic()
     last_eval = t_start
     while any(w.poll() is None for w in workers):
@@ -245,7 +271,9 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             "staleness_mean": doc["staleness"]["mean"],
             "updates_per_s": doc["updates_per_s"],
             "accuracy": None,
+            **_eval_columns(doc),
         }
+        worker_rows += _worker_rows(row["t"], doc)
         for wid, w in doc["workers"].items():
             if wid in bars:
                 bars[wid].n = min(w["steps"], per_worker)
@@ -286,10 +314,13 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             "staleness_mean": doc["staleness"]["mean"],
             "updates_per_s": doc["updates_per_s"],
             "accuracy": acc,
+            **_eval_columns(doc),
         }
     )
     (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
     _write_history(run_dir / "history.csv", history)
+    if worker_rows:
+        _write_history(run_dir / "workers.csv", worker_rows)
     from services.plot import plot_run
 
     for png in plot_run(run_dir):
@@ -317,6 +348,29 @@ def _wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:
     if running:
         with contextlib.suppress(subprocess.TimeoutExpired):
             running[0].wait(timeout=timeout_s)
+
+
+def _eval_columns(doc: dict[str, Any]) -> dict[str, Any]:
+    """history.csv columns of the server's last held-out evaluation (--eval-every)."""
+    ev = doc.get("eval") or {}
+    return {"eval_version": ev.get("version"), "eval_accuracy": ev.get("accuracy")}
+
+
+def _worker_rows(t: float, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """workers.csv rows: one per worker at time ``t``."""
+    return [
+        {
+            "t": t,
+            "worker": wid,
+            "state": w.get("state"),
+            "steps": w.get("steps"),
+            "steps_per_s": (w.get("reported") or {}).get("steps_per_s"),
+            "loss": w.get("loss"),
+            "staleness": w.get("staleness"),
+            "applied": w.get("applied"),
+        }
+        for wid, w in sorted(doc["workers"].items())
+    ]
 
 
 def _write_history(path: Path, rows: list[dict[str, Any]]) -> None:

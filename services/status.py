@@ -1,4 +1,9 @@
-"""``downpour status``: ask a server's status socket and print a table or JSON.
+"""``downpour status``: ask servers' status sockets and print a table or JSON.
+
+One endpoint: that server's table. Several (the shards of one model): one cluster view, the
+servers' figures side by side and one row per worker merged over the shards. ``--watch``
+redraws it every few seconds; ``--json`` prints the documents unchanged (one endpoint: its
+document; several: ``{endpoint: document}``; with ``--watch``: one compact line per refresh).
 
 Imports no TensorFlow, so it answers in a fraction of a second.
 """
@@ -6,6 +11,7 @@ Imports no TensorFlow, so it answers in a fraction of a second.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
@@ -42,6 +48,9 @@ def normalise_endpoint(target: str) -> str:
     return f"tcp://{target}"
 
 
+STATE_RANK = {"alive": 0, "missing": 1, "gone": 2}
+
+
 def _fmt(v: Any, nd: int = 4) -> str:
     if v is None:
         return "-"
@@ -50,8 +59,36 @@ def _fmt(v: Any, nd: int = 4) -> str:
     return str(v)
 
 
+def _eval_line(doc: dict[str, Any]) -> str | None:
+    ev = doc.get("eval")
+    if not ev:
+        return None
+    age = time.time() - ev.get("time", time.time())
+    return (
+        f"held-out accuracy {ev.get('accuracy', 0):.4f} at version {ev.get('version')} "
+        f"({age:.0f}s ago, every {ev.get('every')} updates, {ev.get('count')} evaluations)"
+    )
+
+
+WORKER_HEADER = (
+    f"{'worker':<20} {'state':<8} {'steps':>7} {'steps/s':>8} {'staleness':>9} {'loss':>8} "
+    f"{'last seen':>9} {'applied':>8} {'rejected':>8}"
+)
+
+
+def _worker_row(wid: str, w: dict[str, Any], extra: str = "") -> str:
+    reported = w.get("reported") or {}
+    loss = reported.get("loss", w.get("loss"))
+    return (
+        f"{wid:<20} {w.get('state', '?'):<8} {w.get('steps', 0):>7} "
+        f"{_fmt(reported.get('steps_per_s'), 3):>8} {_fmt(w.get('staleness')):>9} "
+        f"{_fmt(loss):>8} {w.get('last_seen_s', 0):>8.1f}s {w.get('applied', 0):>8} "
+        f"{w.get('rejected', 0):>8}{extra}"
+    )
+
+
 def render(doc: dict[str, Any]) -> str:
-    """A human-readable table of a status document."""
+    """A human-readable table of one server's status document."""
     st = doc.get("staleness", {})
     lines = [
         f"model {doc.get('model')}  fingerprint {str(doc.get('fingerprint'))[:12]}  "
@@ -66,17 +103,92 @@ def render(doc: dict[str, Any]) -> str:
         f"pulls {doc.get('pulls', 0)} ({doc.get('pulls_unchanged', 0)} unchanged)",
         "rejected: "
         + (", ".join(f"{k}={v}" for k, v in sorted(doc.get("rejected", {}).items())) or "none"),
-        "",
-        f"{'worker':<24} {'state':<8} {'steps':>7} {'applied':>8} {'rejected':>8} "
-        f"{'staleness':>9} {'loss':>8} {'steps/s':>8} {'last seen':>9}",
     ]
+    if (ev := _eval_line(doc)) is not None:
+        lines.append(ev)
+    lines += ["", WORKER_HEADER]
     for wid, w in sorted(doc.get("workers", {}).items()):
+        lines.append(_worker_row(wid, w))
+    return "\n".join(lines)
+
+
+def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One row per worker id over several servers (shards): the worst state, the longest
+    silence, the largest staleness and step count, applied and rejected summed, the mean
+    loss; ``shards`` is how many servers know the worker."""
+    merged: dict[str, dict[str, Any]] = {}
+    for doc in docs.values():
+        for wid, w in (doc.get("workers") or {}).items():
+            m = merged.setdefault(
+                wid,
+                {
+                    "state": "alive",
+                    "last_seen_s": 0.0,
+                    "steps": 0,
+                    "staleness": None,
+                    "applied": 0,
+                    "rejected": 0,
+                    "shards": 0,
+                    "_losses": [],
+                    "reported": {},
+                },
+            )
+            m["shards"] += 1
+            if STATE_RANK.get(w.get("state"), 3) > STATE_RANK.get(m["state"], 3):
+                m["state"] = w.get("state")
+            m["last_seen_s"] = max(m["last_seen_s"], float(w.get("last_seen_s") or 0.0))
+            m["steps"] = max(m["steps"], int(w.get("steps") or 0))
+            if w.get("staleness") is not None:
+                m["staleness"] = max(m["staleness"] or 0, w["staleness"])
+            m["applied"] += int(w.get("applied") or 0)
+            m["rejected"] += int(w.get("rejected") or 0)
+            reported = w.get("reported") or {}
+            loss = reported.get("loss", w.get("loss"))
+            if loss is not None:
+                m["_losses"].append(loss)
+            rate = reported.get("steps_per_s")
+            if rate is not None:
+                m["reported"]["steps_per_s"] = max(m["reported"].get("steps_per_s", 0.0), rate)
+    for m in merged.values():
+        losses = m.pop("_losses")
+        m["loss"] = sum(losses) / len(losses) if losses else None
+    return merged
+
+
+def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
+    """Several servers as one cluster: totals, a line per server, a merged row per worker."""
+    ok = {ep: d for ep, d in docs.items() if "error" not in d}
+    models = {(d.get("model"), d.get("fingerprint")) for d in ok.values()}
+    updates = sum(int(d.get("updates_applied") or 0) for d in ok.values())
+    rate = sum(float(d.get("updates_per_s") or 0.0) for d in ok.values())
+    st_count = sum(int((d.get("staleness") or {}).get("count", 0)) for d in ok.values())
+    st_sum = sum(float((d.get("staleness") or {}).get("sum", 0.0)) for d in ok.values())
+    st_max = max((float((d.get("staleness") or {}).get("max", 0)) for d in ok.values()), default=0)
+    rejected = sum(int(d.get("rejected_total") or 0) for d in ok.values())
+    model = ", ".join(sorted(str(m) for m, _ in models)) or "?"
+    lines = [
+        f"cluster: {len(ok)}/{len(docs)} servers answering, model {model}"
+        + ("" if len(models) <= 1 else "  (DIFFERENT MODELS: not shards of one model)"),
+        f"updates applied {updates}  updates/s {_fmt(rate)}  staleness mean "
+        f"{_fmt(st_sum / st_count if st_count else None)} max {_fmt(st_max)}  "
+        f"rejected {rejected}",
+        "",
+        f"{'server':<28} {'version':>8} {'updates/s':>9} {'loss':>8} {'stale mean':>10} "
+        f"{'rejected':>8} {'held-out':>8}",
+    ]
+    for ep, d in docs.items():
+        if "error" in d:
+            lines.append(f"{ep:<28} unreachable: {d['error']}")
+            continue
+        ev = d.get("eval") or {}
         lines.append(
-            f"{wid:<24} {w.get('state', '?'):<8} {w.get('steps', 0):>7} {w.get('applied', 0):>8} "
-            f"{w.get('rejected', 0):>8} {_fmt(w.get('staleness')):>9} {_fmt(w.get('loss')):>8} "
-            f"{_fmt(w.get('reported', {}).get('steps_per_s'), 3):>8} "
-            f"{w.get('last_seen_s', 0):>8.1f}s"
+            f"{ep:<28} {d.get('version', 0):>8} {_fmt(d.get('updates_per_s')):>9} "
+            f"{_fmt(d.get('loss')):>8} {_fmt((d.get('staleness') or {}).get('mean')):>10} "
+            f"{d.get('rejected_total', 0):>8} {_fmt(ev.get('accuracy')):>8}"
         )
+    lines += ["", WORKER_HEADER + f" {'shards':>6}"]
+    for wid, w in sorted(merge_workers(ok).items()):
+        lines.append(_worker_row(wid, w, f" {w['shards']:>3}/{len(ok):<2}"))
     return "\n".join(lines)
 
 
@@ -86,24 +198,41 @@ def main(
     watch: float | None,
     timeout_s: float,
     keys: ClientKeys | None = None,
+    count: int | None = None,
 ) -> int:
-    """Print status for each target; with ``watch``, refresh every that many seconds."""
-    while True:
-        docs = {}
-        for t in targets:
-            ep = normalise_endpoint(t)
-            try:
-                docs[ep] = fetch_status(ep, timeout_s, keys)
-            except Exception as exc:  # report every endpoint, then fail
-                docs[ep] = {"error": str(exc)}
-        if as_json:
-            print(json.dumps(docs if len(docs) > 1 else next(iter(docs.values())), indent=2))
-        else:
-            if watch:
-                print("\x1b[2J\x1b[H", end="")
-            for ep, doc in docs.items():
-                print(f"== {ep}")
-                print(doc["error"] if "error" in doc else render(doc))
-        if not watch:
-            return 1 if any("error" in d for d in docs.values()) else 0
-        time.sleep(watch)
+    """Print status for the targets; with ``watch``, refresh every that many seconds
+    (``count`` times, or until Ctrl-C). Exit 1 if an endpoint did not answer (last round)."""
+    rounds = 0
+    tty = sys.stdout.isatty()
+    try:
+        while True:
+            docs = {}
+            for t in targets:
+                ep = normalise_endpoint(t)
+                try:
+                    docs[ep] = fetch_status(ep, timeout_s, keys)
+                except Exception as exc:  # report every endpoint, then fail
+                    docs[ep] = {"error": str(exc)}
+            rounds += 1
+            out = docs if len(docs) > 1 else next(iter(docs.values()))
+            if as_json:
+                # --watch: JSON Lines, one compact document per refresh
+                print(json.dumps(out, indent=None if watch else 2))
+            else:
+                if watch and tty:
+                    print("\x1b[2J\x1b[H", end="")  # redraw in place
+                elif watch:
+                    print(f"--- {time.strftime('%H:%M:%S')}")
+                if len(docs) > 1:
+                    print(render_cluster(docs))
+                else:
+                    ep, doc = next(iter(docs.items()))
+                    print(f"== {ep}")
+                    print(doc["error"] if "error" in doc else render(doc))
+            sys.stdout.flush()
+            failed = any("error" in d for d in docs.values())
+            if not watch or (count is not None and rounds >= count):
+                return 1 if failed else 0
+            time.sleep(watch)  # the refresh period the user asked for
+    except KeyboardInterrupt:
+        return 0

@@ -1,13 +1,20 @@
-"""The metrics model shared by both services: counters by reason, histograms, rates.
+"""The metrics model shared by both services: counters by reason, histograms, rates, and
+the catalogue naming every figure (status key, Prometheus name, kind, unit).
 
-Values are plain Python numbers so a snapshot is msgpack- and JSON-serialisable as it is.
+Values are plain Python numbers so a snapshot is msgpack- and JSON-serialisable as it is. The
+server keeps its figures in these types and publishes them in its status document; a worker
+keeps ``new_worker_stats()`` and sends it with every push and heartbeat; the Prometheus
+exporter and the TensorBoard writer read the status document through the catalogue below, so
+one name means one thing everywhere.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any
 
 # Staleness buckets (upper bounds, inclusive); the last bucket is "+Inf".
@@ -61,13 +68,18 @@ class Rate:
             self.events.popleft()
 
     def per_second(self, now: float | None = None) -> float:
-        """Events per second over the window (or since the first event, if sooner)."""
+        """Events per second over the window (or since the first event, if sooner).
+
+        Counts the intervals after the first event in the window, not the events: n events
+        span n - 1 intervals, and counting n would overstate a rate measured over a few
+        events (two events 0.1 s apart are 10/s, not 20/s).
+        """
         now = time.monotonic() if now is None else now
         self._trim(now)
         if len(self.events) < 2:
             return 0.0
         span = max(now - self.events[0], 1e-9)
-        return len(self.events) / span
+        return (len(self.events) - 1) / span
 
 
 class ReasonCounter(Counter):
@@ -88,3 +100,270 @@ class Ewma:
     def update(self, x: float) -> None:
         """Fold one sample in."""
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+# ---------------------------------------------------------------- the catalogue
+#
+# Every figure either service exposes, with its key in the status document (or in a worker's
+# reported ``stats``), its Prometheus name, kind and unit. Status documents keep the units
+# their keys say (``_ms``, ``_s``, bytes); ``scale`` converts to Prometheus' base units.
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """One figure: status key, Prometheus name, kind, unit and help text."""
+
+    key: str
+    name: str
+    kind: str  # COUNTER, GAUGE or HISTOGRAM
+    unit: str  # what the *Prometheus* value is measured in ("" = a plain number)
+    help: str
+    scale: float = 1.0  # Prometheus value = status value * scale (ms -> seconds)
+
+
+# Top-level numbers of the server's status document.
+SERVER_METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo(
+        "updates_applied", "downpour_updates_applied_total", COUNTER, "", "Gradient lists applied."
+    ),
+    MetricInfo("version", "downpour_model_version", GAUGE, "", "Current weight version."),
+    MetricInfo(
+        "updates_per_s",
+        "downpour_updates_per_second",
+        GAUGE,
+        "",
+        "Applies per second over the last 10 s.",
+    ),
+    MetricInfo(
+        "apply_ms",
+        "downpour_apply_duration_seconds",
+        GAUGE,
+        "seconds",
+        "Moving average of one compiled apply.",
+        1e-3,
+    ),
+    MetricInfo(
+        "loss",
+        "downpour_training_loss",
+        GAUGE,
+        "",
+        "Moving average of the batch losses workers push.",
+    ),
+    MetricInfo(
+        "pushes_received",
+        "downpour_pushes_received_total",
+        COUNTER,
+        "",
+        "Gradient messages received (applied or rejected).",
+    ),
+    MetricInfo("pulls", "downpour_pulls_total", COUNTER, "", "Weight pulls answered."),
+    MetricInfo(
+        "pulls_unchanged",
+        "downpour_pulls_unchanged_total",
+        COUNTER,
+        "",
+        "Weight pulls answered with 'unchanged' (no tensors sent).",
+    ),
+    MetricInfo("hellos", "downpour_hellos_total", COUNTER, "", "Worker hellos answered."),
+    MetricInfo("bytes_in", "downpour_received_bytes_total", COUNTER, "bytes", "Bytes received."),
+    MetricInfo("bytes_out", "downpour_sent_bytes_total", COUNTER, "bytes", "Bytes sent."),
+    MetricInfo(
+        "status_requests",
+        "downpour_status_requests_total",
+        COUNTER,
+        "",
+        "Status requests answered.",
+    ),
+    MetricInfo(
+        "uptime_s", "downpour_uptime_seconds", GAUGE, "seconds", "Seconds since the server started."
+    ),
+)
+
+# The staleness histogram and the by-reason counters of the status document.
+STALENESS = MetricInfo(
+    "staleness",
+    "downpour_gradient_staleness",
+    HISTOGRAM,
+    "",
+    "Server version at apply time minus the version the gradient was computed from.",
+)
+REJECTED = MetricInfo(
+    "rejected",
+    "downpour_rejected_messages_total",
+    COUNTER,
+    "",
+    "Messages refused, by reason; nothing was applied.",
+)
+AUTH_DENIED = MetricInfo(
+    "auth_denied",
+    "downpour_auth_denied_total",
+    COUNTER,
+    "",
+    "Connections or messages refused by CURVE/ZAP, by reason.",
+)
+
+# The ``eval`` part of the status document (``--eval-every``).
+EVAL_METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo(
+        "accuracy",
+        "downpour_heldout_accuracy",
+        GAUGE,
+        "",
+        "The model's metric on the held-out set at the last evaluation.",
+    ),
+    MetricInfo(
+        "version",
+        "downpour_heldout_eval_version",
+        GAUGE,
+        "",
+        "Weight version of the last held-out evaluation.",
+    ),
+    MetricInfo(
+        "count", "downpour_heldout_evaluations_total", COUNTER, "", "Held-out evaluations run."
+    ),
+    MetricInfo(
+        "seconds",
+        "downpour_heldout_eval_duration_seconds",
+        GAUGE,
+        "seconds",
+        "Duration of the last held-out evaluation.",
+    ),
+)
+
+# What the server records per worker (``workers.<id>`` in the status document).
+WORKER_METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo(
+        "applied",
+        "downpour_worker_updates_applied_total",
+        COUNTER,
+        "",
+        "Gradient lists applied from this worker.",
+    ),
+    MetricInfo(
+        "rejected",
+        "downpour_worker_rejected_messages_total",
+        COUNTER,
+        "",
+        "Messages refused from this worker.",
+    ),
+    MetricInfo("pushes", "downpour_worker_pushes_received_total", COUNTER, "", "Pushes received."),
+    MetricInfo("steps", "downpour_worker_steps", GAUGE, "", "Training steps the worker has run."),
+    MetricInfo(
+        "staleness",
+        "downpour_worker_staleness",
+        GAUGE,
+        "",
+        "Staleness of this worker's last applied gradient.",
+    ),
+    MetricInfo("loss", "downpour_worker_loss", GAUGE, "", "Batch loss of this worker's last push."),
+    MetricInfo(
+        "last_seen_s",
+        "downpour_worker_last_seen_seconds",
+        GAUGE,
+        "seconds",
+        "Seconds since the server last heard from this worker.",
+    ),
+)
+
+# What a worker reports with every push and heartbeat (``workers.<id>.reported``).
+WORKER_REPORTED: tuple[MetricInfo, ...] = (
+    MetricInfo(
+        "steps_per_s",
+        "downpour_worker_steps_per_second",
+        GAUGE,
+        "",
+        "Training steps per second over the last 10 s.",
+    ),
+    MetricInfo(
+        "compute_ms",
+        "downpour_worker_compute_seconds",
+        GAUGE,
+        "seconds",
+        "Duration of the last gradient computation.",
+        1e-3,
+    ),
+    MetricInfo(
+        "push_ms",
+        "downpour_worker_push_seconds",
+        GAUGE,
+        "seconds",
+        "Duration of the last push (including waiting at the high-water mark).",
+        1e-3,
+    ),
+    MetricInfo(
+        "pull_ms",
+        "downpour_worker_pull_seconds",
+        GAUGE,
+        "seconds",
+        "Time the last weight pull kept training waiting.",
+        1e-3,
+    ),
+    MetricInfo(
+        "bytes_sent", "downpour_worker_sent_bytes_total", COUNTER, "bytes", "Gradient bytes sent."
+    ),
+    MetricInfo(
+        "backpressure",
+        "downpour_worker_backpressure_events_total",
+        COUNTER,
+        "",
+        "Pushes that found the send queue full (server slow or away).",
+    ),
+    MetricInfo("loss", "downpour_worker_local_loss", GAUGE, "", "Loss of the worker's last batch."),
+    MetricInfo("pushes", "downpour_worker_pushes_sent_total", COUNTER, "", "Pushes sent."),
+    MetricInfo("pulls", "downpour_worker_pulls_total", COUNTER, "", "Weight pulls made."),
+    MetricInfo(
+        "pulls_unchanged",
+        "downpour_worker_pulls_unchanged_total",
+        COUNTER,
+        "",
+        "Weight pulls answered 'unchanged'.",
+    ),
+    MetricInfo(
+        "reconnects",
+        "downpour_worker_reconnects_total",
+        COUNTER,
+        "",
+        "Requests that timed out and were retried on a new socket.",
+    ),
+    MetricInfo(
+        "dropped",
+        "downpour_worker_dropped_gradients_total",
+        COUNTER,
+        "",
+        "Gradients left unsent at a planned stop.",
+    ),
+)
+
+# A worker reports at most this many figures; more (or non-numeric, or non-finite) are dropped,
+# so a misbehaving worker cannot bloat the status document.
+MAX_REPORTED = 64
+
+
+def new_worker_stats() -> dict[str, float]:
+    """A worker's ``stats`` at start: every reported figure at zero, ``loss`` NaN (unknown;
+    not reported) until the first step. All keys exist from the start, so the heartbeat
+    thread can copy the dict while the training thread updates it."""
+    stats: dict[str, float] = {m.key: 0.0 if m.kind == GAUGE else 0 for m in WORKER_REPORTED}
+    stats["loss"] = math.nan
+    return stats
+
+
+def clean_reported(stats: Any) -> dict[str, float]:
+    """The finite numbers of a worker's reported ``stats`` (str keys, at most MAX_REPORTED)."""
+    if not isinstance(stats, dict):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in stats.items():
+        if len(out) >= MAX_REPORTED:
+            break
+        if (
+            isinstance(k, str)
+            and len(k) <= 64
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+        ):
+            out[k] = v
+    return out

@@ -33,6 +33,7 @@ import datetime
 import logging
 import os
 import re
+import struct
 import threading
 import time
 from collections import Counter
@@ -66,6 +67,14 @@ D_BAD_REQUEST = "bad_request"  # a malformed ZAP request (should not happen)
 R_IDENTITY = "identity"  # message sender differs from the name of its authenticated key
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A key NAME may also speak as NAME/INSTANCE ("/" is not allowed in key names): one key shared
+# by identical replicas (compose --scale, a Kubernetes Deployment), each its own worker id.
+INSTANCE_SEPARATOR = "/"
+
+# POSIX access ACL as Linux stores it (xattr system.posix_acl_access): a version, then
+# (tag, perm, id) entries. systemd grants a service its credentials through such an entry.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = 0x02, 0x04, 0x08, 0x10, 0x20
 
 
 class SecurityError(Exception):
@@ -183,11 +192,37 @@ def check_secret_permissions(path: Path) -> None:
         mode = path.stat().st_mode  # follows symlinks: Kubernetes mounts secrets as links
     except OSError as exc:
         raise SecurityError(f"cannot read secret key {path}: {exc.strerror}") from None
-    if mode & 0o077:
+    if mode & 0o077 and not (mode & 0o007 == 0 and _acl_private(path)):
         raise SecurityError(
             f"secret key {path} has mode {mode & 0o777:04o}: it must not be readable by group "
             f"or others. Run: chmod 600 {path}"
         )
+
+
+def _acl_private(path: Path) -> bool:
+    """True if the file's POSIX ACL lets nobody but its owner (root or us) and us access it.
+
+    With an ACL the mode's group bits show the ACL mask, not the owning group: systemd's
+    credentials (LoadCredential= on tmpfs) are 0400 plus ``user:SERVICE:r``, shown as 0440.
+    """
+    try:
+        raw = os.getxattr(path, _ACL_XATTR)
+        owner = path.stat().st_uid
+    except OSError:
+        return False
+    if len(raw) < 12 or (len(raw) - 4) % 8 or struct.unpack_from("<I", raw)[0] != 2:
+        return False
+    entries = [struct.unpack_from("<HHI", raw, off) for off in range(4, len(raw), 8)]
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), 0o7)
+    me = os.geteuid()
+    for tag, perm, ident in entries:
+        if tag == _ACL_OTHER and perm:
+            return False
+        if tag in (_ACL_GROUP_OBJ, _ACL_GROUP) and perm & mask:
+            return False
+        if tag == _ACL_USER and perm & mask and ident != me:
+            return False
+    return owner in (0, me)
 
 
 def read_certificate(path: Path, secret: bool = False) -> KeyPair:
@@ -352,6 +387,18 @@ def curve_client(keys: ClientKeys | None) -> Callable[[zmq.Socket], None] | None
     if keys is None:
         return None
     return lambda sock: configure_curve_client(sock, keys)
+
+
+def may_speak_as(key_name: str | None, sender: str) -> bool:
+    """Whether a message under key ``key_name`` may carry ``sender``: NAME or NAME/INSTANCE.
+
+    Replicas sharing a key each need their own worker id (the server keeps sequence numbers
+    per id). No key can claim another key's ids: key names cannot contain the separator.
+    """
+    if not key_name:
+        return False
+    prefix = key_name + INSTANCE_SEPARATOR
+    return sender == key_name or (sender.startswith(prefix) and len(sender) > len(prefix))
 
 
 def user_id(frame: zmq.Frame) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from shared.config import PORT, at_least, non_negative, positive
 from shared.logs import setup_logging
 
 log = logging.getLogger("downpour.server")
@@ -17,23 +18,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument(
-        "--port", type=int, default=5570, help="REP port for hello and weights (0 = any)"
+        "--port", type=PORT, default=5570, help="REP port for hello and weights (0 = any)"
     )
-    p.add_argument("--push-port", type=int, default=5571, help="PULL port for gradients (0 = any)")
-    p.add_argument("--status-port", type=int, default=5572, help="REP port for status (0 = any)")
+    p.add_argument("--push-port", type=PORT, default=5571, help="PULL port for gradients (0 = any)")
+    p.add_argument("--status-port", type=PORT, default=5572, help="REP port for status (0 = any)")
     p.add_argument("--optimizer", default="adam", choices=["adam", "adagrad", "sgd"])
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--lr", type=positive(), default=1e-3, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
     p.add_argument("--ready-file", help="write bound ports as JSON here once serving")
     p.add_argument(
         "--missing-after",
-        type=float,
+        type=positive(),
         default=10.0,
         help="seconds of silence before a worker shows as missing",
     )
     p.add_argument(
         "--gone-after",
-        type=float,
+        type=positive(),
         default=60.0,
         help="seconds of silence before a worker shows as gone",
     )
@@ -60,24 +61,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--state-dir", help="directory for checkpoints; the newest is restored at start")
     p.add_argument(
-        "--checkpoint-every", type=int, default=500, help="updates between checkpoints (0 = off)"
+        "--checkpoint-every",
+        type=at_least(0),
+        default=500,
+        help="updates between checkpoints (0 = off)",
     )
     p.add_argument(
-        "--checkpoint-secs", type=float, default=60.0, help="seconds between checkpoints (0 = off)"
+        "--checkpoint-secs",
+        type=non_negative(),
+        default=60.0,
+        help="seconds between checkpoints (0 = off)",
     )
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="how many checkpoints to keep")
+    p.add_argument(
+        "--keep-checkpoints", type=at_least(1), default=3, help="how many checkpoints to keep"
+    )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative(),
         default=10.0,
         help="on SIGTERM, seconds to apply gradients already received",
     )
+    obs = p.add_argument_group("observability (see README, Observability)")
+    obs.add_argument(
+        "--metrics-port",
+        type=PORT,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0 = any port)",
+    )
+    obs.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for --metrics-port (plain HTTP, no authentication; default loopback)",
+    )
+    obs.add_argument("--logdir", metavar="DIR", help="write TensorBoard scalars here")
+    obs.add_argument(
+        "--summary-secs", type=positive(), default=5.0, help="seconds between TensorBoard points"
+    )
+    obs.add_argument(
+        "--eval-every",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="evaluate the held-out set every N updates, off the apply loop (0 = off)",
+    )
+    obs.add_argument("--data-dir", help="the held-out set for --eval-every: the model's --data-dir")
+    obs.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, build the server, serve until SIGTERM/SIGINT."""
-    setup_logging("server", args.log_level)
+    setup_logging("server", args.log_level, args.log_format)
     from shared.security import SecurityError, load_server_keys
 
     keys = None
@@ -108,12 +142,18 @@ def run(args: argparse.Namespace) -> int:
             "can push gradients",
             args.host,
         )
-    if args.keep_checkpoints < 1 or args.checkpoint_every < 0 or args.checkpoint_secs < 0:
-        log.error("--keep-checkpoints must be >= 1, --checkpoint-every/-secs >= 0")
-        return 2
     if not 0 < args.missing_after < args.gone_after:
         log.error("--missing-after must be > 0 and < --gone-after")
         return 2
+    if args.eval_every < 0 or args.summary_secs <= 0:
+        log.error("--eval-every must be >= 0 and --summary-secs > 0")
+        return 2
+    if args.metrics_port is not None and not is_loopback(args.metrics_host):
+        log.warning(
+            "serving Prometheus metrics on %s without authentication: anyone who reaches "
+            "the port can read worker names, losses and rates",
+            args.metrics_host,
+        )
     from shared.models import load_spec
 
     config = ServerConfig(
@@ -134,11 +174,20 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_secs=args.checkpoint_secs,
         keep_checkpoints=args.keep_checkpoints,
         drain_timeout_s=args.drain_timeout,
+        eval_every=args.eval_every,
+        data_dir=args.data_dir,
+        logdir=args.logdir,
+        summary_interval_s=args.summary_secs,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     try:
         server = Server(load_spec(args.model), config)
     except SecurityError as exc:  # e.g. the ZAP authenticator did not start
         log.error("refusing to start: %s", exc)
+        return 2
+    except OSError as exc:  # e.g. --metrics-port already in use
+        log.error("cannot start: %s", exc)
         return 2
     server.install_signal_handlers()
     server.run()

@@ -25,10 +25,11 @@ import zmq
 
 from services.server.checkpoint import CheckpointStore, CheckpointWriter, capture
 from services.server.checkpoint import restore as restore_checkpoint
+from services.server.observe import Observers
 from services.server.state import ParameterState
-from shared import protocol, security
-from shared.logs import RateLimitedLog
-from shared.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter
+from shared import protocol, security, systemd
+from shared.logs import RateLimitedLog, set_log_context
+from shared.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter, clean_reported
 from shared.models import ModelSpec
 from shared.protocol import Message, ProtocolError
 from shared.transport import bind, make_context
@@ -56,11 +57,18 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     io_threads: int = 2
     publish_interval_s: float = 0.2
+    status_max_per_s: float = 200.0  # status answers per second (bursts of 20); 0 = no cap
     state_dir: str | None = None
     checkpoint_every: int = 500  # updates between checkpoints (0 = never by count)
     checkpoint_secs: float = 60.0  # seconds between checkpoints (0 = never by time)
     keep_checkpoints: int = 3
     keys: security.ServerKeys | None = None  # CURVE on every socket when set (--keys)
+    eval_every: int = 0  # updates between held-out evaluations (0 = off; --eval-every)
+    data_dir: str | None = None  # the held-out set's --data-dir
+    logdir: str | None = None  # TensorBoard event files (--logdir)
+    summary_interval_s: float = 5.0  # seconds between TensorBoard points
+    metrics_port: int | None = None  # Prometheus /metrics (0 = any port; None = off)
+    metrics_host: str = "127.0.0.1"  # plain HTTP, no authentication: loopback by default
 
 
 @dataclass
@@ -131,6 +139,7 @@ class Server:
         self._published: dict[str, Any] = {}
         self._last_publish = 0.0
         self._warn = RateLimitedLog(log)
+        self.obs = Observers(spec, config, lambda: self._published)  # reads snapshots only
         self.ctx = make_context(config.io_threads)
         self.rep = self.ctx.socket(zmq.REP)
         self.pull = self.ctx.socket(zmq.PULL)
@@ -206,6 +215,7 @@ class Server:
             "status_port": self.status_port,
             "fingerprint": self.state.fingerprint,
             "version": self.state.version,
+            **self.obs.endpoints(),
         }
 
     def _write_ready_file(self) -> None:
@@ -234,8 +244,15 @@ class Server:
 
     def run(self) -> None:
         """Serve until stopped; then apply what has been received and close the sockets."""
+        set_log_context(version=lambda: self.state.version)
         self._status_thread.start()
+        self.obs.start()
         self._write_ready_file()
+        # systemd Type=notify: ready only now, with the sockets bound and any checkpoint restored
+        systemd.notify(
+            f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving version {self.state.version} on "
+            f"{self.config.host} ports {self.port}/{self.push_port}/{self.status_port}"
+        )
         log.info(
             "serving %s (%d variables, %.1f MB, fingerprint %s) on %s ports %d/%d/%d",
             self.spec.name,
@@ -247,6 +264,7 @@ class Server:
             self.push_port,
             self.status_port,
         )
+        watchdog = systemd.Watchdog()  # WatchdogSec=: pings while the loop and status thread run
         poller = zmq.Poller()
         poller.register(self.rep, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
@@ -258,7 +276,10 @@ class Server:
                 if self.pull in events:
                     self._drain_pushes(max_messages=16)
                 self._maybe_checkpoint()
+                watchdog.tick(healthy=self._status_thread.is_alive())
+                self.obs.after_loop_pass(self.state)
                 self._publish()
+            systemd.notify("STOPPING=1\nSTATUS=stopping: applying received gradients")
             self._drain_pushes(deadline=time.monotonic() + self.config.drain_timeout_s)
             self._maybe_checkpoint(final=True)
         finally:
@@ -278,6 +299,8 @@ class Server:
             self.checkpoints.close()
         if self._status_thread.is_alive():
             self._status_thread.join(timeout=2.0)
+        self.obs.close()
+        self._warn.flush()
         for s in (self.rep, self.pull, self.status_sock):
             s.close(linger=0)
         if self.auth is not None:
@@ -305,7 +328,7 @@ class Server:
             rec = self.workers[worker_id] = WorkerRecord(
                 first_seen=now, last_seen=now, last_seq=self.restored_seqs.get(worker_id, 0)
             )
-            log.info("worker %s joined", worker_id)
+            log.info("worker %s joined", worker_id, extra={"worker": worker_id})
         rec.last_seen = now
         return rec
 
@@ -313,7 +336,14 @@ class Server:
         self.rejected[code] += 1
         if sender is not None and sender in self.workers:
             self.workers[sender].rejected += 1
-        self._warn.warning(code, "rejected message from %s: %s: %s", sender or "?", code, message)
+        self._warn.warning(
+            code,
+            "rejected message from %s: %s: %s",
+            sender or "?",
+            code,
+            message,
+            extra={"worker": sender},
+        )
 
     def _gradients(self, msg: Message) -> list[np.ndarray]:
         """Check a push's tensors against the model; return them in variable order."""
@@ -340,8 +370,8 @@ class Server:
         return grads
 
     def _check_identity(self, user: str | None, claimed: str) -> None:
-        """With CURVE, a worker may only speak as the name of its key (ZAP User-Id)."""
-        if user != claimed:
+        """With CURVE, a worker may only speak as its key's name (ZAP User-Id) or NAME/..."""
+        if not security.may_speak_as(user, claimed):
             assert self.auth is not None
             self.auth.deny(security.R_IDENTITY, f"key {user!r} claimed to be {claimed!r}")
             raise ProtocolError(
@@ -395,9 +425,8 @@ class Server:
         if isinstance(loss, float | int) and np.isfinite(loss):
             rec.loss = float(loss)
             self.loss.update(float(loss))
-        stats = msg.body.get("stats")
-        if isinstance(stats, dict):
-            rec.reported = {k: v for k, v in stats.items() if isinstance(v, int | float)}
+        if "stats" in msg.body:
+            rec.reported = clean_reported(msg.body["stats"])
 
     # ------------------------------------------------------------ hello / pull
 
@@ -466,9 +495,8 @@ class Server:
 
     def _heartbeat(self, msg: Message) -> Message:
         rec = self._worker(msg.sender)
-        stats = msg.body.get("stats")
-        if isinstance(stats, dict):
-            rec.reported = {k: v for k, v in stats.items() if isinstance(v, int | float)}
+        if "stats" in msg.body:
+            rec.reported = clean_reported(msg.body["stats"])
         return Message(
             protocol.HEARTBEAT,
             "server",
@@ -547,6 +575,7 @@ class Server:
             "incarnation": self.incarnation,
             "restored_from": self.restored_from,
             "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None,
+            "eval": self.obs.eval_status(),
             **self.counters,
         }
 
@@ -558,6 +587,10 @@ class Server:
 
     def _serve_status(self) -> None:
         sock = self.status_sock
+        encoded: tuple[dict[str, Any], list[Any]] | None = None  # one encoding per snapshot
+        # A flooding client is paced, so it cannot take CPU (and the GIL) from the loop.
+        gap = 1.0 / self.config.status_max_per_s if self.config.status_max_per_s > 0 else 0.0
+        next_at = 0.0
         while not self._stop.is_set():
             if not sock.poll(100, zmq.POLLIN):
                 continue
@@ -569,11 +602,17 @@ class Server:
                         protocol.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket"
                     )
                 self.counters["status_requests"] += 1
-                reply = Message(protocol.STATUS, "server", body=self._published)
+                doc = self._published
+                if encoded is None or encoded[0] is not doc:
+                    encoded = (doc, protocol.encode(Message(protocol.STATUS, "server", body=doc)))
+                out = encoded[1]
             except ProtocolError as exc:
                 self.counters["status_rejected"] += 1  # only this thread writes it
-                reply = protocol.error_message(exc.code, exc.message)
-            sock.send_multipart(protocol.encode(reply))
+                out = protocol.encode(protocol.error_message(exc.code, exc.message))
+            sock.send_multipart(out)
+            if gap:
+                next_at = max(next_at, time.monotonic() - 20 * gap) + gap
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
 
 
 def _test_write_hook() -> Callable[[Path], None] | None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 
+from shared.config import PORT, at_least, positive
 from shared.logs import setup_logging
 
 log = logging.getLogger("downpour.worker")
@@ -13,7 +14,12 @@ log = logging.getLogger("downpour.worker")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``downpour worker``."""
-    p.add_argument("--server", default="127.0.0.1:5570", help="HOST:PORT of the server's REP port")
+    p.add_argument(
+        "--server",
+        type=endpoint,
+        default="127.0.0.1:5570",
+        help="HOST:PORT of the server's REP port",
+    )
     p.add_argument("--id", default="", help="worker id (default hostname-pid)")
     p.add_argument(
         "--model", default="shared.models:deep_mnist", help="module:function returning a ModelSpec"
@@ -22,28 +28,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data-dir",
         help="directory with the standard MNIST IDX files (default: embedded MNIST-5k)",
     )
-    p.add_argument("--steps", type=int, help="steps to train (overrides --epochs)")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training set")
-    p.add_argument("--n-fetch", type=int, default=1, help="pull weights every N steps")
-    p.add_argument("--n-push", type=int, default=1, help="push gradients every N steps (averaged)")
+    p.add_argument("--steps", type=at_least(1), help="steps to train (overrides --epochs)")
+    p.add_argument("--epochs", type=positive(), default=1.0, help="passes over the training set")
+    p.add_argument("--n-fetch", type=at_least(1), default=1, help="pull weights every N steps")
+    p.add_argument(
+        "--n-push", type=at_least(1), default=1, help="push gradients every N steps (averaged)"
+    )
     p.add_argument("--seed", type=int, help="data-order seed (default from the worker id)")
     p.add_argument(
-        "--request-timeout", type=float, default=10.0, help="seconds to wait for one reply"
+        "--request-timeout", type=positive(), default=10.0, help="seconds to wait for one reply"
     )
     p.add_argument(
         "--server-timeout",
-        type=float,
+        type=positive(),
         default=120.0,
         help="give up after the server is away this long",
     )
     p.add_argument(
         "--push-timeout",
-        type=float,
+        type=positive(),
         default=1.0,
         help="send timeout of one push at the high-water mark",
     )
     p.add_argument(
         "--push-endpoint",
+        type=endpoint,
         metavar="HOST:PORT",
         help="send gradients here instead of the port the server announces (NAT, port "
         "mappings, proxies)",
@@ -55,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pull weights synchronously instead of overlapping the pull with computation",
     )
     p.add_argument(
-        "--heartbeat", type=float, default=2.0, help="seconds of silence before a heartbeat"
+        "--heartbeat", type=positive(), default=2.0, help="seconds of silence before a heartbeat"
     )
     p.add_argument(
         "--key",
@@ -66,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server-key", metavar="FILE", help="the server's CURVE public key (server.key)"
     )
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log-every", type=at_least(0), default=50, help="steps between log lines")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
 
 
 def parse_server(s: str) -> tuple[str, int]:
@@ -79,13 +89,21 @@ def parse_server(s: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def endpoint(s: str) -> str:
+    """argparse type of --server and --push-endpoint: HOST:PORT with a port in 0..65535."""
+    try:
+        PORT(parse_server(s)[1])
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not HOST:PORT with a port in 0..65535"
+        ) from None
+    return s
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the worker, train, print a one-line JSON summary on stdout."""
-    setup_logging("worker", args.log_level)
-    if args.n_fetch < 1 or args.n_push < 1:
-        log.error("--n-fetch and --n-push must be >= 1")
-        return 2
-    from shared.security import SecurityError, client_keys_from_args
+    setup_logging("worker", args.log_level, args.log_format)
+    from shared.security import SecurityError, client_keys_from_args, may_speak_as
 
     try:  # before TensorFlow is imported: bad keys fail at once
         keys = client_keys_from_args(args.key, args.server_key)
@@ -94,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if keys is not None and not args.id:
         args.id = keys.keypair.name  # the server binds pushes to the key's name
-    elif keys is not None and args.id != keys.keypair.name:
+    elif keys is not None and not may_speak_as(keys.keypair.name, args.id):
         log.warning(
-            "--id %s differs from the key's name %s: the server refuses a worker id that is "
-            "not the name its key is listed under",
+            "--id %s is neither the key's name %s nor NAME/INSTANCE: the server refuses a "
+            "worker id that is not the name its key is listed under",
             args.id,
             keys.keypair.name,
         )

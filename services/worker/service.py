@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -30,7 +31,8 @@ import zmq
 from services.worker.step import Accumulator, GradientStep
 from shared import protocol, security
 from shared.data import Dataset
-from shared.logs import RateLimitedLog
+from shared.logs import RateLimitedLog, set_log_context
+from shared.metrics import Rate, new_worker_stats
 from shared.models import ModelSpec, build_model, fingerprint
 from shared.protocol import Message
 from shared.transport import (
@@ -185,19 +187,9 @@ class Worker:
         self.push_port: int | None = None
         self._stop = threading.Event()
         self._warn = RateLimitedLog(log)
-        self.stats: dict[str, float] = {
-            "compute_ms": 0.0,
-            "push_ms": 0.0,
-            "pull_ms": 0.0,
-            "bytes_sent": 0,
-            "backpressure": 0,
-            "pulls": 0,
-            "pulls_unchanged": 0,
-            "pushes": 0,
-            "reconnects": 0,
-            "steps_per_s": 0.0,
-            "dropped": 0,
-        }
+        # Sent with every push and heartbeat; names and units: shared.metrics.WORKER_REPORTED.
+        self.stats: dict[str, float] = new_worker_stats()
+        self._step_rate = Rate(10.0)
         self.ctx = make_context(config.io_threads)
         self.req = self.new_client()
         self.fetcher: Fetcher | None = None
@@ -403,6 +395,7 @@ class Worker:
         loss = float("nan")
         base_version = 0
         step = 0
+        set_log_context(worker=self.id, version=lambda: self.version)
         self.hello()
         self.install(self.call(self.req, self.pull_message(-1)), time.perf_counter())
         self.fetcher = Fetcher(self)
@@ -419,7 +412,10 @@ class Worker:
             self.stats["compute_ms"] = 1e3 * (time.perf_counter() - t0)
             acc.add(grads)
             step += 1
-            self.stats["steps_per_s"] = step / max(time.monotonic() - started, 1e-9)
+            self._step_rate.mark()
+            self.stats["steps_per_s"] = round(self._step_rate.per_second(), 3)
+            if math.isfinite(loss):
+                self.stats["loss"] = loss
             if acc.count >= cfg.n_push:
                 self.push(acc.take(), base_version, loss, step, self.spec.batch_size)
             if cfg.log_every and step % cfg.log_every == 0:

@@ -1,0 +1,178 @@
+"""``--metrics-port``: the server's figures on ``/metrics`` for Prometheus.
+
+A custom collector turns the *published* status document (the snapshot the loop swaps in a
+few times a second for the status thread) into metric families on each scrape, so a scrape
+never reads the loop's live state and never takes a lock the loop needs. Names and units come
+from the catalogue in ``shared.metrics``; per-worker series carry the label ``worker``.
+
+The endpoint is plain HTTP without authentication; it binds loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from shared import metrics as m
+
+log = logging.getLogger("downpour.server")
+
+WORKER_STATES = ("alive", "missing", "gone")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _family(info: m.MetricInfo, labels: list[str] | None = None) -> Metric:
+    cls = CounterMetricFamily if info.kind == m.COUNTER else GaugeMetricFamily
+    return cls(info.name, info.help, labels=labels, unit=info.unit)
+
+
+class SnapshotCollector(Collector):
+    """Builds the metric families from the status document ``get_doc()`` returns."""
+
+    def __init__(self, get_doc: Callable[[], dict[str, Any]]) -> None:
+        self.get_doc = get_doc
+
+    def describe(self) -> list[Metric]:
+        """Nothing up front: the families depend on the document (workers come and go)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per catalogue entry present in the current document."""
+        doc = self.get_doc() or {}
+        info = GaugeMetricFamily(
+            "downpour_server_info",
+            "The model this server holds (value always 1).",
+            labels=["model", "fingerprint", "incarnation", "protocol"],
+        )
+        info.add_metric(
+            [
+                str(doc.get("model", "")),
+                str(doc.get("fingerprint", "")),
+                str(doc.get("incarnation", "")),
+                str(doc.get("protocol", "")),
+            ],
+            1,
+        )
+        yield info
+        for mi in m.SERVER_METRICS:
+            v = _number(doc.get(mi.key))
+            if v is not None:
+                fam = _family(mi)
+                fam.add_metric([], v * mi.scale)
+                yield fam
+        yield from self._staleness(doc.get(m.STALENESS.key))
+        for mi in (m.REJECTED, m.AUTH_DENIED):
+            fam = _family(mi, ["reason"])
+            for reason, n in sorted((doc.get(mi.key) or {}).items()):
+                fam.add_metric([str(reason)], float(n))
+            yield fam
+        yield from self._eval(doc.get("eval"))
+        yield from self._workers(doc.get("workers") or {})
+        yield from self._checkpoints(doc.get("checkpoints"))
+
+    def _staleness(self, st: dict[str, Any] | None) -> Iterator[Metric]:
+        if not st:
+            return
+        buckets, total = [], 0.0
+        for bound, count in st.get("buckets", []):
+            total += count
+            le = "+Inf" if bound == "+Inf" else floatToGoString(bound)
+            buckets.append((le, total))
+        fam = HistogramMetricFamily(m.STALENESS.name, m.STALENESS.help)
+        fam.add_metric([], buckets, sum_value=float(st.get("sum", 0.0)))
+        yield fam
+
+    def _eval(self, ev: dict[str, Any] | None) -> Iterator[Metric]:
+        if not ev:
+            return
+        for mi in m.EVAL_METRICS:
+            v = _number(ev.get(mi.key))
+            if v is not None:
+                fam = _family(mi)
+                fam.add_metric([], v * mi.scale)
+                yield fam
+
+    def _workers(self, workers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "downpour_worker_state",
+            "1 for the worker's current state (alive, missing, gone), 0 for the others.",
+            labels=["worker", "state"],
+        )
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        for wid, w in sorted(workers.items()):
+            current = w.get("state")
+            counts[current] = counts.get(current, 0) + 1
+            for s in WORKER_STATES:
+                state.add_metric([wid, s], 1.0 if s == current else 0.0)
+        yield state
+        by_state = GaugeMetricFamily(
+            "downpour_workers", "Workers known to the server, by state.", labels=["state"]
+        )
+        for s, n in counts.items():
+            by_state.add_metric([s], float(n))
+        yield by_state
+        for source, catalogue in ((None, m.WORKER_METRICS), ("reported", m.WORKER_REPORTED)):
+            for mi in catalogue:
+                fam = _family(mi, ["worker"])
+                for wid, w in sorted(workers.items()):
+                    figures = (w.get(source) or {}) if source else w
+                    v = _number(figures.get(mi.key))
+                    if v is not None:
+                        fam.add_metric([wid], v * mi.scale)
+                yield fam
+
+    def _checkpoints(self, cp: dict[str, Any] | None) -> Iterator[Metric]:
+        if not cp:
+            return
+        written = CounterMetricFamily("downpour_checkpoints_written", "Checkpoints written.")
+        written.add_metric([], float(cp.get("written", 0)))
+        failed = CounterMetricFamily("downpour_checkpoint_failures", "Checkpoint writes failed.")
+        failed.add_metric([], float(cp.get("failed", 0)))
+        yield written
+        yield failed
+
+
+class MetricsExporter:
+    """Serves ``/metrics`` over HTTP from its own threads; ``port`` is the bound port."""
+
+    def __init__(self, get_doc: Callable[[], dict[str, Any]], host: str, port: int) -> None:
+        from prometheus_client import PlatformCollector, ProcessCollector
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(get_doc))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, fds
+        PlatformCollector(registry=self.registry)  # python_info
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host = host
+        self.port = int(self._httpd.server_port)
+
+    def close(self) -> None:
+        """Stop serving and release the port (bounded)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=2.0)
+
+
+def render_text(get_doc: Callable[[], dict[str, Any]]) -> str:
+    """The exposition text for a document, without HTTP (tests, debugging)."""
+    from prometheus_client import generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(get_doc))
+    return generate_latest(registry).decode()

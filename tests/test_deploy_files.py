@@ -1,0 +1,139 @@
+"""Docker and Kubernetes deployment files (issue 9), checked offline: no engine, no cluster.
+
+- Dockerfile: hadolint reports nothing at warning level or above.
+- compose.yaml: valid against the Compose specification schema (check-jsonschema's vendored
+  copy), plus what ``--scale worker=N`` needs: no container name and no host port on workers.
+- deploy/k8s/*.yaml: every object valid for KUBERNETES_VERSIONS (kubernetes-validate, strict:
+  unknown fields are errors), plus the shape the README promises.
+
+The linters come from PyPI with the test extra (``pip install -e '.[test]'``); a test whose
+tool is missing is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import ROOT
+
+DOCKER = ROOT / "deploy" / "docker"
+K8S = ROOT / "deploy" / "k8s"
+# The oldest Kubernetes release we state support for, and the newest the validator knows.
+KUBERNETES_VERSIONS = ["1.29.0", "1.37.0"]
+
+
+def tool(name: str) -> str:
+    """A linter from this virtualenv or PATH, or skip the test saying how to install it."""
+    here = Path(sys.prefix) / "bin" / name
+    found = str(here) if os.access(here, os.X_OK) else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} not installed: pip install -e '.[test]' (make test does)")
+    return found
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    """Run a checker; bounded."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    """The YAML documents of a file."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+# ---------------------------------------------------------------- Docker
+
+
+def test_dockerfile_has_no_hadolint_warnings() -> None:
+    r = run(tool("hadolint"), "--failure-threshold", "warning", str(DOCKER / "Dockerfile"))
+    assert r.returncode == 0 and r.stdout.strip() == "", r.stdout + r.stderr
+
+
+def test_dockerfile_is_multi_stage_non_root_with_a_status_healthcheck() -> None:
+    lines = [ln.strip() for ln in (DOCKER / "Dockerfile").read_text().splitlines()]
+    froms = [ln for ln in lines if ln.startswith("FROM ")]
+    assert len(froms) >= 2 and all("-slim" in ln for ln in froms)
+    assert any(ln.startswith("COPY --from=build") for ln in lines)
+    user = next(ln for ln in reversed(lines) if ln.startswith("USER "))
+    assert user.split()[1].split(":")[0] not in ("0", "root")
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("HEALTHCHECK"))
+    assert '"downpour", "status"' in " ".join(lines[i : i + 3])
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    checker = tool("check-jsonschema")
+    r = run(checker, "--builtin-schema", "vendor.compose-spec", str(DOCKER / "compose.yaml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_compose_schema_check_does_catch_mistakes(tmp_path: Path) -> None:
+    broken = tmp_path / "compose.yaml"
+    text = (DOCKER / "compose.yaml").read_text()
+    broken.write_text(text.replace("stop_grace_period:", "stop_grace_perod:"))
+    r = run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(broken))
+    assert r.returncode != 0 and "stop_grace_perod" in r.stdout
+
+
+def test_compose_scales_workers_and_keeps_keys_and_state_out_of_the_image() -> None:
+    doc = documents(DOCKER / "compose.yaml")[0]
+    server, worker = doc["services"]["server"], doc["services"]["worker"]
+    for key in ("container_name", "ports", "hostname"):
+        assert key not in worker, f"worker {key} would break --scale worker=N"
+    assert any(v.startswith("state:") for v in server["volumes"]) and "state" in doc["volumes"]
+    secrets = {s["source"] for s in server["secrets"]} | {s["source"] for s in worker["secrets"]}
+    assert secrets == set(doc["secrets"])
+    assert server["environment"]["DOWNPOUR_KEY"].startswith("/run/secrets/")
+    assert worker["environment"]["DOWNPOUR_KEY"].startswith("/run/secrets/")
+    assert server["healthcheck"]["test"][1:3] == ["downpour", "status"]
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_manifests_validate(version: str) -> None:
+    manifests = sorted(str(p) for p in K8S.glob("*.yaml"))
+    assert len(manifests) >= 3
+    r = run(tool("kubernetes-validate"), "--strict", "-k", version, *manifests)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "passed" in r.stdout + r.stderr
+
+
+def test_the_kubernetes_check_does_catch_mistakes(tmp_path: Path) -> None:
+    broken = tmp_path / "server.yaml"
+    text = (K8S / "server.yaml").read_text()
+    broken.write_text(text.replace("terminationGracePeriodSeconds:", "terminationGracePeriod:"))
+    r = run(tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSIONS[0], str(broken))
+    assert r.returncode != 0 and "terminationGracePeriod" in r.stdout + r.stderr
+
+
+def test_kubernetes_objects_are_the_ones_the_readme_describes() -> None:
+    objects = {
+        (d["kind"], d["metadata"]["name"]): d for p in K8S.glob("*.yaml") for d in documents(p)
+    }
+    service = objects[("Service", "downpour-server")]
+    assert service["spec"]["clusterIP"] == "None"  # headless: downpour-server-N.downpour-server
+    sts = objects[("StatefulSet", "downpour-server")]["spec"]
+    assert sts["serviceName"] == "downpour-server"
+    assert sts["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
+    server = sts["template"]["spec"]["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert server[probe]["exec"]["command"][:2] == ["downpour", "status"]
+    assert server["resources"]["requests"]
+    workers = objects[("Deployment", "downpour-worker")]["spec"]["template"]["spec"]
+    worker = workers["containers"][0]
+    assert worker["resources"]["requests"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["DOWNPOUR_SERVER"].startswith("downpour-server-0.downpour-server:")
+    assert env["DOWNPOUR_ID"] == "pool/$(POD_NAME)"  # one id per pod, one shared key
+    kinds = {kind for kind, _ in objects}
+    assert "Secret" in kinds
+    for spec in (sts["template"]["spec"], workers):
+        assert spec["securityContext"]["runAsNonRoot"] is True

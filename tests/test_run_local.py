@@ -1,0 +1,63 @@
+"""``downpour run-local`` end to end on a tiny model: the run directory has every file the
+plots need, and the plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, env
+
+
+def test_run_local_writes_history_status_tensorboard_and_plots(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "run-local",
+            "--model",
+            "tiny_models:tiny",
+            "--workers",
+            "2",
+            "--steps",
+            "150",
+            "--server-eval-every",
+            "50",
+            "--no-progress",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr + (run_dir / "server.log").read_text()
+    lines = out.stdout.splitlines()
+    assert lines[-1].startswith("held-out accuracy: ")
+    metrics_line = next(line for line in lines if line.startswith("metrics: http://127.0.0.1:"))
+    assert metrics_line.endswith("/metrics")
+
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["updates_applied"] == 300 and set(status["workers"]) == {"worker-0", "worker-1"}
+    assert status["eval"]["version"] >= 50  # the server evaluated during the run
+
+    with open(run_dir / "history.csv", newline="") as f:
+        history = list(csv.DictReader(f))
+    assert {"eval_version", "eval_accuracy"} <= set(history[0])
+    assert any(r["eval_accuracy"] for r in history)
+    with open(run_dir / "workers.csv", newline="") as f:
+        workers = list(csv.DictReader(f))
+    assert {r["worker"] for r in workers} == {"worker-0", "worker-1"}
+    assert any(float(r["steps_per_s"] or 0) > 0 for r in workers)
+
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    for name in ("training.png", "staleness.png", "throughput.png"):
+        assert (run_dir / name).stat().st_size > 10_000, name
+        assert f"plot: {run_dir / name}" in lines
