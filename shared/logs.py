@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -148,3 +149,14 @@ class RateLimitedLog:
                 extra={"suppressed": n},
             )
         self.suppressed.clear()
+
+
+def stop_on_signals(stop: Callable[[], None], logger: logging.Logger) -> None:
+    """SIGTERM and SIGINT call ``stop`` (a clean stop, not an exception); main thread only."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        logger.info("received %s, stopping", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

@@ -28,7 +28,7 @@ from services.server.checkpoint import restore as restore_checkpoint
 from services.server.observe import Observers
 from services.server.state import ParameterState
 from shared import protocol, security, systemd
-from shared.logs import RateLimitedLog, set_log_context
+from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
 from shared.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter, clean_reported
 from shared.models import ModelSpec
 from shared.protocol import Message, ProtocolError
@@ -232,13 +232,7 @@ class Server:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the server cleanly (main thread only)."""
-
-        def handler(signum: int, _frame: Any) -> None:
-            log.info("received %s, stopping", signal.Signals(signum).name)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        stop_on_signals(self.stop, log)
         if (auth := self.auth) is not None:  # SIGHUP: re-read the allow-lists (key rotation)
             signal.signal(signal.SIGHUP, lambda _signum, _frame: auth.request_reload())
 

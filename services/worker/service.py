@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import queue
-import signal
 import socket
 import threading
 import time
@@ -31,7 +30,7 @@ import zmq
 from services.worker.step import Accumulator, GradientStep
 from shared import protocol, security
 from shared.data import Dataset
-from shared.logs import RateLimitedLog, set_log_context
+from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
 from shared.metrics import Rate, new_worker_stats
 from shared.models import ModelSpec, build_model, fingerprint
 from shared.protocol import Message
@@ -209,13 +208,7 @@ class Worker:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the worker cleanly (main thread only)."""
-
-        def handler(signum: int, _frame: Any) -> None:
-            log.info("received %s, stopping", signal.Signals(signum).name)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        stop_on_signals(self.stop, log)
 
     def close(self) -> None:
         """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
