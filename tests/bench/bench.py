@@ -1,0 +1,239 @@
+"""``make bench``: downpour measured side by side with its floors and baselines, in one run.
+
+    .venv/bin/python tests/bench/bench.py [--quick | --smoke] [--out bench-results.json]
+
+Four sections on the default Deep-MNIST model (13.1 MB of float32 parameters), each with
+warm-up and the median of several repetitions, the compared variants interleaved or run
+back to back so that machine noise hits them alike (ratios, not absolute times, are the
+result):
+
+1. wire: np.copyto of the gradient list against encode -> ZeroMQ tcp://127.0.0.1 -> decode
+2. seed gradients: one compiled evaluation per variable against the one-pass GradientStep
+3. server: bare ParameterState.apply (XLA and graph) against a real server under a flood;
+   the apply time against the memory-traffic floor; pull latency during the flood
+4. end to end: steps/s of local training, 1 and 2 downpour workers, TF ParameterServerStrategy
+
+Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
+Modes: full (default, < 15 min), ``--quick`` (< 3 min), ``--smoke`` (one repetition, a few
+steps: for the test that checks the bench runs, not for numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parents[1]))
+
+import bench_e2e  # noqa: E402
+import bench_seed  # noqa: E402
+import bench_server  # noqa: E402
+import bench_wire  # noqa: E402
+from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
+
+from shared.data import load_mnist_5k  # noqa: E402
+from shared.models import build_model, load_spec  # noqa: E402
+
+REQUIRED: dict[str, list[str]] = {
+    "wire": ["memcpy_ms", "push_decode_ms", "ratio_to_memcpy"],
+    "seed_gradients": ["per_variable_ms", "one_pass_ms", "speedup"],
+    "server": [
+        "bare_apply_per_s",
+        "server_apply_per_s",
+        "ratio",
+        "apply_ms",
+        "apply_floor_ms",
+        "pull_p50_ms",
+        "pull_p99_ms",
+    ],
+    "end_to_end": [
+        "local_steps_per_s",
+        "downpour_1w_steps_per_s",
+        "downpour_2w_steps_per_s",
+        "tf_pss_1w_steps_per_s",
+        "ratio_1w_vs_local",
+        "ratio_1w_vs_tf_pss",
+    ],
+}
+
+
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured value, the bound and whether it is met."""
+    w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
+    rows = [
+        ("wire ratio_to_memcpy", w["ratio_to_memcpy"], "<=", 3.0),
+        ("seed speedup", s["speedup"], ">=", 3.5),
+        ("server ratio", v["ratio"], ">=", 0.85),
+        ("apply_ms / apply_floor_ms", v["apply_ms"] / v["apply_floor_ms"], "<=", 1.5),
+        (
+            "pull_p99_ms / (2 x (apply_ms + transfer))",
+            v["pull_p99_ms"] / v["pull_p99_bound_ms"],
+            "<=",
+            1.0,
+        ),
+        ("ratio_1w_vs_local", e["ratio_1w_vs_local"], ">=", 1.0),
+        ("ratio_1w_vs_tf_pss", e["ratio_1w_vs_tf_pss"], ">=", 1.5),
+    ]
+    out = []
+    for name, value, op, bound in rows:
+        met = value <= bound if op == "<=" else value >= bound
+        out.append({"target": name, "value": value, "op": op, "bound": bound, "met": bool(met)})
+    return out
+
+
+def _fmt_list(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def table(r: dict[str, Any]) -> str:
+    """The results as a Markdown table (also what the README's Performance section shows)."""
+    w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
+    lines = [
+        "| section | measurement | value |",
+        "|---|---|---|",
+        f"| wire | memcpy of the gradient list (np.copyto) | {w['memcpy_ms']:.2f} ms "
+        f"({w['memcpy_gb_per_s']:.1f} GB/s) |",
+        f"| wire | encode + ZMQ tcp loopback + decode | {w['push_decode_ms']:.2f} ms "
+        f"({w['wire_gb_per_s']:.1f} GB/s) |",
+        f"| wire | **ratio to memcpy** | **{w['ratio_to_memcpy']:.2f}x** |",
+        f"| wire | same frames, raw pyzmq (no encode/decode) | {w['raw_zmq_tcp_ms']:.2f} ms "
+        f"({w['raw_zmq_tcp_ratio_to_memcpy']:.2f}x memcpy) |",
+        f"| wire | encode + ZMQ ipc:// + decode (comparison) | {w['ipc_push_decode_ms']:.2f} ms "
+        f"({w['ipc_ratio_to_memcpy']:.2f}x memcpy) |",
+        f"| seed | one compiled evaluation per variable ({s['variables']} calls) "
+        f"| {s['per_variable_ms']:.1f} ms/batch |",
+        f"| seed | one-pass GradientStep | {s['one_pass_ms']:.1f} ms/batch |",
+        f"| seed | **speedup** (traced once each) | **{s['speedup']:.2f}x** |",
+        f"| server | bare apply, XLA / graph | {v['apply_ms_xla']:.2f} / "
+        f"{v['apply_ms_graph']:.2f} ms (XLA {v['xla_speedup']:.2f}x faster) |",
+        f"| server | apply floor (7 x 13.1 MB at memcpy rate) | {v['apply_floor_ms']:.2f} ms "
+        f"(apply = {v['apply_ms'] / v['apply_floor_ms']:.2f}x floor) |",
+        f"| server | bare apply loop | {v['bare_apply_per_s']:.1f} applies/s |",
+        f"| server | real server under a flood | {v['server_apply_per_s']:.1f} applies/s |",
+        f"| server | **ratio server / bare** | **{v['ratio']:.2f}** |",
+        f"| server | CPU during the flood: server / pusher | {v['server_cpu_cores']:.2f} / "
+        f"{v['pusher_cpu_cores']:.2f} cores ({v['server_cpu_ms_per_apply']:.1f} ms per apply; "
+        f"bare apply {v['bare_apply_cpu_cores']:.2f} cores) |",
+        f"| server | pull latency under the flood p50 / p99 | {v['pull_p50_ms']:.1f} / "
+        f"{v['pull_p99_ms']:.1f} ms (bound {v['pull_p99_bound_ms']:.1f} ms) |",
+        f"| server | pull latency, server idle p50 / p99 | {v['pull_idle_p50_ms']:.1f} / "
+        f"{v['pull_idle_p99_ms']:.1f} ms |",
+        f"| e2e | local training (one process) | {e['local_steps_per_s']:.2f} steps/s |",
+        f"| e2e | downpour 1 worker + server | {e['downpour_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | downpour 2 workers + server | {e['downpour_2w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | TF ParameterServerStrategy 1 worker + 1 PS | "
+        f"{e['tf_pss_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | CPU busy: local / downpour 1w / 2w (workers + server) | "
+        f"{e['local_cpu_cores']:.2f} / {e['downpour_1w_cpu_cores']:.2f} / "
+        f"{e['downpour_2w_cpu_cores']:.2f} cores |",
+        f"| e2e | **downpour 1w / local** | **{e['ratio_1w_vs_local']:.2f}** "
+        f"(per round: {_fmt_list(e['ratio_1w_vs_local_per_round'])}) |",
+        f"| e2e | **downpour 1w / TF PSS** | **{e['ratio_1w_vs_tf_pss']:.2f}** "
+        f"(per round: {_fmt_list(e['ratio_1w_vs_tf_pss_per_round'])}) |",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+    ]
+    for t in r["targets"]:
+        lines.append(
+            f"| {t['target']} | {t['value']:.2f} | {t['op']} {t['bound']} "
+            f"| {'yes' if t['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def check(r: dict[str, Any]) -> list[str]:
+    """Required keys missing or not finite positive numbers (empty when all are fine)."""
+    bad = [k for k in ("date", "machine") if k not in r]
+    for section, keys in REQUIRED.items():
+        for k in keys:
+            x = r.get(section, {}).get(k)
+            if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
+                bad.append(f"{section}.{k}={x!r}")
+    return bad
+
+
+def run(plan: Plan, logdir: Path) -> dict[str, Any]:
+    """All four sections under ``plan``; child process logs go to ``logdir``."""
+    t_start = time.monotonic()
+    spec = load_spec("shared.models:deep_mnist")
+    data = load_mnist_5k()
+    model = build_model(spec, seed=0)
+    names = [v.path for v in model.trainable_variables]
+    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
+    del model
+    grads = bench_wire.gradient_list(shapes)
+    result: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "mode": plan.name,
+        "machine": machine(),
+        "model": spec.name,
+        "batch_size": spec.batch_size,
+    }
+    timings = {}
+    with Procs(logdir) as procs:
+        t = time.monotonic()
+        log("[1/4] wire")
+        result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
+        timings["wire"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[2/4] seed gradients")
+        result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
+        timings["seed_gradients"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[3/4] server")
+        result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
+        timings["server"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[4/4] end to end")
+        result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
+        timings["end_to_end"] = time.monotonic() - t
+    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["targets"] = targets(result)
+    result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}
+    result["total_seconds"] = round(time.monotonic() - t_start, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run, print the table, write the JSON; 1 if a required figure is bad."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer repetitions (< 3 min)")
+    mode.add_argument("--smoke", action="store_true", help="one repetition, a few steps")
+    p.add_argument("--out", default="bench-results.json", help="where to write the JSON")
+    args = p.parse_args(argv)
+    plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
+    logdir = Path(tempfile.mkdtemp(prefix="downpour-bench-"))
+    try:
+        result = run(plan, logdir)
+    except BaseException:
+        print(f"bench failed; child process logs kept in {logdir}", file=sys.stderr)
+        raise
+    shutil.rmtree(logdir, ignore_errors=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print()
+    print(f"downpour bench ({plan.name}) {result['date']} on {result['machine']['summary']}")
+    print(table(result))
+    print(f"\nwrote {args.out} in {result['total_seconds']:.0f} s")
+    bad = check(result)
+    if bad:
+        print(f"missing or invalid figures: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

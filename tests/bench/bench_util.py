@@ -1,0 +1,264 @@
+"""Shared pieces of the benchmark: run plans, timing, machine description, child processes.
+
+Every wait here is bounded and every process started through ``Procs`` is stopped when its
+``with`` block ends, whatever happened inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr with the seconds since the bench started."""
+    print(f"[{time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure: repetitions per section and the length of timed windows.
+
+    End to end, every set-up is measured ``e2e_rounds`` times in turn (local, 1 worker,
+    2 workers, TF), so that a slow spell on a shared machine hits all of them alike.
+    """
+
+    name: str
+    wire_reps: int
+    seed_reps: int
+    apply_reps: int
+    flood_warmup_s: float
+    flood_windows: int
+    flood_window_s: float
+    pulls: int
+    e2e_warmup_steps: int
+    e2e_windows: int
+    e2e_window_s: float
+    local_window_steps: int
+    pss_warmup_steps: int
+    pss_window_steps: int
+    e2e_rounds: int
+
+
+PLANS = {
+    "smoke": Plan("smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1),
+    "quick": Plan("quick", 30, 8, 18, 2.0, 3, 2.0, 60, 8, 3, 2.5, 25, 15, 25, 1),
+    "full": Plan("full", 200, 30, 100, 3.0, 5, 4.0, 300, 10, 4, 5.0, 50, 20, 50, 3),
+}
+
+
+def median(xs: list[float]) -> float:
+    """The median of a non-empty list."""
+    return float(statistics.median(xs))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation, of a non-empty list."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 2) -> list[float]:
+    """Wall-clock milliseconds of ``reps`` calls of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, memory and software versions of this machine."""
+    import numpy as np
+    import tensorflow as tf
+    import zmq
+
+    cpu = "unknown"
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu == "unknown":
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    mem_kb = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    simd = [f for f in ("avx", "avx2", "fma", "avx512f") if f in flags]
+    hypervisor = "hypervisor" in flags
+    return {
+        "cpu": cpu,
+        "simd": simd,
+        "virtualised": hypervisor,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "tensorflow": tf.__version__,
+        "numpy": np.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "summary": f"{cpu}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB, "
+        f"TensorFlow {tf.__version__}",
+    }
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (all threads; None: this one)."""
+    if pid is None:
+        return time.process_time()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for TensorFlow's gRPC servers)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    """Environment for child processes: the repo importable, TensorFlow's chatter off."""
+    path = os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests" / "bench"), os.environ.get("PYTHONPATH", "")]
+    )
+    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+
+
+class Procs:
+    """Starts child processes with their output in log files; stops them all on exit.
+
+    Use as a context manager: leaving the block (normally or by an exception, Ctrl-C
+    included) sends SIGTERM to every child still running, waits a bounded time, then kills.
+    """
+
+    def __init__(self, logdir: Path, stop_timeout_s: float = 20.0) -> None:
+        self.logdir = logdir
+        self.stop_timeout_s = stop_timeout_s
+        self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def start(self, args: list[str], name: str) -> tuple[subprocess.Popen[bytes], Path]:
+        """Start ``python args...`` in the repo root; stdout and stderr go to ``name``.log."""
+        log = self.logdir / f"{len(self.procs):02d}-{name}.log"
+        out = self.logdir / f"{len(self.procs):02d}-{name}.out"
+        with open(log, "wb") as err, open(out, "wb") as stdout:
+            proc = subprocess.Popen(
+                [sys.executable, *args], stdout=stdout, stderr=err, env=child_env(), cwd=ROOT
+            )
+        self.procs.append((proc, log))
+        return proc, out
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float | None = None) -> int:
+        """SIGTERM, wait at most ``timeout_s``, then SIGKILL; returns the exit code."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s or self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        """Stop every child that is still running (terminate all first, then wait for each)."""
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in self.procs:
+            self.stop(proc)
+
+    def log_tail(self, proc: subprocess.Popen[bytes], lines: int = 30) -> str:
+        """The last lines of a child's stderr log, for error messages."""
+        for p, log in self.procs:
+            if p is proc:
+                return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, timeout_s: float) -> dict[str, Any]:
+    """The server's ready-file JSON; fails if the server exits or is not ready in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready_file.exists():
+            return json.loads(ready_file.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        time.sleep(0.1)  # polling a file for a bounded time
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+def start_server(
+    procs: Procs, name: str, port: int = 0, wait: bool = True
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start ``downpour server`` (Deep-MNIST, Adam 1e-3) on loopback; wait for it if ``wait``.
+
+    ``port`` 0 picks a free REP port; a fixed one lets workers start at the same time as the
+    server (they retry until it answers). Push and status ports are always picked free.
+    """
+    ready = procs.logdir / f"ready-{len(procs.procs):02d}-{name}.json"  # unique per start
+    proc, _ = procs.start(
+        [
+            "-m",
+            "services.cli",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--push-port",
+            "0",
+            "--status-port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+        ],
+        name,
+    )
+    return proc, (server_ready(procs, proc, ready) if wait else {"ready_file": str(ready)})
+
+
+def server_ready(
+    procs: Procs, proc: subprocess.Popen[bytes], ready: Path, timeout_s: float = 180.0
+) -> dict[str, Any]:
+    """The ready-file info of a server started by ``start_server``; bounded wait."""
+    try:
+        return wait_ready(proc, ready, timeout_s)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}; server log:\n{procs.log_tail(proc)}") from None
+
+
+def status_endpoint(info: dict[str, Any]) -> str:
+    """The status socket of a server from its ready-file info."""
+    return f"tcp://127.0.0.1:{info['status_port']}"

@@ -1,0 +1,129 @@
+"""Section 1, the wire: one push of the gradient list against the memcpy floor.
+
+The floor is ``np.copyto`` of every gradient into a pre-allocated array. The push is what a
+worker and the server do: ``protocol.encode``, a ZeroMQ PUSH sent with ``copy=False`` over
+tcp://127.0.0.1 to a PULL received with ``copy=False``, and ``protocol.decode`` back to arrays.
+For comparison it also times the same frames through raw pyzmq (no encode/decode: what the
+protocol costs) and the protocol over ipc:// (what the TCP loopback costs).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import numpy as np
+import zmq
+from bench_util import median, percentile, time_ms
+
+from shared import protocol
+from shared.protocol import Message
+from shared.transport import make_context
+
+RECV_TIMEOUT_MS = 10_000
+
+
+def gradient_list(shapes: list[tuple[int, ...]], seed: int = 0) -> list[np.ndarray]:
+    """Small random float32 gradients of the given shapes (finite, realistic magnitudes)."""
+    rng = np.random.default_rng(seed)
+    return [(1e-3 * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+
+
+class Loopback:
+    """A PUSH -> PULL pair with the project's context settings, over tcp://127.0.0.1.
+
+    ``ipc=True`` uses a Unix domain socket instead (for comparison only: the project's
+    services talk TCP).
+    """
+
+    def __init__(self, ipc: bool = False) -> None:
+        self.ctx = make_context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.tmp: tempfile.TemporaryDirectory[str] | None = None
+        if ipc:
+            self.tmp = tempfile.TemporaryDirectory(prefix="downpour-bench-")
+            endpoint = f"ipc://{self.tmp.name}/wire"
+            self.pull.bind(endpoint)
+        else:
+            port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+            endpoint = f"tcp://127.0.0.1:{port}"
+        self.push.connect(endpoint)
+
+    def roundtrip(self, frames: list[Any]) -> list[zmq.Frame]:
+        """Send frames (copy=False) and receive them (copy=False); bounded wait."""
+        self.push.send_multipart(frames, copy=False)
+        if not self.pull.poll(RECV_TIMEOUT_MS, zmq.POLLIN):
+            raise TimeoutError("loopback message not received within 10 s")
+        return self.pull.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        """Close both sockets and the context."""
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
+    """memcpy_ms, push_decode_ms (medians over ``reps``) and their ratio."""
+    payload = sum(g.nbytes for g in grads)
+    limits = protocol.DEFAULT_LIMITS.for_payload(payload)
+    dst = [np.empty_like(g) for g in grads]
+
+    def memcpy() -> None:
+        for d, g in zip(dst, grads, strict=True):
+            np.copyto(d, g)
+
+    links = {"tcp": Loopback(), "ipc": Loopback(ipc=True)}
+    seq = [0]
+
+    def push_decode(link: Loopback) -> None:
+        seq[0] += 1
+        msg = Message(
+            protocol.PUSH,
+            "bench",
+            seq=seq[0],
+            body={"loss": 0.0, "batch_size": 50, "steps": seq[0]},
+            tensors=dict(zip(names, grads, strict=True)),
+        )
+        out = protocol.decode(link.roundtrip(protocol.encode(msg)), limits)
+        if len(out.tensors) != len(grads):
+            raise RuntimeError("decoded message lost tensors")
+
+    def raw_tcp() -> None:
+        links["tcp"].roundtrip(grads)
+
+    variants = {
+        "memcpy": memcpy,
+        "push_decode": lambda: push_decode(links["tcp"]),
+        "raw_tcp": raw_tcp,
+        "ipc_push_decode": lambda: push_decode(links["ipc"]),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    try:
+        for fn in variants.values():
+            time_ms(fn, 0, warmup=3)
+        for _ in range(reps):  # interleaved, so that machine noise hits all alike
+            for k, fn in variants.items():
+                samples[k] += time_ms(fn, 1, warmup=0)
+    finally:
+        for link in links.values():
+            link.close()
+    m = {k: median(v) for k, v in samples.items()}
+    return {
+        "payload_bytes": payload,
+        "memcpy_ms": m["memcpy"],
+        "memcpy_gb_per_s": payload / m["memcpy"] / 1e6,
+        "push_decode_ms": m["push_decode"],
+        "push_decode_p90_ms": percentile(samples["push_decode"], 90),
+        "wire_gb_per_s": payload / m["push_decode"] / 1e6,
+        "ratio_to_memcpy": m["push_decode"] / m["memcpy"],
+        # for comparison: the same frames without encode/decode, and the same path over ipc://
+        "raw_zmq_tcp_ms": m["raw_tcp"],
+        "raw_zmq_tcp_ratio_to_memcpy": m["raw_tcp"] / m["memcpy"],
+        "ipc_push_decode_ms": m["ipc_push_decode"],
+        "ipc_ratio_to_memcpy": m["ipc_push_decode"] / m["memcpy"],
+        "reps": reps,
+    }
