@@ -48,6 +48,7 @@ from shared.models import build_model, load_spec  # noqa: E402
 
 REQUIRED: dict[str, list[str]] = {
     "wire": ["memcpy_ms", "push_decode_ms", "ratio_to_memcpy"],
+    "wire_curve": ["push_decode_ms", "ratio_to_memcpy", "ratio_to_plain"],
     "seed_gradients": ["per_variable_ms", "one_pass_ms", "speedup"],
     "server": [
         "bare_apply_per_s",
@@ -63,6 +64,7 @@ REQUIRED: dict[str, list[str]] = {
         "downpour_1w_steps_per_s",
         "downpour_2w_steps_per_s",
         "tf_pss_1w_steps_per_s",
+        "downpour_1w_curve_steps_per_s",
         "ratio_1w_vs_local",
         "ratio_1w_vs_tf_pss",
     ],
@@ -85,6 +87,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         ("ratio_1w_vs_local", e["ratio_1w_vs_local"], ">=", 1.0),
         ("ratio_1w_vs_tf_pss", e["ratio_1w_vs_tf_pss"], ">=", 1.5),
+        ("ratio_1w_curve_vs_plain", e["ratio_1w_curve_vs_plain"], ">=", 0.85),
     ]
     out = []
     for name, value, op, bound in rows:
@@ -110,6 +113,10 @@ def table(r: dict[str, Any]) -> str:
         f"| wire | **ratio to memcpy** | **{w['ratio_to_memcpy']:.2f}x** |",
         f"| wire | same frames, raw pyzmq (no encode/decode) | {w['raw_zmq_tcp_ms']:.2f} ms "
         f"({w['raw_zmq_tcp_ratio_to_memcpy']:.2f}x memcpy) |",
+        f"| wire | same push over CURVE (every byte encrypted) | "
+        f"{r['wire_curve']['push_decode_ms']:.2f} ms "
+        f"({r['wire_curve']['ratio_to_memcpy']:.2f}x memcpy, "
+        f"{r['wire_curve']['ratio_to_plain']:.2f}x plaintext) |",
         f"| wire | encode + ZMQ ipc:// + decode (comparison) | {w['ipc_push_decode_ms']:.2f} ms "
         f"({w['ipc_ratio_to_memcpy']:.2f}x memcpy) |",
         f"| seed | one compiled evaluation per variable ({s['variables']} calls) "
@@ -135,6 +142,9 @@ def table(r: dict[str, Any]) -> str:
         f"| e2e | downpour 2 workers + server | {e['downpour_2w_steps_per_s']:.2f} steps/s |",
         f"| e2e | TF ParameterServerStrategy 1 worker + 1 PS | "
         f"{e['tf_pss_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | downpour 1 worker + server, CURVE on every socket | "
+        f"{e['downpour_1w_curve_steps_per_s']:.2f} steps/s "
+        f"({e['ratio_1w_curve_vs_plain']:.2f}x plaintext) |",
         f"| e2e | CPU busy: local / downpour 1w / 2w (workers + server) | "
         f"{e['local_cpu_cores']:.2f} / {e['downpour_1w_cpu_cores']:.2f} / "
         f"{e['downpour_2w_cpu_cores']:.2f} cores |",
@@ -187,6 +197,12 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         t = time.monotonic()
         log("[1/4] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
+        w = result["wire"]
+        result["wire_curve"] = {  # measured interleaved with the plaintext push above
+            "push_decode_ms": w["curve_push_decode_ms"],
+            "ratio_to_memcpy": w["curve_push_decode_ms"] / w["memcpy_ms"],
+            "ratio_to_plain": w["curve_push_decode_ms"] / w["push_decode_ms"],
+        }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
         log("[2/4] seed gradients")

@@ -34,11 +34,12 @@ from bench_util import (
 )
 
 from services.status import fetch_status
+from shared import security
 from shared.data import Dataset
 from shared.models import ModelSpec, build_model
 
 HERE = Path(__file__).resolve().parent
-SETUPS = ("local", "downpour_1w", "downpour_2w", "tf_pss_1w")
+SETUPS = ("local", "downpour_1w", "downpour_2w", "tf_pss_1w", "downpour_1w_curve")
 
 
 def batches(data: Dataset, batch_size: int, seed: int) -> Any:
@@ -103,15 +104,32 @@ def _summary(out: Path) -> dict[str, Any] | None:
     return None
 
 
-def downpour(plan: Plan, procs: Procs, n_workers: int) -> dict[str, Any]:
-    """Aggregate steps/s of ``n_workers`` downpour workers against one server."""
+def downpour(plan: Plan, procs: Procs, n_workers: int, curve: bool = False) -> dict[str, Any]:
+    """Aggregate steps/s of ``n_workers`` downpour workers against one server.
+
+    ``curve``: keys generated for the run, every socket encrypted and authenticated.
+    """
     port = free_port()  # workers start with the server and retry until it answers
-    server, pending = start_server(procs, f"server-{n_workers}w", port=port, wait=False)
     ids = [f"bench-w{i}" for i in range(n_workers)]
+    status_keys = None
+    server_extra: list[str] = []
+    if curve:
+        key_dir = procs.logdir / f"keys-{len(procs.procs):02d}"
+        security.generate_keys(key_dir, ids, ["bench-status"])
+        server_extra = ["--keys", str(key_dir)]
+        status_keys = security.load_client_keys(
+            key_dir / security.CLIENTS_DIR / "bench-status.key_secret",
+            key_dir / security.SERVER_PUBLIC,
+        )
+    tag = f"server-{n_workers}w{'-curve' if curve else ''}"
+    server, pending = start_server(procs, tag, port=port, wait=False, extra=server_extra)
     workers = []
     for wid in ids:
         args = ["-m", "services.cli", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
         args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
+        if curve:
+            args += ["--key", str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")]
+            args += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
         workers.append(procs.start(args, wid))
     try:
         info = server_ready(procs, server, Path(pending["ready_file"]))
@@ -119,7 +137,7 @@ def downpour(plan: Plan, procs: Procs, n_workers: int) -> dict[str, Any]:
         log(f"e2e: server ready, warming up {n_workers} worker(s)")
         deadline = time.monotonic() + 180.0
         while True:  # warm-up: every worker has pushed its first steps (tracing done)
-            doc = fetch_status(endpoint, timeout_s=10.0)
+            doc = fetch_status(endpoint, timeout_s=10.0, keys=status_keys)
             steps = [int(doc.get("workers", {}).get(w, {}).get("steps") or 0) for w in ids]
             if min(steps) >= plan.e2e_warmup_steps:
                 break
@@ -135,10 +153,10 @@ def downpour(plan: Plan, procs: Procs, n_workers: int) -> dict[str, Any]:
         rates, updates = [], []
         pids = [server.pid] + [proc.pid for proc, _ in workers]
         cpu0, wall0 = [cpu_seconds(p) for p in pids], time.monotonic()
-        last = fetch_status(endpoint, timeout_s=10.0)
+        last = fetch_status(endpoint, timeout_s=10.0, keys=status_keys)
         for _ in range(plan.e2e_windows):
             time.sleep(plan.e2e_window_s)  # the measurement window itself
-            doc = fetch_status(endpoint, timeout_s=10.0)
+            doc = fetch_status(endpoint, timeout_s=10.0, keys=status_keys)
             dt = doc["uptime_s"] - last["uptime_s"]
             if dt > 0:
                 rates.append((_worker_steps(doc, ids) - _worker_steps(last, ids)) / dt)
@@ -227,6 +245,8 @@ def run(plan: Plan, procs: Procs, spec: ModelSpec, data: Dataset) -> dict[str, A
         rounds["downpour_2w"].append(downpour(plan, procs, 2))
         log(f"{tag}: TF ParameterServerStrategy")
         rounds["tf_pss_1w"].append(tf_parameter_server(plan, procs))
+        log(f"{tag}: downpour, 1 worker, CURVE on every socket")
+        rounds["downpour_1w_curve"].append(downpour(plan, procs, 1, curve=True))
     log("e2e: done")
     rate = {k: median([x["steps_per_s"] for x in v]) for k, v in rounds.items()}
     per_round = [{k: rounds[k][i]["steps_per_s"] for k in SETUPS} for i in range(plan.e2e_rounds)]
@@ -235,6 +255,8 @@ def run(plan: Plan, procs: Procs, spec: ModelSpec, data: Dataset) -> dict[str, A
         "downpour_1w_steps_per_s": rate["downpour_1w"],
         "downpour_2w_steps_per_s": rate["downpour_2w"],
         "tf_pss_1w_steps_per_s": rate["tf_pss_1w"],
+        "downpour_1w_curve_steps_per_s": rate["downpour_1w_curve"],
+        "ratio_1w_curve_vs_plain": rate["downpour_1w_curve"] / rate["downpour_1w"],
         "ratio_1w_vs_local": rate["downpour_1w"] / rate["local"],
         "ratio_1w_vs_tf_pss": rate["downpour_1w"] / rate["tf_pss_1w"],
         "ratio_2w_vs_local": rate["downpour_2w"] / rate["local"],

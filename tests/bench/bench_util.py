@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,7 +218,7 @@ def wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, timeout_s: float
 
 
 def start_server(
-    procs: Procs, name: str, port: int = 0, wait: bool = True
+    procs: Procs, name: str, port: int = 0, wait: bool = True, extra: Sequence[str] = ()
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start ``downpour server`` (Deep-MNIST, Adam 1e-3) on loopback; wait for it if ``wait``.
 
@@ -243,6 +243,7 @@ def start_server(
             str(ready),
             "--log-level",
             "WARNING",
+            *extra,
         ],
         name,
     )

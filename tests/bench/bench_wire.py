@@ -36,10 +36,18 @@ class Loopback:
     services talk TCP).
     """
 
-    def __init__(self, ipc: bool = False) -> None:
+    def __init__(self, ipc: bool = False, curve: bool = False) -> None:
         self.ctx = make_context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.push = self.ctx.socket(zmq.PUSH)
+        if curve:  # what --keys costs: every byte encrypted (no ZAP: the cipher is the cost)
+            server_public, server_secret = zmq.curve_keypair()
+            client_public, client_secret = zmq.curve_keypair()
+            self.pull.curve_server = True
+            self.pull.curve_secretkey = server_secret
+            self.push.curve_serverkey = server_public
+            self.push.curve_publickey = client_public
+            self.push.curve_secretkey = client_secret
         self.tmp: tempfile.TemporaryDirectory[str] | None = None
         if ipc:
             self.tmp = tempfile.TemporaryDirectory(prefix="downpour-bench-")
@@ -76,7 +84,7 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         for d, g in zip(dst, grads, strict=True):
             np.copyto(d, g)
 
-    links = {"tcp": Loopback(), "ipc": Loopback(ipc=True)}
+    links = {"tcp": Loopback(), "ipc": Loopback(ipc=True), "curve": Loopback(curve=True)}
     seq = [0]
 
     def push_decode(link: Loopback) -> None:
@@ -100,6 +108,7 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         "push_decode": lambda: push_decode(links["tcp"]),
         "raw_tcp": raw_tcp,
         "ipc_push_decode": lambda: push_decode(links["ipc"]),
+        "curve_push_decode": lambda: push_decode(links["curve"]),
     }
     samples: dict[str, list[float]] = {k: [] for k in variants}
     try:
@@ -125,5 +134,6 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         "raw_zmq_tcp_ratio_to_memcpy": m["raw_tcp"] / m["memcpy"],
         "ipc_push_decode_ms": m["ipc_push_decode"],
         "ipc_ratio_to_memcpy": m["ipc_push_decode"] / m["memcpy"],
+        "curve_push_decode_ms": m["curve_push_decode"],
         "reps": reps,
     }
