@@ -76,21 +76,16 @@ def test_partition_and_rate_limit_across_namespaces(
         "--heartbeat",
         "0.5",
     )
-    w0 = cluster.worker(
-        server.info["port"],
-        *wargs,
-        model="tiny_models:wide",
-        worker_id="w0",
-        host=srv.addr,
-        prefix=h0.exec_args(),
-    )
-    w1 = cluster.worker(
-        server.info["port"],
-        *wargs,
-        model="tiny_models:wide",
-        worker_id="w1",
-        host=srv.addr,
-        prefix=h1.exec_args(),
+    w0, w1 = (
+        cluster.worker(
+            server.info["port"],
+            *wargs,
+            model="tiny_models:wide",
+            worker_id=wid,
+            host=srv.addr,
+            prefix=h.exec_args(),
+        )
+        for wid, h in (("w0", h0), ("w1", h1))
     )
 
     def applied(doc: dict, wid: str) -> int:

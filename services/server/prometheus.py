@@ -11,7 +11,7 @@ The endpoint is plain HTTP without authentication; it binds loopback unless told
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -42,6 +42,16 @@ def _family(info: m.MetricInfo, labels: list[str] | None = None) -> Metric:
     return cls(info.name, info.help, labels=labels, unit=info.unit)
 
 
+def _scalars(catalogue: Iterable[m.MetricInfo], doc: dict[str, Any]) -> Iterator[Metric]:
+    """One unlabelled family per catalogued figure that ``doc`` holds as a number."""
+    for mi in catalogue:
+        v = _number(doc.get(mi.key))
+        if v is not None:
+            fam = _family(mi)
+            fam.add_metric([], v * mi.scale)
+            yield fam
+
+
 class SnapshotCollector(Collector):
     """Builds the metric families from the status document ``get_doc()`` returns."""
 
@@ -70,12 +80,7 @@ class SnapshotCollector(Collector):
             1,
         )
         yield info
-        for mi in m.SERVER_METRICS:
-            v = _number(doc.get(mi.key))
-            if v is not None:
-                fam = _family(mi)
-                fam.add_metric([], v * mi.scale)
-                yield fam
+        yield from _scalars(m.SERVER_METRICS, doc)
         yield from self._staleness(doc.get(m.STALENESS.key))
         for mi in (m.REJECTED, m.AUTH_DENIED):
             fam = _family(mi, ["reason"])
@@ -101,12 +106,7 @@ class SnapshotCollector(Collector):
     def _eval(self, ev: dict[str, Any] | None) -> Iterator[Metric]:
         if not ev:
             return
-        for mi in m.EVAL_METRICS:
-            v = _number(ev.get(mi.key))
-            if v is not None:
-                fam = _family(mi)
-                fam.add_metric([], v * mi.scale)
-                yield fam
+        yield from _scalars(m.EVAL_METRICS, ev)
 
     def _workers(self, workers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         state = GaugeMetricFamily(

@@ -388,7 +388,7 @@ class Server:
                 self._check_identity(sender, msg.sender)
             rec = self._worker(msg.sender)
             rec.pushes += 1
-            grads = self._gradients(msg)
+            # header-only checks first: a replay is refused before any sparse densify
             if msg.seq <= rec.last_seq:
                 raise ProtocolError(
                     protocol.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}"
@@ -398,6 +398,7 @@ class Server:
                     protocol.R_FUTURE,
                     f"base_version {msg.base_version} > server version {self.state.version}",
                 )
+            grads = self._gradients(msg)
             if not self.config.allow_nonfinite:
                 for name, g in zip(self.state.names, grads, strict=True):
                     if not all_finite(g):
