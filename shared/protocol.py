@@ -4,8 +4,8 @@ A message is one ZeroMQ multipart message::
 
     frame 0         header: a msgpack map, at most ``Limits.max_header_bytes``
     frame 1 .. n    tensor payloads in descriptor order, raw little-endian C-order bytes:
-                    a ``dense`` tensor takes one frame, a ``sparse`` tensor two
-                    (indices, then values)
+                    a ``dense`` or ``bf16`` tensor takes one frame, a ``sparse`` or
+                    ``topk`` tensor two (indices, then values)
 
 Header map (string keys; msgpack ext types are refused, nothing is ever unpickled)::
 
@@ -21,12 +21,29 @@ Header map (string keys; msgpack ext types are refused, nothing is ever unpickle
 Tensor descriptor::
 
     name          str    variable name (unique within a message)
-    dtype         str    numpy dtype name from ALLOWED_DTYPES
+    dtype         str    numpy dtype name from ALLOWED_DTYPES: the logical dtype, the one
+                         the decoded tensor has (bf16: one of BF16_DTYPES)
     shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
-    encoding      str    "dense" | "sparse"
-    nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize
-    nnz           int    sparse only: rows present; values frame is (nnz, *shape[1:])
-    index_dtype   str    sparse only: "int32" | "int64"; indices frame is (nnz,)
+    encoding      str    "dense" | "sparse" | "bf16" | "topk"
+    nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize;
+                         bf16: prod(shape) * 2; sparse, topk: see nnz
+    nnz           int    sparse, topk only. sparse: rows present, values frame is
+                         (nnz, *shape[1:]); topk: elements present, nnz <= prod(shape),
+                         values frame is (nnz,) of dtype
+    index_dtype   str    sparse, topk only: "int32" | "int64"; indices frame is (nnz,).
+                         sparse: row numbers in [0, shape[0]); topk: positions in the
+                         C-order flattened tensor, in [0, prod(shape))
+
+Encodings (compressed gradients, ``downpour worker --compress``)::
+
+    dense    the tensor's bytes as they are
+    sparse   ``tf.IndexedSlices`` rows: decodes to ``Sparse``; repeated rows are summed
+    bf16     a float tensor rounded to bfloat16 (the upper 16 bits of a float32, rounded to
+             nearest even): one frame of prod(shape) little-endian 2-byte values. Decodes to
+             a fresh array of the logical dtype (a float32 gradient stays float32)
+    topk     the k largest-magnitude elements of a tensor: decodes to ``FlatSparse``, whose
+             ``to_dense()`` scatters the values into zeros; repeated positions are summed
+    A peer that predates an encoding refuses it as "bad_header" (unknown encoding).
 
 Message types (REQ/REP unless noted)::
 
@@ -55,6 +72,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -71,7 +89,9 @@ MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, HEARTBEAT, ERROR})
 
 DENSE = "dense"
 SPARSE = "sparse"
-ENCODINGS = frozenset({DENSE, SPARSE})
+BF16 = "bf16"
+TOPK = "topk"
+ENCODINGS = frozenset({DENSE, SPARSE, BF16, TOPK})
 
 ALLOWED_DTYPES: frozenset[str] = frozenset(
     {
@@ -90,6 +110,9 @@ ALLOWED_DTYPES: frozenset[str] = frozenset(
     }
 )
 INDEX_DTYPES = frozenset({"int32", "int64"})
+# logical dtypes a bf16-encoded tensor may decode to
+BF16_DTYPES = frozenset({"float16", "float32", "float64"})
+_BF16_WIRE = np.dtype("<u2")  # bfloat16 bits as they travel; viewed as ml_dtypes.bfloat16
 
 # Rejection reasons: the stable vocabulary used in ERROR replies and status counters.
 R_TRUNCATED = "truncated"  # fewer / more frames than the descriptors need
@@ -106,6 +129,7 @@ R_NONFINITE = "nonfinite"  # NaN or Inf in a gradient
 R_DUPLICATE = "duplicate"  # (sender, seq) already applied: a replay or a resend
 R_FUTURE = "future_version"  # base_version ahead of the server (e.g. after a restore)
 R_FINGERPRINT = "fingerprint"  # worker built another model
+R_PARTITION = "partition"  # worker splits the model over the shards differently
 R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not serve it
 R_INTERNAL = "internal"  # the server failed handling a valid-looking message
 
@@ -162,7 +186,92 @@ class Sparse:
         return out
 
 
-Tensor = np.ndarray | Sparse
+@dataclass(frozen=True)
+class FlatSparse:
+    """Element-sparse tensor (a top-k gradient): ``dense.ravel()[indices[i]] += values[i]``.
+
+    ``indices`` (nnz,) int32/int64 positions in the C-order flattened tensor, ``values``
+    (nnz,) of the tensor's dtype. What a ``topk`` tensor encodes from and decodes to.
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dense tensor's dtype (that of the values)."""
+        return self.values.dtype
+
+    def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Scatter into zeros (``out``, C-contiguous, if given: reused, no allocation).
+
+        Repeated positions are summed.
+        """
+        shape = tuple(self.dense_shape)
+        if out is None:
+            out = np.zeros(shape, dtype=self.values.dtype)
+        else:
+            if out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError(f"out must be a writeable C-contiguous array of shape {shape}")
+            out.fill(0)
+        np.add.at(out.reshape(-1), self.indices, self.values)
+        return out
+
+
+@dataclass(frozen=True)
+class BFloat16:
+    """A float tensor to send as bfloat16 (2 bytes an element); decodes to ``dtype``.
+
+    ``values`` is an ``ml_dtypes.bfloat16`` array; build it with ``from_array`` (round to
+    nearest even). Only encode takes it: decode hands back the array converted to ``dtype``.
+    """
+
+    values: np.ndarray
+    dtype: np.dtype = np.dtype(np.float32)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> BFloat16:
+        """Round a float array to bfloat16 (nearest even; beyond about 3.39e38 is inf)."""
+        a = np.asarray(a)
+        if a.dtype.name not in BF16_DTYPES:
+            raise ValueError(f"bf16 takes {sorted(BF16_DTYPES)}, not {a.dtype}")
+        return cls(a.astype(ml_dtypes.bfloat16), np.dtype(a.dtype.name))
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return tuple(self.values.shape)
+
+    def to_dense(self) -> np.ndarray:
+        """The values as a fresh array of ``dtype``."""
+        return self.values.astype(self.dtype)
+
+
+Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
+WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may carry
+
+
+def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:
+    """Any tensor a message carries as a dense ndarray (``out``: reused by FlatSparse only).
+
+    An ndarray comes back as it is (a decoded one is a read-only view on its frame).
+    """
+    if isinstance(t, FlatSparse):
+        return t.to_dense(out)
+    if isinstance(t, Sparse | BFloat16):
+        return t.to_dense()
+    return np.asarray(t)
+
+
+def logical_shape(t: WireTensor) -> tuple[int, ...]:
+    """The dense shape of any tensor a message carries."""
+    return tuple(t.shape if isinstance(t, np.ndarray) else t.dense_shape)
+
+
+def logical_dtype(t: WireTensor) -> np.dtype:
+    """The dense dtype of any tensor a message carries."""
+    return t.values.dtype if isinstance(t, Sparse) else np.dtype(t.dtype)
 
 
 @dataclass
@@ -174,7 +283,7 @@ class Message:
     seq: int = 0
     base_version: int = 0
     body: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, Tensor] = field(default_factory=dict)
+    tensors: dict[str, WireTensor] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- encode
@@ -187,6 +296,21 @@ def _dense_frame(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _bf16_frame(values: np.ndarray) -> np.ndarray:
+    """bfloat16 values as little-endian uint16 (a buffer cannot export the bfloat16 dtype)."""
+    values = np.asarray(values, order="C")
+    if values.dtype != ml_dtypes.bfloat16:
+        raise ValueError(f"BFloat16.values must be ml_dtypes.bfloat16, not {values.dtype}")
+    return values.view(np.uint16).astype(_BF16_WIRE, copy=False)
+
+
+def _index_frame(indices: np.ndarray) -> np.ndarray:
+    indices = _dense_frame(indices)
+    if indices.dtype.name not in INDEX_DTYPES:
+        indices = indices.astype(np.int64)
+    return indices
+
+
 def encode(msg: Message) -> list[Any]:
     """Message -> multipart frames. Tensor frames are the arrays themselves (send copy=False).
 
@@ -197,11 +321,41 @@ def encode(msg: Message) -> list[Any]:
     descriptors: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
     for name, t in msg.tensors.items():
-        if isinstance(t, Sparse):
+        if isinstance(t, FlatSparse):
+            values = _dense_frame(t.values).reshape(-1)
+            indices = _index_frame(t.indices).reshape(-1)
+            if indices.shape != values.shape:
+                raise ValueError(f"{name!r}: {indices.size} indices for {values.size} values")
+            descriptors.append(
+                {
+                    "name": name,
+                    "dtype": values.dtype.name,
+                    "shape": [int(d) for d in t.dense_shape],
+                    "encoding": TOPK,
+                    "nbytes": values.nbytes,
+                    "nnz": int(indices.shape[0]),
+                    "index_dtype": indices.dtype.name,
+                }
+            )
+            frames.append(indices)
+            frames.append(values)
+        elif isinstance(t, BFloat16):
+            if np.dtype(t.dtype).name not in BF16_DTYPES:
+                raise ValueError(f"{name!r}: bf16 cannot stand for {np.dtype(t.dtype)}")
+            bits = _bf16_frame(t.values)
+            descriptors.append(
+                {
+                    "name": name,
+                    "dtype": np.dtype(t.dtype).name,
+                    "shape": list(bits.shape),
+                    "encoding": BF16,
+                    "nbytes": bits.nbytes,
+                }
+            )
+            frames.append(bits)
+        elif isinstance(t, Sparse):
             values = _dense_frame(t.values)
-            indices = _dense_frame(t.indices)
-            if indices.dtype.name not in INDEX_DTYPES:
-                indices = indices.astype(np.int64)
+            indices = _index_frame(t.indices)
             descriptors.append(
                 {
                     "name": name,
@@ -342,7 +496,8 @@ def _view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Multipart frames -> Message, or ProtocolError with a reason code.
 
-    Dense tensors are read-only views on the received frames (no copy).
+    Dense tensors are read-only views on the received frames (no copy); so are the index and
+    value arrays of sparse and topk tensors. bf16 tensors are converted into fresh arrays.
     """
     if len(frames) < 1:
         raise ProtocolError(R_TRUNCATED, "empty message")
@@ -390,6 +545,25 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             index_dtype = None
             nnz = -1
             needed += 1
+        elif encoding == BF16:
+            if dtype.name not in BF16_DTYPES:
+                raise ProtocolError(R_DTYPE, f"{name!r}: bf16 cannot decode to {dtype.name}")
+            expect = math.prod(shape) * _BF16_WIRE.itemsize
+            # decode allocates the logical dtype: that size counts against the limit too
+            total += math.prod(shape) * (dtype.itemsize - _BF16_WIRE.itemsize)
+            index_dtype = None
+            nnz = -1
+            needed += 1
+        elif encoding == TOPK:
+            nnz = _int(desc, "nnz")
+            if nnz > math.prod(shape):
+                raise ProtocolError(
+                    R_SHAPE, f"topk tensor {name!r}: nnz {nnz} > {math.prod(shape)} elements"
+                )
+            index_dtype = _dtype(desc.get("index_dtype"), INDEX_DTYPES)
+            expect = nnz * dtype.itemsize
+            total += nnz * index_dtype.itemsize
+            needed += 2
         else:
             if len(shape) < 1:
                 raise ProtocolError(R_SHAPE, f"sparse tensor {name!r} needs a rank >= 1 shape")
@@ -412,7 +586,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(R_TRUNCATED, f"{len(frames)} frames, the header describes {needed}")
 
     # Pass 2: check each frame's length, then view it.
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, WireTensor] = {}
     i = 1
     for name, encoding, dtype, shape, nnz, index_dtype in plan:
         if encoding == DENSE:
@@ -421,6 +595,27 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             if buf.nbytes != math.prod(shape) * dtype.itemsize:
                 raise ProtocolError(R_TRUNCATED, f"{name!r}: frame has {buf.nbytes} bytes")
             tensors[name] = _view(buf, dtype, shape)
+        elif encoding == BF16:
+            buf = _buffer(frames[i])
+            i += 1
+            if buf.nbytes != math.prod(shape) * _BF16_WIRE.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: bf16 frame has {buf.nbytes} bytes")
+            bits = np.frombuffer(buf, dtype=_BF16_WIRE).astype(np.uint16, copy=False)
+            a = bits.view(ml_dtypes.bfloat16).reshape(shape).astype(dtype.newbyteorder("="))
+            a.flags.writeable = False  # like every decoded tensor
+            tensors[name] = a
+        elif encoding == TOPK:
+            assert index_dtype is not None
+            ibuf, vbuf = _buffer(frames[i]), _buffer(frames[i + 1])
+            i += 2
+            if ibuf.nbytes != nnz * index_dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: index frame has {ibuf.nbytes} bytes")
+            if vbuf.nbytes != nnz * dtype.itemsize:
+                raise ProtocolError(R_TRUNCATED, f"{name!r}: value frame has {vbuf.nbytes} bytes")
+            indices = _view(ibuf, index_dtype, (nnz,))
+            if nnz and (int(indices.min()) < 0 or int(indices.max()) >= math.prod(shape)):
+                raise ProtocolError(R_SHAPE, f"{name!r}: topk index out of range")
+            tensors[name] = FlatSparse(indices, _view(vbuf, dtype, (nnz,)), shape)
         else:
             assert index_dtype is not None
             ibuf, vbuf = _buffer(frames[i]), _buffer(frames[i + 1])

@@ -1,0 +1,410 @@
+"""Staleness policies: what the server does with a gradient computed from old weights.
+
+A gradient pushed with ``base_version`` arrives when the server is at ``version``; its
+staleness is ``tau = version - base_version`` (0: computed from the current weights). The
+server's loop hands every valid, deduplicated push to ``policy.offer(...)`` and acts on the
+``Decision``:
+
+    ``apply``  apply ``decision.grads`` once (one version step) with the learning rate
+               multiplied by ``decision.lr_scale``
+    ``drop``   the push was well-formed but is not applied (``reason``: why); not an error
+    ``hold``   the policy kept a copy of the gradient (sync aggregation); nothing to apply yet
+
+Policies (``parse_policy`` text, ``downpour server --policy``):
+
+    async              Downpour (Dean et al. 2012): every gradient, as it arrives, scale 1
+    staleness-aware    Zhang et al. 2016: every gradient, scale 1 / max(1, tau)
+    bounded:K          bounded staleness (Ho et al. 2013): drop tau > K, apply the rest, scale 1
+    sync:K/N           synchronous SGD with N - K backup workers (Chen et al. 2016): average
+                       the first K gradients computed from the current version, apply once
+
+Pure Python and NumPy: no sockets, no TensorFlow. Not thread-safe (the loop is the caller).
+
+Applying ``lr_scale``: the learning rate, not the gradient
+----------------------------------------------------------
+Multiplying the gradient by ``lr_scale`` scales an SGD step exactly, but not an Adam or
+Adagrad step: they divide by accumulated gradient magnitudes (a gradient times 0.2 gives
+Adam the same first step as the gradient itself) and the scaled gradient would also skew
+their accumulators. The server therefore scales the *learning rate*:
+``optimizer.learning_rate`` of a Keras 3 optimizer built with a float is a variable (a
+``keras.Variable`` backed by a ``tf.ResourceVariable``) that the traced apply step reads on
+every call, so
+
+    opt.learning_rate.assign(scaled_learning_rate(base_lr, decision.lr_scale))   # eager
+
+before ``state.apply(grads)`` takes effect on the next call of the already-traced,
+``jit_compile=True`` step, without retracing. Checked with Keras 3.15 / TF 2.21: for a
+constant gradient Adam's step is ``-lr * sign(g)`` up to epsilon, and it followed every value
+assigned eagerly, from inside another jit-compiled function, or with
+``opt.learning_rate = x``, while the step's trace count stayed 1. An eager assign costs about
+0.2 ms: assign only when the scale changed, or give the apply step one more input,
+``tf.TensorSpec((), tf.float32)``, and ``self.optimizer.learning_rate.assign(lr)`` inside it
+before ``apply_gradients`` (also checked: traced once, the step follows the input).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+APPLY = "apply"
+DROP = "drop"
+HOLD = "hold"
+
+# Decision reasons: a stable vocabulary for logs and status counters.
+REASON_FRESH = "fresh"  # applied, tau == 0
+REASON_STALE_APPLIED = "stale_applied"  # applied although tau > 0
+REASON_STALE = "stale"  # bounded: tau > K, dropped
+REASON_LATE = "late"  # sync: computed from an older version than the one being aggregated
+REASON_DUPLICATE = "duplicate_worker"  # sync: this worker already gave to this round
+REASON_FUTURE = "future_version"  # base_version > version (the server refuses these first)
+REASON_BUFFERED = "buffered"  # sync: held in the aggregation buffer
+REASON_AGGREGATED = "aggregated"  # sync: the K-th gradient completed the round
+REASON_FLUSH = "flush"  # sync: a partial round applied at shutdown
+
+COUNTER_KEYS = (
+    "offered",  # every gradient offered
+    "updates",  # apply decisions: version steps
+    "applied",  # gradients that reached the weights (sync: K per update)
+    "scaled",  # staleness-aware: applied with lr_scale < 1
+    "dropped_stale",  # bounded: tau > K
+    "late",  # sync: base_version older than the round's version
+    "duplicate",  # sync: a second gradient from one worker in one round
+    "future",  # base_version ahead of the server
+    "aggregated",  # sync: gradients added to the aggregation buffer
+    "discarded",  # sync: held gradients thrown away because the version moved under them
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one offered gradient list.
+
+    ``grads`` is set for ``apply`` only. For ``sync`` it is the policy's own buffer: valid
+    until the next ``offer``/``flush``, so apply it (the server's apply copies it) before that.
+    ``workers`` are the senders whose gradients the update contains (one, or K for sync).
+    """
+
+    action: Literal["apply", "drop", "hold"]
+    grads: list[np.ndarray] | None = None
+    lr_scale: float = 1.0
+    reason: str = ""
+    staleness: int = 0
+    workers: tuple[str, ...] = ()
+
+
+def scaled_learning_rate(base_lr: float, scale: float) -> float:
+    """The learning rate for one update: ``base_lr * scale`` (see the module docstring)."""
+    return float(base_lr) * float(scale)
+
+
+class Policy(ABC):
+    """A staleness policy. ``offer`` decides per gradient; ``counters`` count the decisions."""
+
+    kind: str = ""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
+
+    @property
+    @abstractmethod
+    def spec(self) -> str:
+        """The canonical text: ``parse_policy(p.spec)`` builds an equal policy."""
+
+    @abstractmethod
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        """Decide about one push: dense gradients in variable order (read-only views are fine:
+        a policy that keeps them copies them), the version they were computed from, the
+        server's current version and the sender."""
+
+    def flush(self, version: int) -> Decision | None:
+        """At shutdown: an update made of held gradients, or None (only sync holds any)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """For the status document: the policy, its parameters and counters."""
+        return {"policy": self.spec, "kind": self.kind, "counters": dict(self.counters)}
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def _future(self, base_version: int, version: int) -> Decision | None:
+        self.counters["offered"] += 1
+        if base_version > version:
+            self.counters["future"] += 1
+            return Decision(DROP, reason=REASON_FUTURE, staleness=version - base_version)
+        return None
+
+    def _apply(
+        self, grads: Sequence[np.ndarray], tau: int, worker: str, scale: float = 1.0
+    ) -> Decision:
+        self.counters["updates"] += 1
+        self.counters["applied"] += 1
+        return Decision(
+            APPLY,
+            list(grads),
+            lr_scale=scale,
+            reason=REASON_FRESH if tau == 0 else REASON_STALE_APPLIED,
+            staleness=tau,
+            workers=(worker,),
+        )
+
+
+class AsyncPolicy(Policy):
+    """Downpour SGD: apply every gradient as it arrives, whatever its staleness, scale 1.
+
+    Dean et al., "Large Scale Distributed Deep Networks", NIPS 2012 (Downpour SGD).
+    """
+
+    kind = "async"
+
+    @property
+    def spec(self) -> str:
+        return "async"
+
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        if (d := self._future(base_version, version)) is not None:
+            return d
+        return self._apply(grads, version - base_version, worker)
+
+
+class StalenessAwarePolicy(Policy):
+    """Apply every gradient with the learning rate divided by its staleness.
+
+    Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep Learning",
+    IJCAI 2016, eq. 4: ``alpha = alpha0 / tau`` for ``tau != 0``, ``alpha0`` for ``tau == 0``.
+    Here exactly: ``lr_scale = 1 / max(1, tau)``, ``tau = version - base_version``; so tau 0
+    and 1 give 1.0, tau 5 gives 0.2. The scale multiplies the learning rate, not the gradient
+    (which would not change an Adam step; see the module docstring).
+    """
+
+    kind = "staleness-aware"
+
+    @property
+    def spec(self) -> str:
+        return "staleness-aware"
+
+    @staticmethod
+    def scale(tau: int) -> float:
+        """``1 / max(1, tau)``."""
+        return 1.0 / max(1, tau)
+
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        if (d := self._future(base_version, version)) is not None:
+            return d
+        tau = version - base_version
+        scale = self.scale(tau)
+        if scale < 1.0:
+            self.counters["scaled"] += 1
+        return self._apply(grads, tau, worker, scale)
+
+
+class BoundedPolicy(Policy):
+    """Bounded staleness: drop a gradient with ``tau > K``; apply the others with scale 1.
+
+    Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
+    Server", NIPS 2013 (SSP). SSP bounds staleness by making a worker that is K clocks ahead
+    wait; a Downpour server cannot make a worker wait, so it enforces the same bound at the
+    other end: a gradient older than K versions is dropped (counted ``dropped_stale``), and
+    the worker's next pull brings it back within the bound. ``bounded:0`` applies only
+    gradients computed from the current weights.
+    """
+
+    kind = "bounded"
+
+    def __init__(self, max_staleness: int) -> None:
+        super().__init__()
+        if max_staleness < 0:
+            raise ValueError(f"bounded: K must be >= 0, got {max_staleness}")
+        self.max_staleness = max_staleness
+
+    @property
+    def spec(self) -> str:
+        return f"bounded:{self.max_staleness}"
+
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        if (d := self._future(base_version, version)) is not None:
+            return d
+        tau = version - base_version
+        if tau > self.max_staleness:
+            self.counters["dropped_stale"] += 1
+            return Decision(DROP, reason=REASON_STALE, staleness=tau, workers=(worker,))
+        return self._apply(grads, tau, worker)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "max_staleness": self.max_staleness}
+
+
+@dataclass
+class _Round:
+    """The sync aggregation buffer: float32 sums per variable, refilled each version."""
+
+    sums: list[np.ndarray] = field(default_factory=list)
+    dtypes: list[np.dtype] = field(default_factory=list)  # the gradients' own dtypes
+    version: int = -1
+    workers: list[str] = field(default_factory=list)
+
+
+class SyncPolicy(Policy):
+    """Synchronous SGD with backup workers: one update per version, the mean of K gradients.
+
+    Chen, Pan, Monga, Bengio, Jozefowicz, "Revisiting Distributed Synchronous SGD", 2016
+    (TensorFlow's ``SyncReplicasOptimizer``): N workers compute gradients from the same
+    weights; the first K to arrive are averaged and applied once, the N - K slowest (backup
+    workers) are discarded. Here a gradient with ``base_version == version`` is summed into
+    a preallocated float32 buffer (``hold``) until K distinct workers have given one; the K-th
+    returns ``apply`` with their mean and scale 1, and the next version starts a new round.
+    A gradient computed from an older version is dropped as ``late``; a second one from the
+    same worker in a round as ``duplicate_worker`` (so the mean is over K workers, as in the
+    paper). N is the number of workers expected; it is reported, the rule needs only K.
+    With fewer than K live workers no update happens: that is synchronous SGD.
+    """
+
+    kind = "sync"
+
+    def __init__(self, aggregate: int, workers: int) -> None:
+        super().__init__()
+        if workers < 1:
+            raise ValueError(f"sync:K/N needs N >= 1 workers, got N={workers}")
+        if not 1 <= aggregate <= workers:
+            raise ValueError(f"sync:K/N needs 1 <= K <= N, got K={aggregate}, N={workers}")
+        self.aggregate = aggregate
+        self.expected_workers = workers
+        self._round = _Round()
+
+    @property
+    def spec(self) -> str:
+        return f"sync:{self.aggregate}/{self.expected_workers}"
+
+    @property
+    def pending(self) -> int:
+        """Gradients held for the current round."""
+        return len(self._round.workers)
+
+    def _buffers(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The preallocated sums (made at the first offer); the shapes must never change."""
+        r = self._round
+        if not r.sums:
+            r.sums = [np.empty(np.shape(g), _sum_dtype(g.dtype)) for g in grads]
+            r.dtypes = [np.dtype(g.dtype) for g in grads]
+        if len(grads) != len(r.sums) or any(
+            np.shape(g) != s.shape for g, s in zip(grads, r.sums, strict=False)
+        ):
+            raise ValueError("sync: gradient shapes differ from the first offer's")
+        return r.sums
+
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        if (d := self._future(base_version, version)) is not None:
+            return d
+        tau = version - base_version
+        r = self._round
+        if r.version != version:  # a new round: what is held was for a version now gone
+            self.counters["discarded"] += len(r.workers)
+            r.version, r.workers = version, []
+        if tau > 0:
+            self.counters["late"] += 1
+            return Decision(DROP, reason=REASON_LATE, staleness=tau, workers=(worker,))
+        if worker in r.workers:
+            self.counters["duplicate"] += 1
+            return Decision(DROP, reason=REASON_DUPLICATE, staleness=tau, workers=(worker,))
+        sums = self._buffers(grads)
+        first = not r.workers
+        for s, g in zip(sums, grads, strict=True):
+            if first:  # the copy: incoming arrays are views of network buffers soon freed
+                np.copyto(s, g, casting="same_kind")
+            else:
+                np.add(s, g, out=s, casting="same_kind")
+        r.workers.append(worker)
+        self.counters["aggregated"] += 1
+        if len(r.workers) < self.aggregate:
+            return Decision(HOLD, reason=REASON_BUFFERED, staleness=tau, workers=(worker,))
+        return self._take(tau, REASON_AGGREGATED)
+
+    def _take(self, tau: int, reason: str) -> Decision:
+        """The mean of the round's sums, in place; the round ends (next offer starts anew)."""
+        r = self._round
+        n = len(r.workers)
+        for s in r.sums:
+            np.multiply(s, 1.0 / n, out=s)
+        # in the gradients' dtype: float32 and float64 need no copy, float16 one
+        out = [s.astype(d, copy=False) for s, d in zip(r.sums, r.dtypes, strict=True)]
+        workers = tuple(r.workers)
+        r.workers = []
+        r.version = -1
+        self.counters["updates"] += 1
+        self.counters["applied"] += n
+        return Decision(APPLY, out, 1.0, reason, staleness=tau, workers=workers)
+
+    def flush(self, version: int) -> Decision | None:
+        """At shutdown: the mean of what the current round holds (fewer than K), or None."""
+        if not self._round.workers or self._round.version != version:
+            return None
+        return self._take(0, REASON_FLUSH)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "aggregate": self.aggregate,
+            "expected_workers": self.expected_workers,
+            "pending": self.pending,
+            "round_version": self._round.version if self._round.workers else None,
+        }
+
+
+def _sum_dtype(dtype: np.dtype) -> np.dtype:
+    """float32 sums (float64 for float64 gradients: no precision lost)."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+_BOUNDED = re.compile(r"bounded:(-?\d+)")
+_SYNC = re.compile(r"sync:(-?\d+)/(-?\d+)")
+POLICY_FORMS = "async, staleness-aware, bounded:K (K >= 0), sync:K/N (1 <= K <= N)"
+
+
+def parse_policy(text: str) -> Policy:
+    """``async`` | ``staleness-aware`` | ``bounded:K`` | ``sync:K/N`` -> a fresh Policy.
+
+    Raises ValueError naming the accepted forms for anything else.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"policy must be a string, got {type(text).__name__}")
+    t = text.strip().lower()
+    if t == "async":
+        return AsyncPolicy()
+    if t == "staleness-aware":
+        return StalenessAwarePolicy()
+    if m := _BOUNDED.fullmatch(t):
+        k = int(m.group(1))
+        if k < 0:
+            raise ValueError(f"policy {text!r}: bounded:K needs K >= 0 (max staleness), got {k}")
+        return BoundedPolicy(k)
+    if t.startswith("bounded"):
+        raise ValueError(f"policy {text!r}: expected bounded:K with an integer K >= 0")
+    if m := _SYNC.fullmatch(t):
+        k, n = int(m.group(1)), int(m.group(2))
+        if n < 1:
+            raise ValueError(f"policy {text!r}: sync:K/N needs N >= 1 workers, got N={n}")
+        if not 1 <= k <= n:
+            raise ValueError(
+                f"policy {text!r}: sync:K/N needs 1 <= K <= N (K gradients averaged out of "
+                f"N workers), got K={k}, N={n}"
+            )
+        return SyncPolicy(k, n)
+    if t.startswith("sync"):
+        raise ValueError(f"policy {text!r}: expected sync:K/N with integers 1 <= K <= N")
+    raise ValueError(f"unknown policy {text!r}: expected one of {POLICY_FORMS}")

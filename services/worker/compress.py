@@ -1,0 +1,213 @@
+"""Gradient compression for pushes (``downpour worker --compress none|bf16|topk:RATIO``).
+
+A compressor turns the gradient list of one push into the tensors of its ``Message``
+(``shared.protocol`` encodes them: ``bf16`` and ``topk`` encodings) and counts the payload
+bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulatively.
+
+- ``none``: the gradients as they are.
+- ``bf16``: each float32/float64 tensor rounded to the nearest bfloat16 (ties to even):
+  half the bytes of float32, 8 significant bits (relative error at most 2**-8). The server
+  decodes it back to float32.
+- ``topk:RATIO`` (0 < RATIO <= 1), with error feedback: per variable a float32 residual ``r``
+  is kept; each push computes ``v = r + g``, sends the ``k = max(1, ceil(RATIO * size))``
+  entries of largest ``|v|`` (``np.argpartition``: linear, no full sort) and keeps
+  ``r = v`` with those entries zeroed (minus what was sent, when the gradient's dtype is
+  narrower than the residual's). Nothing is lost, only delayed: the sum of what was
+  sent plus the residual equals the sum of the gradients (up to float32 rounding). Error
+  feedback comes from 1-bit SGD (Seide et al., Interspeech 2014) and is what makes top-k
+  sparsification converge in Deep Gradient Compression (Lin et al., ICLR 2018).
+  When ``k`` indices and values would take at least as many bytes as the dense tensor
+  (RATIO >= 0.5 with int32 indices), the whole of ``v`` is sent dense and the residual is
+  cleared: more information for no more bytes.
+
+Row-sparse gradients (``protocol.Sparse``, from ``tf.IndexedSlices``, e.g. embeddings) and
+non-float tensors are passed through unchanged by every compressor: they already carry only
+the touched rows, and densifying an embedding gradient to top-k it would cost far more than
+it saves. A NaN or Inf in a gradient would stay in a top-k residual (and every later push
+would be refused): call ``reset()`` after the server refuses one as ``nonfinite``.
+
+Residuals are kept by position in the list: give one compressor the same variables in the
+same order every push (with sharded servers, one compressor per shard, fed that shard's list
+after ``Partition.split``).
+
+Arrays returned by ``compress`` are fresh (never the residual itself), so they may be held by
+ZeroMQ (``send copy=False``) while the next step runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shared import protocol
+from shared.protocol import BFloat16, FlatSparse, Sparse, Tensor, WireTensor
+
+COMPRESSION_FORMS = "none, bf16, topk:RATIO (0 < RATIO <= 1)"
+
+
+def payload_bytes(t: WireTensor) -> int:
+    """Bytes a tensor's frames take on the wire (indices and values; header not included)."""
+    if isinstance(t, Sparse | FlatSparse):
+        idx = np.asarray(t.indices)
+        isz = idx.dtype.itemsize if idx.dtype.name in protocol.INDEX_DTYPES else 8
+        return idx.size * isz + np.asarray(t.values).nbytes
+    if isinstance(t, BFloat16):
+        return t.values.size * 2
+    return np.asarray(t).nbytes
+
+
+class Compressor(ABC):
+    """Gradient list -> message tensors, with byte accounting (``raw_bytes``, ``sent_bytes``)."""
+
+    def __init__(self) -> None:
+        self.raw_bytes = 0
+        self.sent_bytes = 0
+
+    @property
+    @abstractmethod
+    def spec(self) -> str:
+        """The canonical text: ``parse_compression(c.spec)`` builds an equal compressor."""
+
+    @abstractmethod
+    def _compress(self, i: int, g: np.ndarray) -> WireTensor:
+        """Compress variable ``i``'s dense float gradient."""
+
+    def compress(self, grads: Sequence[Tensor]) -> list[WireTensor]:
+        """One push's gradients (variable order) -> tensors for ``Message.tensors``, same order."""
+        out: list[WireTensor] = []
+        for i, g in enumerate(grads):
+            if isinstance(g, Sparse):
+                t: WireTensor = g  # already row-sparse: passed through
+            else:
+                a = np.asarray(g)
+                t = self._compress(i, a) if a.dtype.name in protocol.BF16_DTYPES else a
+            self.raw_bytes += payload_bytes(g)
+            self.sent_bytes += payload_bytes(t)
+            out.append(t)
+        return out
+
+    def reset(self) -> None:
+        """Forget any state kept between pushes (top-k residuals)."""
+        return None  # stateless by default
+
+    @property
+    def compression_ratio(self) -> float:
+        """raw_bytes / sent_bytes so far (1.0 before the first push)."""
+        return self.raw_bytes / self.sent_bytes if self.sent_bytes else 1.0
+
+    def describe(self) -> dict[str, Any]:
+        """For the worker's reported figures."""
+        return {
+            "compress": self.spec,
+            "raw_bytes": self.raw_bytes,
+            "sent_bytes": self.sent_bytes,
+            "compression_ratio": self.compression_ratio,
+        }
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+class NoCompression(Compressor):
+    """Sends the gradients as they are."""
+
+    @property
+    def spec(self) -> str:
+        return "none"
+
+    def _compress(self, i: int, g: np.ndarray) -> WireTensor:
+        return g
+
+
+class BF16Compression(Compressor):
+    """Rounds float tensors to bfloat16 (nearest, ties to even): 2 bytes per element."""
+
+    @property
+    def spec(self) -> str:
+        return "bf16"
+
+    def _compress(self, i: int, g: np.ndarray) -> WireTensor:
+        if g.dtype == np.float16:  # as many bytes as bf16 and more precise: as it is
+            return g
+        return BFloat16.from_array(g)
+
+
+class TopKCompression(Compressor):
+    """Top-k sparsification with error feedback (see the module docstring)."""
+
+    def __init__(self, ratio: float) -> None:
+        super().__init__()
+        if not (isinstance(ratio, float | int) and 0 < ratio <= 1):
+            raise ValueError(f"topk ratio must be in (0, 1], got {ratio!r}")
+        self.ratio_kept = float(ratio)
+        self._residuals: dict[int, np.ndarray] = {}  # flat float32 (float64 for float64)
+        self._scratch: dict[int, np.ndarray] = {}  # |v|, reused
+
+    @property
+    def spec(self) -> str:
+        return f"topk:{self.ratio_kept:g}"
+
+    def k(self, size: int) -> int:
+        """Entries sent for a tensor of ``size`` elements: ``max(1, ceil(RATIO * size))``."""
+        return min(size, max(1, math.ceil(self.ratio_kept * size)))
+
+    def residual(self, i: int) -> np.ndarray | None:
+        """Variable ``i``'s residual (flat; None before its first push). For tests and stats."""
+        return self._residuals.get(i)
+
+    def reset(self) -> None:
+        self._residuals.clear()
+
+    def _compress(self, i: int, g: np.ndarray) -> WireTensor:
+        size = g.size
+        rdtype = np.float64 if g.dtype == np.float64 else np.float32
+        r = self._residuals.get(i)
+        if r is None:
+            r = self._residuals[i] = np.zeros(size, rdtype)
+        elif r.size != size:
+            raise ValueError(f"topk: gradient {i} has {size} elements, its residual {r.size}")
+        v = r  # v = r + g, in place: r holds v from here on
+        np.add(v, g.reshape(-1), out=v, casting="same_kind")
+        k = self.k(size)
+        index_dtype = np.int32 if size < 2**31 else np.int64
+        if size == 0 or k * (np.dtype(index_dtype).itemsize + g.dtype.itemsize) >= g.nbytes:
+            dense = v.astype(g.dtype)  # a fresh array: v changes next
+            np.subtract(v, dense, out=v)  # 0, or what rounding to a narrower dtype lost
+            return dense.reshape(g.shape)
+        mag = self._scratch.get(i)
+        if mag is None or mag.size != size:
+            mag = self._scratch[i] = np.empty(size, rdtype)
+        np.abs(v, out=mag)
+        idx = np.argpartition(mag, size - k)[size - k :]
+        idx.sort()  # ascending positions: a deterministic message, a cache-friendly scatter
+        values = v[idx].astype(g.dtype, copy=False)  # fancy indexing copies
+        v[idx] -= values  # 0, or what rounding to a narrower dtype lost
+        return FlatSparse(idx.astype(index_dtype), values, tuple(g.shape))
+
+
+_TOPK = re.compile(r"topk:(.+)")
+
+
+def parse_compression(text: str) -> Compressor:
+    """``none`` | ``bf16`` | ``topk:RATIO`` -> a fresh Compressor; ValueError otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"compression must be a string, got {type(text).__name__}")
+    t = text.strip().lower()
+    if t in ("none", ""):
+        return NoCompression()
+    if t == "bf16":
+        return BF16Compression()
+    if m := _TOPK.fullmatch(t):
+        try:
+            ratio = float(m.group(1))
+        except ValueError:
+            raise ValueError(f"compression {text!r}: RATIO must be a number in (0, 1]") from None
+        if not (math.isfinite(ratio) and 0 < ratio <= 1):
+            raise ValueError(f"compression {text!r}: RATIO must be in (0, 1], got {ratio:g}")
+        return TopKCompression(ratio)
+    raise ValueError(f"unknown compression {text!r}: expected one of {COMPRESSION_FORMS}")

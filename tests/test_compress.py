@@ -1,0 +1,548 @@
+"""Gradient compression: the worker's compressors (``services/worker/compress.py``) and the
+``bf16`` / ``topk`` encodings of the wire protocol (``shared/protocol.py``).
+
+Frames are turned into plain ``bytes`` before decoding, which is what a peer receives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from services.worker.compress import (
+    BF16Compression,
+    NoCompression,
+    TopKCompression,
+    parse_compression,
+    payload_bytes,
+)
+from shared.protocol import (
+    BF16,
+    DEFAULT_LIMITS,
+    PUSH,
+    R_DTYPE,
+    R_NBYTES,
+    R_SHAPE,
+    R_TOO_LARGE,
+    R_TRUNCATED,
+    TOPK,
+    BFloat16,
+    FlatSparse,
+    Limits,
+    Message,
+    ProtocolError,
+    Sparse,
+    decode,
+    densify,
+    encode,
+)
+
+# The Deep-MNIST CNN's trainable variables: 3,274,634 float32 parameters, 13.1 MB.
+DEEP_MNIST_SHAPES = [
+    (5, 5, 1, 32),
+    (32,),
+    (5, 5, 32, 64),
+    (64,),
+    (3136, 1024),
+    (1024,),
+    (1024, 10),
+    (10,),
+]
+
+
+def wire(frames: list[Any]) -> list[bytes]:
+    """What the peer receives: every frame as the raw bytes ZeroMQ would carry."""
+    return [
+        np.ascontiguousarray(f).tobytes() if isinstance(f, np.ndarray) else bytes(f) for f in frames
+    ]
+
+
+def frames_bytes(frames: list[Any]) -> int:
+    return sum(len(b) for b in wire(frames))
+
+
+def push(tensors: list[Any]) -> Message:
+    return Message(PUSH, "w0", 1, 0, tensors={f"v{i}": t for i, t in enumerate(tensors)})
+
+
+def roundtrip(tensors: list[Any], limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    return list(decode(wire(encode(push(tensors))), limits).tensors.values())
+
+
+def unpack(frame: bytes) -> Any:
+    return msgpack.unpackb(frame, raw=False)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def mutate(frames: list[bytes], fn: Callable[[dict[str, Any]], Any]) -> list[bytes]:
+    header = unpack(frames[0])
+    fn(header)
+    return [pack(header), *frames[1:]]
+
+
+def rejects(frames: list[Any], code: str, limits: Limits = DEFAULT_LIMITS) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, limits)
+    assert info.value.code == code, info.value
+    return info.value
+
+
+def rng_grads(shapes: list[tuple[int, ...]], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+# ---------------------------------------------------------------- protocol: bf16
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (2, 3, 4)])
+def test_bf16_roundtrip_and_descriptor(shape: tuple[int, ...]) -> None:
+    a = (np.arange(math.prod(shape), dtype=np.float32) * 0.37 - 1.1).reshape(shape)
+    frames = wire(encode(push([BFloat16.from_array(a)])))
+    assert len(frames) == 2
+    (desc,) = unpack(frames[0])["tensors"]
+    n = math.prod(shape)
+    assert desc == {
+        "name": "v0",
+        "dtype": "float32",
+        "shape": list(shape),
+        "encoding": BF16,
+        "nbytes": 2 * n,
+    }
+    assert len(frames[1]) == 2 * n
+    assert frames[1] == a.astype(ml_dtypes.bfloat16).view("<u2").tobytes()
+    (out,) = decode(frames).tensors.values()
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == np.float32 and out.shape == shape
+    assert not out.flags.writeable
+    np.testing.assert_array_equal(out, a.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_bf16_rounds_to_nearest_even_and_keeps_specials() -> None:
+    a = np.array(
+        [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, 0.0, -0.0, np.inf, -np.inf, np.nan],
+        np.float32,
+    )
+    (out,) = roundtrip([BFloat16.from_array(a)])
+    np.testing.assert_array_equal(out[:6], [1.0, 1 + 2**-6, 1 + 2**-7, -2.5, 0.0, 0.0])
+    assert np.signbit(out[5]) and not np.signbit(out[4])
+    assert out[6] == np.inf and out[7] == -np.inf and np.isnan(out[8])
+
+
+def test_bf16_decodes_to_its_logical_dtype() -> None:
+    a = np.linspace(-3, 3, 11)
+    (out,) = roundtrip([BFloat16.from_array(a)])
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, a.astype(ml_dtypes.bfloat16).astype(np.float64))
+
+
+def test_bf16_rejects_non_float_arrays() -> None:
+    with pytest.raises(ValueError, match="bf16"):
+        BFloat16.from_array(np.arange(3))
+
+
+def test_bf16_malformed_frames() -> None:
+    good = wire(encode(push([BFloat16.from_array(np.ones((4, 5), np.float32))])))
+    rejects([good[0], good[1][:-2]], R_TRUNCATED)
+    rejects([good[0], good[1] + b"\0\0"], R_TRUNCATED)
+    rejects([good[0]], R_TRUNCATED)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("nbytes", 80)), R_NBYTES)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("dtype", "int16")), R_DTYPE)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("dtype", "bfloat16")), R_DTYPE)
+
+
+def test_bf16_counts_its_decoded_size_against_the_limit() -> None:
+    """Decode makes a float32 array of twice the wire size: that is what the limit bounds."""
+    frames = wire(encode(push([BFloat16.from_array(np.ones(1000, np.float32))])))
+    assert len(decode(frames, Limits(max_total_bytes=4000)).tensors) == 1
+    rejects(frames, R_TOO_LARGE, Limits(max_total_bytes=3999))
+
+
+# ---------------------------------------------------------------- protocol: topk
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_topk_roundtrip_and_descriptor(index_dtype: str) -> None:
+    idx = np.array([0, 5, 11, 23], dtype=index_dtype)
+    vals = np.array([1.5, -2.0, 3.25, 4.0], np.float32)
+    frames = wire(encode(push([FlatSparse(idx, vals, (2, 3, 4))])))
+    assert len(frames) == 3
+    (desc,) = unpack(frames[0])["tensors"]
+    assert desc == {
+        "name": "v0",
+        "dtype": "float32",
+        "shape": [2, 3, 4],
+        "encoding": TOPK,
+        "nbytes": 16,
+        "nnz": 4,
+        "index_dtype": index_dtype,
+    }
+    assert frames[1] == idx.tobytes() and frames[2] == vals.tobytes()
+    (out,) = decode(frames).tensors.values()
+    assert isinstance(out, FlatSparse)
+    assert out.dense_shape == (2, 3, 4) and out.dtype == np.float32
+    assert out.indices.dtype.name == index_dtype
+    expected = np.zeros(24, np.float32)
+    expected[[0, 5, 11, 23]] = vals
+    np.testing.assert_array_equal(out.to_dense(), expected.reshape(2, 3, 4))
+    np.testing.assert_array_equal(densify(out), expected.reshape(2, 3, 4))
+
+
+def test_topk_nnz_zero_and_full() -> None:
+    (empty,) = roundtrip([FlatSparse(np.zeros(0, np.int32), np.zeros(0, np.float32), (3, 2))])
+    assert isinstance(empty, FlatSparse)
+    np.testing.assert_array_equal(empty.to_dense(), np.zeros((3, 2)))
+    full = FlatSparse(
+        np.arange(6, dtype=np.int32)[::-1].copy(), np.arange(6, dtype=np.float32), (3, 2)
+    )
+    (out,) = roundtrip([full])
+    np.testing.assert_array_equal(
+        out.to_dense(), np.arange(6, dtype=np.float32)[::-1].reshape(3, 2)
+    )
+    (scalar,) = roundtrip([FlatSparse(np.array([0], np.int64), np.array([7.0], np.float32), ())])
+    assert scalar.to_dense().shape == () and float(scalar.to_dense()) == 7.0
+
+
+def test_topk_repeated_positions_are_summed_and_out_is_reused() -> None:
+    (out,) = roundtrip(
+        [FlatSparse(np.array([2, 2, 0], np.int32), np.array([1.0, 10.0, 5.0], np.float32), (4,))]
+    )
+    buf = np.full(4, 99.0, np.float32)
+    dense = out.to_dense(buf)
+    assert dense is buf
+    np.testing.assert_array_equal(buf, [5.0, 0.0, 11.0, 0.0])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        out.to_dense(np.zeros(5, np.float32))
+
+
+def _topk_frames(
+    idx: list[int] | np.ndarray, n: int = 10, index_dtype: str = "int32"
+) -> list[bytes]:
+    i = np.asarray(idx, dtype=index_dtype)
+    return wire(encode(push([FlatSparse(i, np.ones(i.size, np.float32), (n,))])))
+
+
+def test_topk_out_of_range_indices_are_rejected() -> None:
+    decode(_topk_frames([0, 9]))  # the bounds themselves are fine
+    rejects(_topk_frames([0, 10]), R_SHAPE)
+    rejects(_topk_frames([-1, 3]), R_SHAPE)
+    rejects(_topk_frames([2**40], n=10, index_dtype="int64"), R_SHAPE)
+    rejects(_topk_frames([-(2**63)], n=10, index_dtype="int64"), R_SHAPE)
+
+
+def test_topk_nnz_larger_than_the_tensor_is_rejected_before_frames_are_read() -> None:
+    frames = _topk_frames([1, 2, 3], n=3)
+    bad = mutate(frames, lambda h: h["tensors"][0].update(nnz=4, nbytes=16, shape=[3]))
+    rejects([bad[0], b"\0" * 16, b"\0" * 16], R_SHAPE)
+    huge = mutate(frames, lambda h: h["tensors"][0].update(nnz=2**40, nbytes=2**42))
+    rejects(huge, R_SHAPE)
+
+
+def test_topk_malformed_frames() -> None:
+    good = _topk_frames([1, 4, 7])
+    decode(good)
+    rejects([good[0], good[1][:-4], good[2]], R_TRUNCATED)  # index frame short
+    rejects([good[0], good[1] + b"\0" * 4, good[2]], R_TRUNCATED)
+    rejects([good[0], good[1], good[2][:-1]], R_TRUNCATED)  # value frame short
+    rejects([good[0], good[1], good[2] + b"\0" * 4], R_TRUNCATED)
+    rejects([good[0], good[1]], R_TRUNCATED)  # a frame missing
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("nbytes", 16)), R_NBYTES)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("index_dtype", "uint8")), R_DTYPE)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("dtype", "object")), R_DTYPE)
+    # int64 indices declared over an int32 frame: lengths disagree
+    rejects(
+        mutate(good, lambda h: h["tensors"][0].__setitem__("index_dtype", "int64")), R_TRUNCATED
+    )
+
+
+def test_topk_index_bytes_count_against_the_limit() -> None:
+    frames = _topk_frames(list(range(10)), n=50)  # 40 index + 40 value bytes
+    assert decode(frames, Limits(max_total_bytes=80)).tensors
+    rejects(frames, R_TOO_LARGE, Limits(max_total_bytes=79))
+
+
+def test_densify_every_kind() -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert densify(a) is a
+    np.testing.assert_array_equal(
+        densify(Sparse(np.array([1]), a[:1], (2, 3))), [[0, 0, 0], [0, 1, 2]]
+    )
+    np.testing.assert_array_equal(densify(BFloat16.from_array(a)), a)  # small ints are exact
+    out = np.empty(6, np.float32)
+    got = densify(FlatSparse(np.array([5], np.int32), np.array([2.0], np.float32), (6,)), out)
+    assert got is out
+    np.testing.assert_array_equal(out, [0, 0, 0, 0, 0, 2])
+
+
+MUTABLE_KEYS = ["dtype", "shape", "encoding", "nbytes", "nnz", "index_dtype"]
+FUZZ_VALUES = st.one_of(
+    st.integers(-3, 40),
+    st.sampled_from(
+        [2**31, 2**40, 2**63 - 1, None, "", "float32", "int64", "bf16", "topk", "sparse", "dense"]
+    ),
+    st.lists(st.integers(-1, 6), max_size=3),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    base=st.sampled_from(["topk", "bf16", "both"]),
+    changes=st.lists(
+        st.tuples(st.integers(0, 1), st.sampled_from(MUTABLE_KEYS), FUZZ_VALUES), max_size=3
+    ),
+    cut=st.sampled_from([None, 0, 1, 2, 3]),
+    trim=st.integers(0, 5),
+)
+def test_fuzz_compressed_frames_decode_or_protocol_error(
+    base: str, changes: list[tuple[int, str, Any]], cut: int | None, trim: int
+) -> None:
+    """Mutated compressed headers and frames: a ProtocolError or a valid decode, never a crash."""
+    tensors: list[Any] = []
+    if base in ("topk", "both"):
+        tensors.append(FlatSparse(np.array([0, 3, 5], np.int32), np.ones(3, np.float32), (2, 3)))
+    if base in ("bf16", "both"):
+        tensors.append(BFloat16.from_array(np.ones((3, 2), np.float32)))
+    frames = wire(encode(push(tensors)))
+    header = unpack(frames[0])
+    for i, key, value in changes:
+        header["tensors"][i % len(header["tensors"])][key] = value
+    try:
+        frames[0] = pack(header)
+    except (TypeError, ValueError, OverflowError):
+        assume(False)
+    if cut is not None and cut < len(frames) - 1:
+        frames[cut + 1] = frames[cut + 1][: max(0, len(frames[cut + 1]) - trim)]
+    try:
+        msg = decode(frames)
+    except ProtocolError:
+        return
+    for t in msg.tensors.values():  # whatever decoded is well-formed enough to densify
+        dense = densify(t)
+        assert dense.shape == tuple(t.dense_shape if not isinstance(t, np.ndarray) else t.shape)
+
+
+# ---------------------------------------------------------------- compressors
+
+
+@pytest.mark.parametrize(
+    ("text", "cls", "spec"),
+    [
+        ("none", NoCompression, "none"),
+        ("BF16", BF16Compression, "bf16"),
+        ("topk:0.01", TopKCompression, "topk:0.01"),
+        (" topk:1 ", TopKCompression, "topk:1"),
+        ("topk:1e-3", TopKCompression, "topk:0.001"),
+    ],
+)
+def test_parse_compression(text: str, cls: type, spec: str) -> None:
+    c = parse_compression(text)
+    assert type(c) is cls
+    assert c.spec == spec == str(c)
+    assert parse_compression(c.spec).spec == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("topk:0", r"\(0, 1\]"),
+        ("topk:-0.1", r"\(0, 1\]"),
+        ("topk:1.5", r"\(0, 1\]"),
+        ("topk:nan", r"\(0, 1\]"),
+        ("topk:inf", r"\(0, 1\]"),
+        ("topk:abc", r"number"),
+        ("topk", r"unknown compression"),
+        ("gzip", r"unknown compression 'gzip'.*none, bf16, topk:RATIO"),
+    ],
+)
+def test_parse_compression_errors(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_compression(text)
+
+
+def test_none_passes_everything_through() -> None:
+    g = rng_grads([(3, 4), (4,)])
+    c = NoCompression()
+    out = c.compress(g)
+    assert all(a is b for a, b in zip(out, g, strict=True))
+    assert c.raw_bytes == c.sent_bytes == 64
+    assert c.compression_ratio == 1.0
+
+
+def test_bf16_halves_the_bytes_within_bf16_precision() -> None:
+    g = rng_grads(DEEP_MNIST_SHAPES[:4] + DEEP_MNIST_SHAPES[5:])  # all but the 12.8 MB kernel
+    raw = sum(a.nbytes for a in g)
+    c = BF16Compression()
+    out = c.compress(g)
+    assert all(isinstance(t, BFloat16) for t in out)
+    assert (c.raw_bytes, c.sent_bytes) == (raw, raw // 2)
+    assert c.compression_ratio == 2.0
+    frames = encode(push(out))
+    dense_frames = encode(push(g))
+    assert frames_bytes(frames[1:]) == frames_bytes(dense_frames[1:]) // 2
+    decoded = list(decode(wire(frames)).tensors.values())
+    for a, d in zip(g, decoded, strict=True):
+        assert d.dtype == np.float32 and d.shape == a.shape
+        rel = np.abs(d - a) / np.abs(a)
+        assert rel.max() <= 2.0**-8  # round to nearest with 8 significant bits
+        assert rel.max() > 2.0**-12  # and it did round
+
+
+def test_bf16_passes_sparse_and_integers_through() -> None:
+    s = Sparse(np.array([1]), np.ones((1, 2), np.float32), (3, 2))
+    i = np.arange(4, dtype=np.int32)
+    h = np.ones(3, np.float16)
+    out = BF16Compression().compress([s, i, h])
+    assert out[0] is s and out[1] is i and out[2] is h
+
+
+@pytest.mark.parametrize(
+    ("ratio", "size", "k"), [(0.01, 1000, 10), (0.01, 10, 1), (0.1, 95, 10), (0.25, 7, 2)]
+)
+def test_topk_sends_exactly_k_largest(ratio: float, size: int, k: int) -> None:
+    rng = np.random.default_rng(size)
+    signs = rng.choice(np.array([-1, 1], np.float32), size)
+    g = rng.permutation(np.arange(1, size + 1, dtype=np.float32) * signs)
+    c = TopKCompression(ratio)
+    assert c.k(size) == k
+    (t,) = c.compress([g])
+    assert isinstance(t, FlatSparse)
+    assert t.indices.size == t.values.size == k
+    assert t.indices.dtype == np.int32
+    assert np.all(np.diff(t.indices) > 0)  # ascending, no repeats
+    expected = np.sort(np.argsort(-np.abs(g))[:k])  # |g| are distinct: the top k are unique
+    np.testing.assert_array_equal(t.indices, expected)
+    np.testing.assert_array_equal(t.values, g[expected])
+    r = c.residual(0)
+    assert r is not None
+    np.testing.assert_array_equal(r[expected], 0.0)
+    kept = np.ones(size, bool)
+    kept[expected] = False
+    np.testing.assert_array_equal(r[kept], g[kept])
+    assert c.sent_bytes == 8 * k and c.raw_bytes == 4 * size
+
+
+def test_topk_keeps_the_shape_and_uses_the_residual_next_step() -> None:
+    c = TopKCompression(0.25)  # k = 2 of 8
+    g1 = np.array([[8, 1, 2, 3], [4, 5, 6, 7]], np.float32)
+    (t1,) = c.compress([g1])
+    assert t1.dense_shape == (2, 4)
+    np.testing.assert_array_equal(t1.to_dense(), [[8, 0, 0, 0], [0, 0, 0, 7]])
+    g2 = np.array([[0, 0, 0, 0], [0, 0, 0, 1]], np.float32)  # v = [[0,1,2,3],[4,5,6,1]]
+    (t2,) = c.compress([g2])
+    np.testing.assert_array_equal(t2.to_dense(), [[0, 0, 0, 0], [0, 5, 6, 0]])
+    np.testing.assert_array_equal(c.residual(0), [0, 1, 2, 3, 4, 0, 0, 1])
+    c.reset()
+    assert c.residual(0) is None
+
+
+def test_topk_error_feedback_conserves_the_gradient_sum_exactly() -> None:
+    """Integer-valued gradients: every float32 sum is exact, so the identity is exact."""
+    shapes = [(6, 7), (13,), (1,)]
+    rng = np.random.default_rng(3)
+    c = TopKCompression(0.1)
+    total = [np.zeros(s, np.float64) for s in shapes]
+    sent = [np.zeros(s, np.float64) for s in shapes]
+    for _ in range(25):
+        g = [rng.integers(-1000, 1000, s).astype(np.float32) for s in shapes]
+        for i, t in enumerate(c.compress(g)):
+            total[i] += g[i]
+            sent[i] += densify(t)
+    for i, s in enumerate(shapes):
+        r = c.residual(i)
+        assert r is not None
+        np.testing.assert_array_equal(sent[i] + r.reshape(s), total[i])
+    assert np.abs(c.residual(0)).max() > 0  # something is still held back
+    np.testing.assert_array_equal(c.residual(2), 0.0)  # size 1: k = 1, all of it sent
+
+
+def test_topk_error_feedback_conserves_random_gradients_up_to_float32_rounding() -> None:
+    c = TopKCompression(0.05)
+    rng = np.random.default_rng(4)
+    total = np.zeros(500, np.float64)
+    sent = np.zeros(500, np.float64)
+    for _ in range(40):
+        g = rng.standard_normal(500).astype(np.float32)
+        (t,) = c.compress([g])
+        total += g
+        sent += densify(t)
+    r = c.residual(0)
+    assert r is not None
+    np.testing.assert_allclose(sent + r, total, rtol=0, atol=40 * 4 * np.finfo(np.float32).eps * 10)
+
+
+def test_topk_with_ratio_one_half_or_more_sends_dense_and_clears_the_residual() -> None:
+    g = rng_grads([(4, 5)])[0]
+    for ratio in (0.5, 1.0):
+        c = TopKCompression(ratio)
+        (t,) = c.compress([g])
+        assert isinstance(t, np.ndarray) and t.dtype == np.float32 and t.shape == (4, 5)
+        np.testing.assert_array_equal(t, g)
+        np.testing.assert_array_equal(c.residual(0), 0.0)
+        assert c.sent_bytes == c.raw_bytes == 80
+
+
+def test_topk_outputs_are_not_the_residual() -> None:
+    """ZeroMQ may still hold a sent array while the next step runs: it must not change."""
+    c = TopKCompression(0.2)
+    g = rng_grads([(50,)])[0]
+    (t,) = c.compress([g])
+    before = (t.indices.copy(), t.values.copy())
+    c.compress([g * 3])
+    np.testing.assert_array_equal(t.indices, before[0])
+    np.testing.assert_array_equal(t.values, before[1])
+    dense = TopKCompression(1.0)
+    (d,) = dense.compress([g])
+    r = dense.residual(0)
+    assert r is not None and not np.shares_memory(d, r)
+
+
+def test_topk_passes_sparse_through() -> None:
+    s = Sparse(np.array([0, 2]), np.ones((2, 3), np.float32), (4, 3))
+    c = TopKCompression(0.01)
+    (out,) = c.compress([s])
+    assert out is s
+    assert c.raw_bytes == c.sent_bytes == 2 * 8 + 24
+
+
+def test_topk_001_sends_40x_fewer_bytes_on_the_deep_mnist_gradients() -> None:
+    g = rng_grads(DEEP_MNIST_SHAPES)
+    assert sum(a.size for a in g) == 3_274_634
+    dense_frames = encode(push(g))
+    raw = frames_bytes(dense_frames)
+    assert raw > 13_098_536  # 13.1 MB of payload and the header
+    c = TopKCompression(0.01)
+    tensors = c.compress(g)
+    frames = encode(push(tensors))
+    sent = frames_bytes(frames)
+    assert raw / sent >= 40, (raw, sent)
+    k_total = sum(c.k(a.size) for a in g)
+    assert k_total == 32_750  # ceil(1% of each variable), at least 1
+    assert sum(t.values.size for t in tensors) == k_total
+    assert c.sent_bytes == sum(payload_bytes(t) for t in tensors) == 8 * k_total  # int32 + f32
+    # the server's side: decode and densify give the sent entries and zeros elsewhere
+    decoded = decode(wire(frames), DEFAULT_LIMITS.for_payload(13_098_536)).tensors
+    for a, t in zip(g, decoded.values(), strict=True):
+        dense = densify(t)
+        assert dense.shape == a.shape
+        nz = dense != 0
+        assert nz.sum() == c.k(a.size)
+        np.testing.assert_array_equal(dense[nz], a[nz])
+
+
+def test_topk_refuses_a_list_whose_shapes_changed() -> None:
+    """Residuals are kept by position: a different variable there is a wiring bug."""
+    c = TopKCompression(0.1)
+    c.compress([np.ones(20, np.float32)])
+    with pytest.raises(ValueError, match="residual"):
+        c.compress([np.ones(21, np.float32)])

@@ -1,0 +1,326 @@
+"""Unit tests for the server's staleness policies, ``services/server/policies.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.server.policies import (
+    APPLY,
+    DROP,
+    HOLD,
+    REASON_AGGREGATED,
+    REASON_BUFFERED,
+    REASON_DUPLICATE,
+    REASON_FLUSH,
+    REASON_FRESH,
+    REASON_FUTURE,
+    REASON_LATE,
+    REASON_STALE,
+    REASON_STALE_APPLIED,
+    AsyncPolicy,
+    BoundedPolicy,
+    StalenessAwarePolicy,
+    SyncPolicy,
+    parse_policy,
+    scaled_learning_rate,
+)
+
+SHAPES = [(2, 3), (3,)]
+
+
+def grads(value: float, dtype: str = "float32") -> list[np.ndarray]:
+    """A read-only gradient list filled with ``value``, like decoded network buffers."""
+    out = []
+    for s in SHAPES:
+        a = np.full(s, value, dtype=dtype)
+        a.flags.writeable = False
+        out.append(a)
+    return out
+
+
+# ---------------------------------------------------------------- async
+
+
+def test_async_applies_every_gradient_with_scale_one() -> None:
+    p = AsyncPolicy()
+    g = grads(1.0)
+    for tau, version in [(0, 10), (1, 10), (5, 10)]:
+        d = p.offer(g, version - tau, version, "w0")
+        assert d.action == APPLY
+        assert d.lr_scale == 1.0
+        assert d.staleness == tau
+        assert d.reason == (REASON_FRESH if tau == 0 else REASON_STALE_APPLIED)
+        assert d.workers == ("w0",)
+        assert d.grads is not None and all(a is b for a, b in zip(d.grads, g, strict=True))
+    assert p.counters["offered"] == 3
+    assert p.counters["applied"] == 3
+    assert p.counters["updates"] == 3
+    assert p.counters["dropped_stale"] == 0
+
+
+def test_future_base_version_is_dropped_by_every_policy() -> None:
+    for p in [AsyncPolicy(), StalenessAwarePolicy(), BoundedPolicy(3), SyncPolicy(1, 1)]:
+        d = p.offer(grads(1.0), 8, 7, "w0")
+        assert (d.action, d.reason, d.grads) == (DROP, REASON_FUTURE, None), p
+        assert p.counters["future"] == 1
+        assert p.counters["applied"] == 0
+
+
+# ---------------------------------------------------------------- staleness-aware
+
+
+@pytest.mark.parametrize(("tau", "scale"), [(0, 1.0), (1, 1.0), (2, 0.5), (5, 0.2), (100, 0.01)])
+def test_staleness_aware_scale(tau: int, scale: float) -> None:
+    p = StalenessAwarePolicy()
+    d = p.offer(grads(1.0), 100 - tau, 100, "w1")
+    assert d.action == APPLY
+    assert d.lr_scale == pytest.approx(scale, rel=0, abs=1e-15)
+    assert d.staleness == tau
+    assert p.counters["scaled"] == (1 if scale < 1 else 0)
+    assert StalenessAwarePolicy.scale(tau) == pytest.approx(scale, abs=1e-15)
+
+
+def test_staleness_aware_counters_over_a_sequence() -> None:
+    p = StalenessAwarePolicy()
+    scales = [p.offer(grads(1.0), 10 - tau, 10, "w").lr_scale for tau in (0, 1, 5, 4, 0)]
+    assert scales == [1.0, 1.0, 0.2, 0.25, 1.0]
+    assert p.counters["applied"] == 5
+    assert p.counters["scaled"] == 2
+
+
+def test_scaled_learning_rate() -> None:
+    assert scaled_learning_rate(1e-3, 1.0) == 1e-3
+    assert scaled_learning_rate(1e-3, 0.2) == pytest.approx(2e-4, rel=1e-12)
+    assert scaled_learning_rate(0.5, StalenessAwarePolicy.scale(4)) == 0.125
+
+
+# ---------------------------------------------------------------- bounded
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_bounded_applies_at_k_and_drops_at_k_plus_one(k: int) -> None:
+    p = BoundedPolicy(k)
+    at_k = p.offer(grads(1.0), 50 - k, 50, "w0")
+    assert (at_k.action, at_k.lr_scale, at_k.staleness) == (APPLY, 1.0, k)
+    over = p.offer(grads(1.0), 50 - (k + 1), 50, "w0")
+    assert (over.action, over.reason, over.staleness, over.grads) == (
+        DROP,
+        REASON_STALE,
+        k + 1,
+        None,
+    )
+    fresh = p.offer(grads(1.0), 50, 50, "w0")
+    assert fresh.action == APPLY
+    assert p.counters["applied"] == 2
+    assert p.counters["dropped_stale"] == 1
+    assert p.counters["offered"] == 3
+
+
+def test_bounded_rejects_negative_k() -> None:
+    with pytest.raises(ValueError, match="K must be >= 0"):
+        BoundedPolicy(-1)
+
+
+# ---------------------------------------------------------------- sync
+
+
+def test_sync_holds_then_applies_the_exact_mean_of_k() -> None:
+    p = SyncPolicy(3, 4)
+    d1 = p.offer(grads(1.0), 5, 5, "w0")
+    d2 = p.offer(grads(2.0), 5, 5, "w1")
+    assert (d1.action, d1.reason, d1.grads) == (HOLD, REASON_BUFFERED, None)
+    assert d2.action == HOLD
+    assert p.pending == 2
+    d3 = p.offer(grads(6.0), 5, 5, "w2")
+    assert d3.action == APPLY
+    assert d3.reason == REASON_AGGREGATED
+    assert d3.lr_scale == 1.0
+    assert d3.workers == ("w0", "w1", "w2")
+    assert d3.grads is not None
+    for a, shape in zip(d3.grads, SHAPES, strict=True):
+        assert a.shape == shape and a.dtype == np.float32
+        np.testing.assert_array_equal(a, np.full(shape, 3.0, np.float32))  # (1 + 2 + 6) / 3
+    assert p.pending == 0
+    assert p.counters["aggregated"] == 3
+    assert p.counters["updates"] == 1
+    assert p.counters["applied"] == 3
+
+
+def test_sync_copies_the_held_gradient() -> None:
+    """Held arrays are copies: the network buffer they came from may be reused."""
+    p = SyncPolicy(2, 2)
+    buf = [np.full(s, 4.0, np.float32) for s in SHAPES]
+    assert p.offer(buf, 0, 0, "w0").action == HOLD
+    for a in buf:
+        a.fill(-100.0)  # the frame is overwritten by the next message
+    d = p.offer(grads(2.0), 0, 0, "w1")
+    assert d.grads is not None
+    for a in d.grads:
+        np.testing.assert_array_equal(a, 3.0)
+
+
+def test_sync_discards_late_gradients_and_resets_after_apply() -> None:
+    p = SyncPolicy(2, 3)
+    assert p.offer(grads(1.0), 7, 7, "w0").action == HOLD
+    late = p.offer(grads(50.0), 6, 7, "w1")  # computed from version 6: late
+    assert (late.action, late.reason, late.staleness) == (DROP, REASON_LATE, 1)
+    d = p.offer(grads(3.0), 7, 7, "w2")
+    assert d.action == APPLY and d.grads is not None
+    np.testing.assert_array_equal(d.grads[0], np.full((2, 3), 2.0))  # the late one left out
+    first_round = d.grads[0]
+    # the server applied: version 8. A third gradient from version 7 is now late
+    assert p.offer(grads(9.0), 7, 8, "w1").reason == REASON_LATE
+    # round two starts empty: its mean has nothing of round one
+    assert p.offer(grads(10.0), 8, 8, "w1").action == HOLD
+    d2 = p.offer(grads(20.0), 8, 8, "w0")
+    assert d2.action == APPLY and d2.grads is not None
+    np.testing.assert_array_equal(d2.grads[0], np.full((2, 3), 15.0))
+    np.testing.assert_array_equal(d2.grads[1], np.full((3,), 15.0))
+    assert np.shares_memory(d2.grads[0], first_round)  # the preallocated buffer, reused
+    assert p.counters["late"] == 2
+    assert p.counters["updates"] == 2
+    assert p.counters["applied"] == 4
+    assert p.counters["aggregated"] == 4
+    assert p.counters["offered"] == 6
+
+
+def test_sync_duplicate_worker_in_a_round_is_dropped() -> None:
+    p = SyncPolicy(2, 3)
+    assert p.offer(grads(1.0), 0, 0, "w0").action == HOLD
+    dup = p.offer(grads(100.0), 0, 0, "w0")
+    assert (dup.action, dup.reason) == (DROP, REASON_DUPLICATE)
+    d = p.offer(grads(3.0), 0, 0, "w1")
+    assert d.action == APPLY and d.grads is not None
+    np.testing.assert_array_equal(d.grads[1], np.full((3,), 2.0))
+    assert p.counters["duplicate"] == 1
+
+
+def test_sync_k1_applies_each_fresh_gradient_at_once() -> None:
+    p = SyncPolicy(1, 2)
+    d = p.offer(grads(5.0), 3, 3, "w0")
+    assert d.action == APPLY and d.grads is not None
+    np.testing.assert_array_equal(d.grads[0], 5.0)
+    assert p.offer(grads(5.0), 3, 4, "w1").action == DROP
+
+
+def test_sync_discards_held_gradients_when_the_version_moved_under_them() -> None:
+    p = SyncPolicy(2, 2)
+    assert p.offer(grads(1.0), 4, 4, "w0").action == HOLD
+    # the version moved without this policy (e.g. a checkpoint restore): round 4 is gone
+    assert p.offer(grads(2.0), 5, 5, "w1").action == HOLD
+    assert p.counters["discarded"] == 1
+    d = p.offer(grads(4.0), 5, 5, "w0")
+    assert d.action == APPLY and d.grads is not None
+    np.testing.assert_array_equal(d.grads[0], 3.0)
+
+
+def test_sync_mean_keeps_float64_and_sums_float16_in_float32() -> None:
+    p = SyncPolicy(2, 2)
+    p.offer(grads(0.1, "float64"), 0, 0, "a")
+    d = p.offer(grads(0.2, "float64"), 0, 0, "b")
+    assert d.grads is not None and d.grads[0].dtype == np.float64
+    np.testing.assert_array_equal(d.grads[0], (0.1 + 0.2) / 2)
+    q = SyncPolicy(2, 2)
+    q.offer(grads(2048.0, "float16"), 0, 0, "a")
+    d = q.offer(grads(1.0, "float16"), 0, 0, "b")
+    assert d.grads is not None and d.grads[0].dtype == np.float16
+    # 2049 is not a float16 but the float32 sum is: (2048 + 1) / 2 = 1024.5 exactly
+    np.testing.assert_array_equal(d.grads[0], np.float16(1024.5))
+
+
+def test_sync_flush_applies_the_partial_round() -> None:
+    p = SyncPolicy(3, 3)
+    assert p.flush(2) is None
+    p.offer(grads(1.0), 2, 2, "w0")
+    p.offer(grads(2.0), 2, 2, "w1")
+    assert p.flush(3) is None  # held for version 2, not 3
+    d = p.flush(2)
+    assert d is not None and d.action == APPLY and d.reason == REASON_FLUSH
+    assert d.grads is not None
+    np.testing.assert_array_equal(d.grads[0], 1.5)
+    assert d.workers == ("w0", "w1")
+    assert p.flush(2) is None
+    assert AsyncPolicy().flush(0) is None
+
+
+def test_sync_rejects_changed_shapes() -> None:
+    p = SyncPolicy(2, 2)
+    p.offer(grads(1.0), 0, 0, "w0")
+    with pytest.raises(ValueError, match="shapes"):
+        p.offer([np.zeros((3, 2), np.float32), np.zeros(3, np.float32)], 0, 0, "w1")
+
+
+def test_describe() -> None:
+    p = SyncPolicy(2, 3)
+    p.offer(grads(1.0), 0, 0, "w0")
+    doc = p.describe()
+    assert doc["policy"] == "sync:2/3"
+    assert doc["kind"] == "sync"
+    assert (doc["aggregate"], doc["expected_workers"], doc["pending"]) == (2, 3, 1)
+    assert doc["round_version"] == 0
+    assert doc["counters"]["aggregated"] == 1
+    assert BoundedPolicy(4).describe()["max_staleness"] == 4
+    assert AsyncPolicy().describe() == {
+        "policy": "async",
+        "kind": "async",
+        "counters": dict.fromkeys(AsyncPolicy().counters, 0),
+    }
+
+
+# ---------------------------------------------------------------- parser
+
+
+@pytest.mark.parametrize(
+    ("text", "cls", "spec"),
+    [
+        ("async", AsyncPolicy, "async"),
+        (" ASYNC ", AsyncPolicy, "async"),
+        ("staleness-aware", StalenessAwarePolicy, "staleness-aware"),
+        ("bounded:0", BoundedPolicy, "bounded:0"),
+        ("bounded:16", BoundedPolicy, "bounded:16"),
+        ("sync:1/1", SyncPolicy, "sync:1/1"),
+        ("sync:3/4", SyncPolicy, "sync:3/4"),
+    ],
+)
+def test_parse_policy(text: str, cls: type, spec: str) -> None:
+    p = parse_policy(text)
+    assert type(p) is cls
+    assert p.spec == spec == str(p)
+    assert parse_policy(p.spec).spec == spec
+
+
+def test_parse_policy_parameters() -> None:
+    b = parse_policy("bounded:7")
+    assert isinstance(b, BoundedPolicy) and b.max_staleness == 7
+    s = parse_policy("sync:2/5")
+    assert isinstance(s, SyncPolicy) and (s.aggregate, s.expected_workers) == (2, 5)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("bounded:-1", r"K >= 0"),
+        ("bounded", r"bounded:K"),
+        ("bounded:x", r"bounded:K"),
+        ("bounded:1.5", r"bounded:K"),
+        ("sync:5/3", r"1 <= K <= N.*K=5, N=3"),
+        ("sync:0/2", r"1 <= K <= N.*K=0, N=2"),
+        ("sync:1/0", r"N >= 1"),
+        ("sync:-1/2", r"1 <= K <= N"),
+        ("sync:2", r"sync:K/N"),
+        ("sync", r"sync:K/N"),
+        ("sync:a/b", r"sync:K/N"),
+        ("downpour", r"unknown policy 'downpour'.*async, staleness-aware, bounded:K"),
+        ("", r"unknown policy"),
+        ("async:1", r"unknown policy"),
+    ],
+)
+def test_parse_policy_errors(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_policy(text)
+
+
+def test_parse_policy_not_a_string() -> None:
+    with pytest.raises(ValueError, match="string"):
+        parse_policy(3)  # type: ignore[arg-type]
