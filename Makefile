@@ -7,6 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 WORKERS ?= 2
+SHARDS  ?= 1
 ARGS   ?=
 
 .PHONY: run-local test test-slow test-faults lint bench clean venv deploy-tools
@@ -26,7 +27,7 @@ $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
 venv: $(VENV)/.stamp-base
 
 run-local: $(VENV)/.stamp-base
-	$(VENV)/bin/downpour run-local --workers $(WORKERS) $(if $(filter 1,$(SECURE)),--secure) $(ARGS)
+	$(VENV)/bin/downpour run-local --workers $(WORKERS) --shards $(SHARDS) $(if $(filter 1,$(SECURE)),--secure) $(ARGS)
 
 test: $(VENV)/.stamp-test deploy-tools
 	$(PY) -m pytest -q -ra

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``downpour run-local``."""
     p.add_argument("--workers", type=int, default=2)
     p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="server shards the model is partitioned over (one process each)",
+    )
+    p.add_argument(
         "--epochs", type=float, default=3.0, help="passes over the training set, per worker"
     )
     p.add_argument("--steps", type=int, help="steps per worker (overrides --epochs)")
@@ -49,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=100,
         metavar="N",
-        help="the server also evaluates the held-out set every N updates (0 = off)",
+        help="the server also evaluates the held-out set every N updates (0 = off; a shard "
+        "holds part of the model, so with --shards > 1 only run-local evaluates)",
     )
     p.add_argument(
         "--metrics-port", type=int, default=0, help="the server's Prometheus port (0 = any)"
@@ -107,29 +114,23 @@ class Evaluator:
         self.names = [v.path for v in self.model.trainable_variables]
 
     def score(
-        self, host: str, port: int, keys: security.ClientKeys | None = None
+        self, host: str, port: int | list[int], keys: security.ClientKeys | None = None
     ) -> tuple[int, float]:
-        """(server version, held-out metric) with the server's current weights."""
-        from shared import protocol
+        """(server version, held-out metric) with the server's current weights; ``port`` is
+        a list of the shards' ports in shard order for a sharded server (version: shard 0's)."""
+        from services.cluster import pull_full
         from shared.models import evaluate
-        from shared.transport import ReqClient, make_context
 
-        ctx = make_context()
-        client = ReqClient(
-            ctx, tcp(host, port), timeout_s=30.0, retries=1, configure=security.curve_client(keys)
+        ports = port if isinstance(port, list) else [port]
+        versions, arrays = pull_full(
+            [tcp(host, p) for p in ports],
+            self.model.trainable_variables,
+            keys,
+            sender="run-local-eval",
         )
-        try:
-            reply = client.request(
-                protocol.Message(protocol.PULL, "run-local-eval"), protocol.DEFAULT_LIMITS
-            )
-        finally:
-            client.close()
-            ctx.term()
-        for v, a in zip(self.model.trainable_variables, reply.tensors.values(), strict=True):
+        for v, a in zip(self.model.trainable_variables, arrays, strict=True):
             v.assign(a)
-        return reply.base_version, evaluate(
-            self.spec, self.model, self.data.x_test, self.data.y_test
-        )
+        return versions[0], evaluate(self.spec, self.model, self.data.x_test, self.data.y_test)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,9 +158,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
     from tqdm import tqdm
 
-    ready_file = run_dir / "server.json"
-    ready_file.unlink(missing_ok=True)
-    server_log = run_dir / "server.log"
+    shards = max(1, args.shards)
     key_dir = run_dir / "keys"
     status_keys = eval_keys = None
     server_extra: list[str] = []
@@ -170,46 +169,40 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         server_pub = key_dir / security.SERVER_PUBLIC
         status_keys = security.load_client_keys(_secret(key_dir, "run-local"), server_pub)
         eval_keys = security.load_client_keys(_secret(key_dir, "run-local-eval"), server_pub)
-    server = spawn(
-        [
-            "server",
-            "--model",
-            args.model,
-            "--port",
-            "0",
-            "--push-port",
-            "0",
-            "--status-port",
-            "0",
-            "--optimizer",
-            args.optimizer,
-            "--lr",
-            str(args.lr),
-            "--ready-file",
-            str(ready_file),
-            "--metrics-port",
-            str(args.metrics_port),
-            "--logdir",
-            str(run_dir / "tensorboard"),
-            "--eval-every",
-            str(args.server_eval_every),
-            *(["--data-dir", args.data_dir] if args.data_dir else []),
-            *server_extra,
-        ],
-        server_log,
-    )
-    procs.append(server)
+    servers, ready_files, server_logs = [], [], []
+    for i in range(shards):
+        name = "server" if shards == 1 else f"server-{i}"
+        ready_files.append(run_dir / f"{name}.json")
+        ready_files[-1].unlink(missing_ok=True)
+        server_logs.append(run_dir / f"{name}.log")
+        shard_args = ["--shard", str(i), "--num-shards", str(shards)] if shards > 1 else []
+        servers.append(
+            _spawn_server(
+                args, run_dir, ready_files[-1], server_logs[-1], i, shard_args + server_extra
+            )
+        )
+        procs.append(servers[-1])
     print(f"run directory: {run_dir}", flush=True)
     evaluator_box: dict[str, Any] = {}
     loader = threading.Thread(
         target=lambda: evaluator_box.setdefault("e", Evaluator(args.model, args.data_dir)),
         daemon=True,
     )
-    loader.start()  # import TensorFlow and load data while the server starts
-    ep = wait_ready(server, ready_file, 180.0, server_log)
-    host, port, status_ep = "127.0.0.1", ep["port"], tcp("127.0.0.1", ep["status_port"])
+    loader.start()  # import TensorFlow and load data while the servers start
+    eps = [
+        wait_ready(p, f, 180.0, lg)
+        for p, f, lg in zip(servers, ready_files, server_logs, strict=True)
+    ]
+    ep = eps[0]
+    ports = [e["port"] for e in eps]
+    host, port, status_ep = (
+        "127.0.0.1",
+        ports if shards > 1 else ports[0],
+        tcp("127.0.0.1", ep["status_port"]),
+    )
+    status_line = " ".join(f"127.0.0.1:{e['status_port']}" for e in eps)
     print(
-        f"status: downpour status --watch 2 127.0.0.1:{ep['status_port']}"
+        f"status: downpour status --watch 2 {status_line}"
         f"{'  (with --key/--server-key)' if args.secure else ''}\n"
         f"metrics: http://127.0.0.1:{ep['metrics_port']}/metrics\n"
         f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
@@ -220,7 +213,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         wargs = [
             "worker",
             "--server",
-            f"{host}:{port}",
+            ",".join(f"{host}:{p}" for p in ports),
             "--id",
             f"worker-{i}",
             "--model",
@@ -261,8 +254,9 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     t_start = time.monotonic()
     last_eval = t_start
     while any(w.poll() is None for w in workers):
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}; see {server_log}")
+        for srv, srv_log in zip(servers, server_logs, strict=True):
+            if srv.poll() is not None:
+                raise RuntimeError(f"server exited with {srv.returncode}; see {srv_log}")
         doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
         row: dict[str, Any] = {
             "t": round(time.monotonic() - t_start, 2),
@@ -325,17 +319,60 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
 
     for png in plot_run(run_dir):
         print(f"plot: {png}")
-    st = doc["staleness"]
-    print(
-        f"server: version {version}, {doc['updates_applied']} updates, staleness mean "
-        f"{st['mean']:.2f} max {st['max']:.0f}, rejected {doc['rejected_total']}"
-    )
+    for i, e in enumerate(eps):
+        d = doc if i == 0 else fetch_status(tcp(host, e["status_port"]), 10.0, status_keys)
+        st = d["staleness"]
+        print(
+            f"{'server' if shards == 1 else f'shard {i}/{shards}'}: version {d['version']}, "
+            f"{d['updates_applied']} updates, staleness mean {st['mean']:.2f} max "
+            f"{st['max']:.0f}, rejected {d['rejected_total']}"
+        )
     if failed:
         print(
             f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
         )
     print(f"held-out accuracy: {acc:.4f}", flush=True)
     return 1 if failed else 0
+
+
+def _spawn_server(
+    args: argparse.Namespace,
+    run_dir: Path,
+    ready_file: Path,
+    log_path: Path,
+    shard: int,
+    extra: list[str],
+) -> subprocess.Popen:
+    """Start one server (shard ``shard``) on port-0 ports; it reports them in ``ready_file``."""
+    sharded = "--num-shards" in extra
+    return spawn(
+        [
+            "server",
+            "--model",
+            args.model,
+            "--port",
+            "0",
+            "--push-port",
+            "0",
+            "--status-port",
+            "0",
+            "--optimizer",
+            args.optimizer,
+            "--lr",
+            str(args.lr),
+            "--ready-file",
+            str(ready_file),
+            "--metrics-port",
+            str(args.metrics_port if shard == 0 else 0),
+            "--logdir",
+            str(run_dir / "tensorboard" / (f"shard-{shard}" if sharded else "")),
+            "--eval-every",
+            str(0 if sharded else args.server_eval_every),
+            *(["--data-dir", args.data_dir] if args.data_dir else []),
+            *extra,
+        ],
+        log_path,
+    )
 
 
 def _secret(key_dir: Path, name: str) -> Path:

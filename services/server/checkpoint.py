@@ -3,10 +3,11 @@
 A checkpoint is one file ``ckpt-<version, 12 digits>.npz`` in the state directory: an
 uncompressed numpy archive (loaded with ``allow_pickle=False``) holding every model variable
 and every optimizer variable by path, plus ``__meta__``, a JSON document (format, version,
-fingerprint, each worker's last accepted sequence number, time). It is written to
-``<name>.tmp-<pid>``, fsynced, renamed into place and the directory fsynced, so a crash at any
-moment leaves either the old set of checkpoints or the old set plus the new one; ``*.tmp-*``
-leftovers are removed at the next start.
+fingerprint, partition digest and shard index, each worker's last accepted sequence number,
+time). A shard's checkpoint holds only its own parts. It is written to ``<name>.tmp-<pid>``,
+fsynced, renamed into place and the directory fsynced, so a crash at any moment leaves
+either the old set of checkpoints or the old set plus the new one; ``*.tmp-*`` leftovers are
+removed at the next start.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def capture(state: Any) -> dict[str, np.ndarray]:
     Called between applies on the loop thread, so the set is one consistent version; the
     arrays stay valid while an apply runs (TensorFlow copies a buffer a read still holds).
     """
-    arrays = {f"model/{v.path}": v.numpy() for v in state.variables}
+    arrays = {f"model/{n}": v.numpy() for n, v in zip(state.names, state.variables, strict=True)}
     arrays.update({f"optimizer/{v.name}": v.numpy() for v in state.optimizer.variables})
     return arrays
 
@@ -158,7 +159,19 @@ def restore(state: Any, ckpt: Checkpoint) -> None:
             f"{ckpt.path}: saved for model fingerprint {ckpt.meta.get('fingerprint')}, "
             f"this server has {state.fingerprint}"
         )
-    targets = [(f"model/{v.path}", v) for v in state.variables]
+    digest = state.partition.digest
+    if ckpt.meta.get("partition", digest) != digest:  # older checkpoints: unsharded, checked below
+        raise ValueError(
+            f"{ckpt.path}: saved by a server with partition {ckpt.meta.get('partition')} "
+            f"(shard {ckpt.meta.get('shard')} of {ckpt.meta.get('num_shards')}), this server "
+            f"has partition {digest} (shard {state.shard} of {state.partition.num_shards})"
+        )
+    if ckpt.meta.get("shard", 0) != state.shard:
+        raise ValueError(
+            f"{ckpt.path}: the checkpoint of shard {ckpt.meta.get('shard')}, this is shard "
+            f"{state.shard}: give each shard its own --state-dir"
+        )
+    targets = [(f"model/{n}", v) for n, v in zip(state.names, state.variables, strict=True)]
     targets += [
         (f"optimizer/{v.name}", v) for v in state.optimizer.variables if v.name != "learning_rate"
     ]

@@ -25,6 +25,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "adagrad", "sgd"])
     p.add_argument("--lr", type=positive(), default=1e-3, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    shards = p.add_argument_group("shards (see README, Running on several machines)")
+    shards.add_argument(
+        "--num-shards",
+        type=at_least(1),
+        default=1,
+        help="servers the model is partitioned over; start one server per shard",
+    )
+    shards.add_argument(
+        "--shard", type=at_least(0), default=0, help="this server's shard index, 0..NUM_SHARDS-1"
+    )
+    shards.add_argument(
+        "--show-partition",
+        action="store_true",
+        help="print which variables (and row ranges) each shard holds, then exit",
+    )
     p.add_argument("--ready-file", help="write bound ports as JSON here once serving")
     p.add_argument(
         "--missing-after",
@@ -109,9 +124,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
+def show_partition(model_ref: str, num_shards: int) -> int:
+    """Print the partition of the model over ``num_shards`` shards (``--show-partition``)."""
+    from shared.models import build_model, fingerprint, load_spec
+    from shared.partition import make_partition
+
+    variables = build_model(load_spec(model_ref)).trainable_variables
+    try:
+        part = make_partition(
+            [v.path for v in variables],
+            [tuple(int(d) for d in v.shape) for v in variables],
+            [str(v.dtype) for v in variables],
+            num_shards,
+            fingerprint(variables),
+        )
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    print(part.describe(), flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the options, build the server, serve until SIGTERM/SIGINT."""
     setup_logging("server", args.log_level, args.log_format)
+    if args.shard >= args.num_shards:
+        log.error(
+            "--shard must be in 0..%d for --num-shards %d", args.num_shards - 1, args.num_shards
+        )
+        return 2
+    if args.show_partition:
+        return show_partition(args.model, args.num_shards)
+    if args.num_shards > 1 and args.eval_every:
+        log.error("--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it")
+        return 2
     from shared.security import SecurityError, load_server_keys
 
     keys = None
@@ -180,13 +226,15 @@ def run(args: argparse.Namespace) -> int:
         summary_interval_s=args.summary_secs,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        shard=args.shard,
+        num_shards=args.num_shards,
     )
     try:
         server = Server(load_spec(args.model), config)
     except SecurityError as exc:  # e.g. the ZAP authenticator did not start
         log.error("refusing to start: %s", exc)
         return 2
-    except OSError as exc:  # e.g. --metrics-port already in use
+    except (OSError, ValueError) as exc:  # e.g. --metrics-port in use, too many shards
         log.error("cannot start: %s", exc)
         return 2
     server.install_signal_handlers()

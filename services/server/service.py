@@ -69,6 +69,8 @@ class ServerConfig:
     summary_interval_s: float = 5.0  # seconds between TensorBoard points
     metrics_port: int | None = None  # Prometheus /metrics (0 = any port; None = off)
     metrics_host: str = "127.0.0.1"  # plain HTTP, no authentication: loopback by default
+    shard: int = 0  # this server's index among num_shards (--shard)
+    num_shards: int = 1  # servers the model is partitioned over (--num-shards)
 
 
 @dataclass
@@ -104,7 +106,20 @@ class Server:
     def __init__(self, spec: ModelSpec, config: ServerConfig) -> None:
         self.spec = spec
         self.config = config
-        self.state = ParameterState(spec, config.optimizer, config.learning_rate, config.seed)
+        if config.num_shards > 1 and config.eval_every:
+            raise ValueError(
+                "--eval-every needs the whole model: a shard holds part of it (evaluate with "
+                "`downpour run-local` or from pulled weights instead)"
+            )
+        self.state = ParameterState(
+            spec,
+            config.optimizer,
+            config.learning_rate,
+            config.seed,
+            shard=config.shard,
+            num_shards=config.num_shards,
+        )
+        self.partition = self.state.partition
         self.incarnation = secrets.token_hex(8)
         self.restored_seqs: dict[str, int] = {}
         self.restored_from: int | None = None
@@ -191,7 +206,20 @@ class Server:
     def _checkpoint_meta(self) -> dict[str, Any]:
         seqs = dict(self.restored_seqs)
         seqs.update({wid: r.last_seq for wid, r in self.workers.items()})
-        return {"fingerprint": self.state.fingerprint, "model": self.spec.name, "workers": seqs}
+        return {
+            "fingerprint": self.state.fingerprint,
+            "model": self.spec.name,
+            "workers": seqs,
+            **self.shard_fields(),
+        }
+
+    def shard_fields(self) -> dict[str, Any]:
+        """Which shard this is and of which partition (hello, status, ready file, checkpoints)."""
+        return {
+            "shard": self.config.shard,
+            "num_shards": self.config.num_shards,
+            "partition": self.partition.digest,
+        }
 
     def _maybe_checkpoint(self, final: bool = False) -> None:
         cp = self.checkpoints
@@ -215,6 +243,7 @@ class Server:
             "status_port": self.status_port,
             "fingerprint": self.state.fingerprint,
             "version": self.state.version,
+            **self.shard_fields(),
             **self.obs.endpoints(),
         }
 
@@ -248,8 +277,10 @@ class Server:
             f"{self.config.host} ports {self.port}/{self.push_port}/{self.status_port}"
         )
         log.info(
-            "serving %s (%d variables, %.1f MB, fingerprint %s) on %s ports %d/%d/%d",
+            "serving %s shard %d/%d (%d tensors, %.1f MB, fingerprint %s) on %s ports %d/%d/%d",
             self.spec.name,
+            self.config.shard,
+            self.config.num_shards,
             len(self.state.variables),
             self.state.payload_bytes / 1e6,
             self.state.fingerprint[:12],
@@ -352,15 +383,15 @@ class Server:
         ):
             if name != want:
                 raise ProtocolError(protocol.R_NAME, f"tensor {name!r} where {want!r} was expected")
-            got_shape = t.dense_shape if isinstance(t, protocol.Sparse) else t.shape
-            got_dtype = t.values.dtype if isinstance(t, protocol.Sparse) else t.dtype
+            got_shape = protocol.logical_shape(t)
+            got_dtype = protocol.logical_dtype(t)
             if tuple(got_shape) != shape:
                 raise ProtocolError(
                     protocol.R_SHAPE, f"{name!r}: shape {tuple(got_shape)} != {shape}"
                 )
             if got_dtype != dtype:
                 raise ProtocolError(protocol.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
-            grads.append(t.to_dense() if isinstance(t, protocol.Sparse) else t)
+            grads.append(protocol.densify(t))
         return grads
 
     def _check_identity(self, user: str | None, claimed: str) -> None:
@@ -472,6 +503,20 @@ class Server:
                 f"server's {self.spec.name!r} (fingerprint {self.state.fingerprint}): start the "
                 f"worker with the same --model as the server",
             )
+        mine = self.shard_fields()
+        theirs_part = {k: msg.body.get(k) for k in mine}
+        # A client that sends no partition (a plain hello) is accepted by an unsharded server.
+        unsharded_client = theirs_part["partition"] is None and self.config.num_shards == 1
+        if theirs_part != mine and not unsharded_client:
+            self.rejected[protocol.R_PARTITION] += 1
+            log.warning("refused worker %s: partition %s != %s", msg.sender, theirs_part, mine)
+            return protocol.error_message(
+                protocol.R_PARTITION,
+                f"worker expects shard {theirs_part['shard']} of {theirs_part['num_shards']} "
+                f"(partition {theirs_part['partition']}), this is shard {mine['shard']} of "
+                f"{mine['num_shards']} (partition {mine['partition']}): list every shard's "
+                f"endpoint in shard order in the worker's --server",
+            )
         rec = self._worker(msg.sender)
         return Message(
             protocol.HELLO,
@@ -485,6 +530,7 @@ class Server:
                 "last_seq": rec.last_seq,
                 "payload_bytes": self.state.payload_bytes,
                 "incarnation": self.incarnation,
+                **mine,
             },
         )
 
@@ -554,6 +600,8 @@ class Server:
             "protocol": protocol.PROTOCOL_VERSION,
             "model": self.spec.name,
             "fingerprint": self.state.fingerprint,
+            **self.shard_fields(),
+            "shard_bytes": self.state.payload_bytes,
             "version": self.state.version,
             "updates_applied": self.state.version,
             "updates_per_s": round(self.update_rate.per_second(now), 3),

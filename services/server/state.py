@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from shared.models import ModelSpec, build_model, describe_variables, evaluate, fingerprint
+from shared.partition import Partition, make_partition
 
 OPTIMIZERS = {
     "adam": keras.optimizers.Adam,
@@ -61,6 +62,11 @@ class ParameterState:
 
     ``jit`` compiles the apply step with XLA (the default: faster, same result within float
     tolerance, see tests/test_apply_jit.py); ``jit=False`` runs the op-by-op graph.
+
+    With ``num_shards`` > 1 the state holds only shard ``shard``'s parts of the model
+    (``shared.partition``): one variable per part, initialised from the same seeded model
+    every shard builds, so the shards together start from exactly the unsharded weights.
+    ``names`` are then the parts' wire names and ``model`` is None (a shard cannot evaluate).
     """
 
     def __init__(
@@ -70,16 +76,41 @@ class ParameterState:
         learning_rate: float = 1e-3,
         seed: int = 0,
         jit: bool = True,
+        shard: int = 0,
+        num_shards: int = 1,
     ) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard must be in 0..{num_shards - 1}, got {shard}")
         self.spec = spec
         self.jit = jit
-        self.model = build_model(spec, seed)
-        self.variables = list(self.model.trainable_variables)
-        self.names = [v.path for v in self.variables]
+        self.shard = shard
+        model = build_model(spec, seed)
+        full = list(model.trainable_variables)
+        self.fingerprint = fingerprint(full)
+        self.description = describe_variables(full)
+        self.partition: Partition = make_partition(
+            [v.path for v in full],
+            [tuple(int(d) for d in v.shape) for v in full],
+            [str(v.dtype) for v in full],
+            num_shards,
+            self.fingerprint,
+        )
+        parts = self.partition.shards[shard]
+        self.model: keras.Model | None = model if num_shards == 1 else None
+        if num_shards == 1:
+            self.variables = full
+        else:  # Keras variable names may not contain "/": a safe name, the wire name kept apart
+            self.variables = [
+                keras.Variable(
+                    full[p.var].numpy()[p.start : p.stop] if not p.whole else full[p.var].numpy(),
+                    dtype=p.dtype,
+                    name=f"shard{shard}_part{j}",
+                )
+                for j, p in enumerate(parts)
+            ]
+        self.names = [p.wire_name for p in parts]
         self.shapes = [tuple(int(d) for d in v.shape) for v in self.variables]
         self.dtypes = [np.dtype(str(v.dtype)) for v in self.variables]
-        self.fingerprint = fingerprint(self.variables)
-        self.description = describe_variables(self.variables)
         self.payload_bytes = sum(
             int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)
         )
@@ -130,5 +161,7 @@ class ParameterState:
         return self._snapshot
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
-        """The spec's metric on (x, y) with the current weights."""
+        """The spec's metric on (x, y) with the current weights (unsharded only)."""
+        if self.model is None:
+            raise ValueError("a shard holds part of the model and cannot evaluate it")
         return evaluate(self.spec, self.model, x, y)

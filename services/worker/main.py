@@ -16,9 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``downpour worker``."""
     p.add_argument(
         "--server",
-        type=endpoint,
+        type=endpoint_list,
         default="127.0.0.1:5570",
-        help="HOST:PORT of the server's REP port",
+        help="HOST:PORT of the server's REP port; with shards, every shard's, comma-separated "
+        "in shard order (HOST0:PORT0,HOST1:PORT1,...)",
     )
     p.add_argument("--id", default="", help="worker id (default hostname-pid)")
     p.add_argument(
@@ -100,6 +101,18 @@ def endpoint(s: str) -> str:
     return s
 
 
+def endpoint_list(s: str) -> str:
+    """argparse type of --server: one HOST:PORT or a comma-separated list of them."""
+    for part in s.split(","):
+        endpoint(part.strip())
+    return s
+
+
+def parse_servers(s: str) -> tuple[tuple[str, int], ...]:
+    """``--server`` -> ((host, port), ...) in shard order."""
+    return tuple(parse_server(part.strip()) for part in s.split(","))
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the worker, train, print a one-line JSON summary on stdout."""
     setup_logging("worker", args.log_level, args.log_format)
@@ -122,10 +135,11 @@ def run(args: argparse.Namespace) -> int:
     from services.worker.service import Worker, WorkerConfig, WorkerError
     from shared.models import load_spec
 
-    host, port = parse_server(args.server)
+    servers = parse_servers(args.server)
     config = WorkerConfig(
-        host=host,
-        port=port,
+        host=servers[0][0],
+        port=servers[0][1],
+        servers=servers,
         worker_id=args.id,
         steps=args.steps,
         epochs=args.epochs,
@@ -142,7 +156,11 @@ def run(args: argparse.Namespace) -> int:
         keys=keys,
     )
     spec = load_spec(args.model)
-    worker = Worker(spec, config, spec.load_data(args.data_dir))
+    try:
+        worker = Worker(spec, config, spec.load_data(args.data_dir))
+    except (WorkerError, ValueError) as exc:  # e.g. more shards than the model can be split into
+        log.error("%s", exc)
+        return 2
     worker.install_signal_handlers()
     try:
         summary = worker.run()

@@ -7,6 +7,12 @@ steps in between. Every push carries the weight version it was computed from.
 Nothing blocks forever: requests time out and their REQ socket is recreated, pushes have a
 send timeout, and a server that stays away longer than ``server_timeout_s`` ends the worker
 with a clear error.
+
+With several server shards (``servers`` lists them in shard order) the worker computes the
+same partition as the shards (``shared.partition``), pushes each shard its slice of every
+gradient list under one sequence number, and pulls from all shards at once: one fetcher
+thread and REQ socket per shard. Each shard has its own weight version; a push carries the
+version of that shard's weights it was computed from, so each shard measures its own staleness.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +39,7 @@ from shared.data import Dataset
 from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
 from shared.metrics import Rate, new_worker_stats
 from shared.models import ModelSpec, build_model, fingerprint
+from shared.partition import make_partition
 from shared.protocol import Message
 from shared.transport import (
     Deadline,
@@ -57,6 +64,7 @@ class WorkerConfig:
 
     host: str = "127.0.0.1"
     port: int = 5570
+    servers: tuple[tuple[str, int], ...] = ()  # shard endpoints in shard order (default host:port)
     worker_id: str = ""
     steps: int | None = None
     epochs: float = 1.0
@@ -79,6 +87,27 @@ class WorkerConfig:
         """The configured id, or hostname-pid."""
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
+    def endpoints(self) -> tuple[tuple[str, int], ...]:
+        """The servers' REP endpoints, one per shard in shard order."""
+        return self.servers or ((self.host, self.port),)
+
+
+@dataclass
+class Link:
+    """What the worker holds for one server shard: sockets, incarnation, weights and version."""
+
+    index: int
+    host: str
+    port: int
+    req: ReqClient
+    push_sock: zmq.Socket | None = None
+    push_port: int | None = None
+    incarnation: str | None = None
+    version: int = -1  # this shard's weight version held locally; -1 = none yet
+    arrays: list[np.ndarray] = field(default_factory=list)  # its parts, as last pulled
+    fetcher: Fetcher | None = None
+    last_contact: float = field(default_factory=time.monotonic)
+
 
 def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless full batches, reshuffled every epoch with a per-worker seed."""
@@ -94,20 +123,24 @@ def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndar
 
 
 class Fetcher:
-    """Weight pulls and heartbeats on a background thread with its own REQ socket.
+    """Weight pulls and heartbeats for one shard on a background thread with its own REQ socket.
 
     The transfer of version V+1 overlaps the computation on version V; the worker installs
-    the result between steps, so a step never sees a mix of two versions. When the worker has
-    said nothing to the server for ``heartbeat_s`` (a long step, a large n_fetch), the thread
-    sends a heartbeat so the server does not mistake a busy worker for a missing one.
+    the result between steps, so a step never sees a mix of two versions. With several shards
+    each has a fetcher, so the pulls run concurrently. When the worker has said nothing to a
+    shard for ``heartbeat_s`` (a long step, a large n_fetch), the thread sends a heartbeat so
+    the shard does not mistake a busy worker for a missing one.
     """
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, link: Link) -> None:
         self.worker = worker
-        self.client = worker.new_client()
+        self.link = link
+        self.client = worker.new_client(link.host, link.port)
         self._requests: queue.Queue[int | None] = queue.Queue(maxsize=1)
         self._results: queue.Queue[Message | BaseException] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="fetcher", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"fetcher-{link.index}", daemon=True
+        )
         self._thread.start()
 
     def request(self, have: int) -> None:
@@ -121,7 +154,9 @@ class Fetcher:
         try:
             result = self._results.get(timeout=bound)
         except queue.Empty:
-            raise WorkerError(f"no weights from the server within {bound:.0f} s") from None
+            raise WorkerError(
+                f"no weights from server {self.client.endpoint} within {bound:.0f} s"
+            ) from None
         if isinstance(result, BaseException):
             raise result
         return result
@@ -137,18 +172,18 @@ class Fetcher:
             if have is None:
                 return
             try:
-                self._results.put(w.call(self.client, w.pull_message(have)))
+                self._results.put(w.call(self.link, self.client, w.pull_message(self.link, have)))
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
 
     def _heartbeat(self) -> None:
         w = self.worker
-        if time.monotonic() - w.last_contact < w.config.heartbeat_s or w.stopping():
+        if time.monotonic() - self.link.last_contact < w.config.heartbeat_s or w.stopping():
             return
         msg = Message(protocol.HEARTBEAT, w.id, body={"stats": dict(w.stats)})
         try:
             self.client.request(msg, w.limits, retries=0)
-            w.last_contact = time.monotonic()
+            self.link.last_contact = time.monotonic()
         except (RequestTimeout, RemoteError, protocol.ProtocolError) as exc:
             log.debug("heartbeat failed: %s", exc)
 
@@ -174,27 +209,40 @@ class Worker:
         self.id = config.resolved_id()
         self.model = build_model(spec)
         self.step_fn = GradientStep(spec, self.model, data.x_train[:1])
-        self.names = [v.path for v in self.model.trainable_variables]
-        self.fingerprint = fingerprint(self.model.trainable_variables)
+        variables = self.model.trainable_variables
+        self.names = [v.path for v in variables]
+        self.fingerprint = fingerprint(variables)
         self.payload_bytes = sum(
-            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize
-            for v in self.model.trainable_variables
+            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables
         )
         self.limits = protocol.DEFAULT_LIMITS.for_payload(self.payload_bytes)
-        self.version = -1  # weights held locally; -1 = none yet
+        endpoints = config.endpoints()
+        if config.push_endpoint is not None and len(endpoints) > 1:
+            raise WorkerError("--push-endpoint works with one server, not with shards")
+        self.partition = make_partition(
+            self.names,
+            [tuple(int(d) for d in v.shape) for v in variables],
+            [str(v.dtype) for v in variables],
+            len(endpoints),
+            self.fingerprint,
+        )
+        self.wire_names = [[p.wire_name for p in parts] for parts in self.partition.shards]
         self.seq = 0
-        self.push_port: int | None = None
         self._stop = threading.Event()
         self._warn = RateLimitedLog(log)
         # Sent with every push and heartbeat; names and units: shared.metrics.WORKER_REPORTED.
         self.stats: dict[str, float] = new_worker_stats()
         self._step_rate = Rate(10.0)
         self.ctx = make_context(config.io_threads)
-        self.req = self.new_client()
-        self.fetcher: Fetcher | None = None
-        self.incarnation: str | None = None
-        self.last_contact = time.monotonic()
-        self.push_sock: zmq.Socket | None = None
+        self.links = [
+            Link(i, host, port, self.new_client(host, port))
+            for i, (host, port) in enumerate(endpoints)
+        ]
+
+    @property
+    def version(self) -> int:
+        """The weight version held (with shards: the oldest of the shards' versions)."""
+        return min(link.version for link in self.links)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -213,10 +261,13 @@ class Worker:
     def close(self) -> None:
         """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
         self._stop.set()  # ends any retry loop still waiting on the server
-        clean = self.fetcher.close() if self.fetcher is not None else True
-        self.req.close()
-        if self.push_sock is not None:
-            self.push_sock.close(linger=int(1000 * self.config.push_linger_s))
+        clean = True
+        for link in self.links:
+            if link.fetcher is not None:
+                clean = link.fetcher.close() and clean
+            link.req.close()
+            if link.push_sock is not None:
+                link.push_sock.close(linger=int(1000 * self.config.push_linger_s))
         if clean:
             self.ctx.term()  # waits up to the push linger for queued gradients to leave
         else:
@@ -224,25 +275,25 @@ class Worker:
 
     # ------------------------------------------------------------ server calls
 
-    def new_client(self) -> ReqClient:
-        """A REQ client for the server's REP port (one per thread)."""
+    def new_client(self, host: str, port: int) -> ReqClient:
+        """A REQ client for a server's REP port (one per thread)."""
         return ReqClient(
             self.ctx,
-            tcp(self.config.host, self.config.port),
+            tcp(host, port),
             timeout_s=self.config.request_timeout_s,
             retries=0,
             max_msg_bytes=self.limits.max_total_bytes,
             configure=security.curve_client(self.config.keys),  # CURVE survives a recreate
         )
 
-    def call(self, client: ReqClient, msg: Message) -> Message:
+    def call(self, link: Link, client: ReqClient, msg: Message) -> Message:
         """One request, retried with capped backoff until server_timeout_s; never hangs."""
         deadline = Deadline(self.config.server_timeout_s)
         delay = backoff_delays(0.1, 2.0)
         while True:
             try:
                 reply = client.request(msg, self.limits)
-                self.last_contact = time.monotonic()
+                link.last_contact = time.monotonic()
                 return reply
             except RequestTimeout:
                 if self._stop.is_set():
@@ -257,7 +308,12 @@ class Worker:
                 self._stop.wait(min(delay(), deadline.remaining()))
 
     def hello(self) -> None:
-        """Introduce ourselves; learn the gradient port and where our sequence resumes."""
+        """Introduce ourselves to every shard; learn the gradient ports and where our
+        sequence resumes."""
+        for link in self.links:
+            self._hello(link)
+
+    def _hello(self, link: Link) -> None:
         msg = Message(
             protocol.HELLO,
             self.id,
@@ -265,94 +321,141 @@ class Worker:
                 "fingerprint": self.fingerprint,
                 "model": self.spec.name,
                 "variables": len(self.names),
+                "shard": link.index,
+                "num_shards": self.partition.num_shards,
+                "partition": self.partition.digest,
             },
         )
         try:
-            reply = self.call(self.req, msg)
+            reply = self.call(link, link.req, msg)
         except RemoteError as exc:
-            raise WorkerError(f"server refused this worker: {exc.message}") from None
-        self._note_incarnation(reply)
+            raise WorkerError(
+                f"server {link.req.endpoint} refused this worker: {exc.message}"
+            ) from None
+        self._note_incarnation(link, reply)
         push_port = int(reply.body["push_port"])
         self.seq = max(self.seq, int(reply.body.get("last_seq", 0)))
-        if push_port != self.push_port:
-            if self.push_sock is not None:
-                self.push_sock.close(linger=0)
+        if push_port != link.push_port:
+            if link.push_sock is not None:
+                link.push_sock.close(linger=0)
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.config.push_hwm)
             sock.setsockopt(zmq.SNDTIMEO, int(1000 * self.config.push_timeout_s))
             if self.config.keys is not None:
                 security.configure_curve_client(sock, self.config.keys)
-            sock.connect(tcp(*(self.config.push_endpoint or (self.config.host, push_port))))
-            self.push_sock, self.push_port = sock, push_port
+            sock.connect(tcp(*(self.config.push_endpoint or (link.host, push_port))))
+            link.push_sock, link.push_port = sock, push_port
         log.info(
-            "worker %s joined server %s at version %d (model %s)",
+            "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
             self.id,
-            self.req.endpoint,
+            link.req.endpoint,
+            link.index,
+            self.partition.num_shards,
             reply.base_version,
             self.spec.name,
         )
 
-    def pull_message(self, have: int) -> Message:
-        """A pull request; ``have`` < 0 means this worker holds no weights yet."""
-        body = {"have": have, "incarnation": self.incarnation} if have >= 0 else {}
+    def pull_message(self, link: Link, have: int) -> Message:
+        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
+        body = {"have": have, "incarnation": link.incarnation} if have >= 0 else {}
         return Message(protocol.PULL, self.id, body=body)
 
-    def install(self, reply: Message, started: float) -> None:
-        """Load the weights of a pull reply into the model, unless they are unchanged."""
+    def install(self, replies: list[Message], started: float) -> None:
+        """Load the weights of one pull reply per shard into the model, unless all are
+        unchanged; a step then never sees weights of two pulls."""
         self.stats["pulls"] += 1
-        self._note_incarnation(reply)
-        if reply.body.get("unchanged"):
-            self.stats["pulls_unchanged"] += 1
+        changed = False
+        for link, reply in zip(self.links, replies, strict=True):
+            self._note_incarnation(link, reply)
+            if reply.body.get("unchanged"):
+                continue
+            if list(reply.tensors) != self.wire_names[link.index]:
+                raise WorkerError(
+                    f"weights from server {link.req.endpoint} do not match this model's "
+                    f"variables on shard {link.index}"
+                )
+            link.arrays = list(reply.tensors.values())
+            link.version = reply.base_version
+            changed = True
+        if changed:
+            if len(self.links) == 1:
+                arrays = self.links[0].arrays
+            else:
+                arrays = self.partition.join([lk.arrays for lk in self.links], len(self.names))
+            self.step_fn.set_weights(arrays)
         else:
-            if list(reply.tensors) != self.names:
-                raise WorkerError("weights from the server do not match this model's variables")
-            self.step_fn.set_weights(list(reply.tensors.values()))
-            self.version = reply.base_version
+            self.stats["pulls_unchanged"] += 1
         self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
 
-    def _note_incarnation(self, reply: Message) -> None:
+    def _note_incarnation(self, link: Link, reply: Message) -> None:
         inc = reply.body.get("incarnation")
-        if self.incarnation is not None and inc != self.incarnation:
-            log.warning("server restarted (now at version %d); continuing", reply.base_version)
-        self.incarnation = inc
+        if link.incarnation is not None and inc != link.incarnation:
+            log.warning(
+                "server %s restarted (now at version %d); continuing",
+                link.req.endpoint,
+                reply.base_version,
+            )
+        link.incarnation = inc
+
+    def _fetch_all(self) -> list[Message]:
+        """Every shard's reply to the pull its fetcher is running (they run concurrently)."""
+        return [link.fetcher.take() for link in self.links if link.fetcher is not None]
 
     def pull(self) -> None:
-        """Fetch weights if the server has a newer version than ours: synchronously, or by
-        taking what the background fetcher brought and starting the next fetch."""
+        """Fetch weights from every shard that has a newer version than ours: waiting for the
+        replies (--no-prefetch), or taking what the fetchers brought and starting the next."""
         t0 = time.perf_counter()
-        if self.fetcher is None or not self.config.prefetch:
-            self.install(self.call(self.req, self.pull_message(self.version)), t0)
-            return
-        self.install(self.fetcher.take(), t0)
-        self.fetcher.request(self.version)
+        if not self.config.prefetch:
+            for link in self.links:
+                assert link.fetcher is not None
+                link.fetcher.request(link.version)
+        self.install(self._fetch_all(), t0)
+        if self.config.prefetch:
+            for link in self.links:
+                assert link.fetcher is not None
+                link.fetcher.request(link.version)
 
     def push(
         self,
         grads: list[protocol.Tensor],
-        base_version: int,
+        base_versions: list[int],
         loss: float,
         steps: int,
         batch_size: int,
     ) -> None:
-        """Send one gradient message; waits out back-pressure within server_timeout_s."""
-        assert self.push_sock is not None
+        """Send one gradient message per shard (its slice, its base version, one shared seq);
+        waits out back-pressure within server_timeout_s."""
         self.seq += 1
-        msg = Message(
-            protocol.PUSH,
-            self.id,
-            seq=self.seq,
-            base_version=base_version,
-            body={"loss": loss, "batch_size": batch_size, "steps": steps, "stats": self.stats},
-            tensors=dict(zip(self.names, grads, strict=True)),
-        )
-        frames = protocol.encode(msg)
+        per_shard = [grads] if len(self.links) == 1 else self.partition.split(grads)
+        body = {"loss": loss, "batch_size": batch_size, "steps": steps, "stats": self.stats}
         t0 = time.perf_counter()
+        sent = 0
+        for link, tensors in zip(self.links, per_shard, strict=True):
+            msg = Message(
+                protocol.PUSH,
+                self.id,
+                seq=self.seq,
+                base_version=base_versions[link.index],
+                body=body,
+                tensors=dict(zip(self.wire_names[link.index], tensors, strict=True)),
+            )
+            frames = protocol.encode(msg)
+            if not self._send(link, frames):
+                return
+            sent += sum(memoryview(f).nbytes for f in frames)
+        self.stats["pushes"] += 1
+        self.stats["bytes_sent"] += sent
+        self.stats["push_ms"] = 1e3 * (time.perf_counter() - t0)
+
+    def _send(self, link: Link, frames: list[Any]) -> bool:
+        """Send one push to one shard; False if dropped because the worker is stopping."""
+        assert link.push_sock is not None
         deadline = Deadline(self.config.server_timeout_s)
         while True:
             try:
-                self.push_sock.send_multipart(frames, copy=False)
-                break
+                link.push_sock.send_multipart(frames, copy=False)
+                return True
             except zmq.Again:
                 self.stats["backpressure"] += 1
                 self._warn.warning(
@@ -361,12 +464,11 @@ class Worker:
                 if self._stop.is_set():  # a planned stop: this gradient is dropped, and counted
                     self.stats["dropped"] += 1
                     log.info("stopping: dropped one unsent gradient (seq %d)", self.seq)
-                    return
+                    return False
                 if deadline.expired():
-                    raise WorkerError("could not push gradients: server not taking them") from None
-        self.stats["pushes"] += 1
-        self.stats["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
-        self.stats["push_ms"] = 1e3 * (time.perf_counter() - t0)
+                    raise WorkerError(
+                        f"could not push gradients: server {link.req.endpoint} not taking them"
+                    ) from None
 
     # ------------------------------------------------------------ training
 
@@ -386,19 +488,23 @@ class Worker:
         acc = Accumulator()
         started = time.monotonic()
         loss = float("nan")
-        base_version = 0
+        base_versions = [0] * len(self.links)
         step = 0
         set_log_context(worker=self.id, version=lambda: self.version)
         self.hello()
-        self.install(self.call(self.req, self.pull_message(-1)), time.perf_counter())
-        self.fetcher = Fetcher(self)
+        for link in self.links:  # the first pull from every shard at once
+            link.fetcher = Fetcher(self, link)
+            link.fetcher.request(-1)
+        self.install(self._fetch_all(), time.perf_counter())
         if cfg.prefetch:
-            self.fetcher.request(self.version)
+            for link in self.links:
+                assert link.fetcher is not None
+                link.fetcher.request(link.version)
         while step < total and not self._stop.is_set():
             if step and step % cfg.n_fetch == 0:
                 self.pull()
-            if acc.count == 0:
-                base_version = self.version  # the oldest weights in this accumulation
+            if acc.count == 0:  # the oldest weights in this accumulation, per shard
+                base_versions = [link.version for link in self.links]
             x, y = next(data)
             t0 = time.perf_counter()
             loss, grads = self.step_fn(x, y)
@@ -410,7 +516,7 @@ class Worker:
             if math.isfinite(loss):
                 self.stats["loss"] = loss
             if acc.count >= cfg.n_push:
-                self.push(acc.take(), base_version, loss, step, self.spec.batch_size)
+                self.push(acc.take(), base_versions, loss, step, self.spec.batch_size)
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(
                     "worker %s step %d/%d loss %.4f version %d",
@@ -428,6 +534,7 @@ class Worker:
             "steps_per_s": round(step / max(elapsed, 1e-9), 3),
             "loss": loss,
             "version": self.version,
+            "versions": [link.version for link in self.links],
             "pushes": int(self.stats["pushes"]),
             "pulls": int(self.stats["pulls"]),
             "pulls_unchanged": int(self.stats["pulls_unchanged"]),

@@ -1,0 +1,178 @@
+"""How the model's variables are split across S parameter-server shards.
+
+Every shard and every worker computes the partition from the same inputs (the model's
+trainable variables in order, and S) with the same deterministic rule, so nothing has to be
+distributed: a shard announces the partition's digest in ``hello`` and refuses a worker whose
+digest differs.
+
+The rule (greedy by bytes, as DistBelief balanced its shards):
+
+1. ``share`` = total bytes / S. A variable larger than ``share`` with at least two rows is
+   split along its first dimension into ``min(S, rows)`` row ranges of near-equal size;
+   piece ``i`` goes to shard ``i``. This is what keeps one large embedding or dense kernel
+   from landing on one machine.
+2. The remaining whole variables, largest first (ties by variable order), each go to the
+   shard with the fewest bytes so far (ties to the lower shard index).
+3. Within a shard, parts are ordered by variable index: that is the order on the wire.
+
+A whole variable travels under its own name; a row range under ``name[start:stop]``. The
+optimizers the server offers (Adam, Adagrad, SGD) are element-wise, so a sharded update is
+the same arithmetic as an unsharded one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.protocol import Sparse, Tensor
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of one variable: rows ``start:stop`` of variable ``var`` (all rows if whole)."""
+
+    var: int
+    name: str
+    start: int
+    stop: int
+    shape: tuple[int, ...]  # the whole variable's shape
+    dtype: str
+    whole: bool
+
+    @property
+    def wire_name(self) -> str:
+        """The tensor name on the wire: the variable's, or ``name[start:stop]`` for a slice."""
+        return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """This piece's shape."""
+        if self.whole:
+            return self.shape
+        return (self.stop - self.start, *self.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        """This piece's size in bytes."""
+        return int(np.prod(self.part_shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def take(self, a: Tensor) -> Tensor:
+        """This piece of a full-variable gradient: a row view (no copy) or the sparse rows."""
+        if self.whole:
+            return a
+        if isinstance(a, Sparse):
+            keep = (a.indices >= self.start) & (a.indices < self.stop)
+            return Sparse(
+                (a.indices[keep] - self.start).astype(a.indices.dtype, copy=False),
+                a.values[keep],
+                self.part_shape,
+            )
+        return a[self.start : self.stop]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which parts each shard holds; ``shards[i]`` is shard i's parts in wire order."""
+
+    num_shards: int
+    shards: tuple[tuple[Part, ...], ...]
+    fingerprint: str
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the partition and model: equal on every shard and worker or refused."""
+        doc = [
+            self.fingerprint,
+            self.num_shards,
+            [[[p.name, p.start, p.stop] for p in parts] for parts in self.shards],
+        ]
+        return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
+
+    def shard_bytes(self) -> list[int]:
+        """Bytes of parameters per shard."""
+        return [sum(p.nbytes for p in parts) for parts in self.shards]
+
+    def split(self, grads: Sequence[Tensor]) -> list[list[Tensor]]:
+        """A full gradient list (variable order) as one list per shard, in wire order."""
+        return [[p.take(grads[p.var]) for p in parts] for parts in self.shards]
+
+    def join(self, per_shard: Sequence[Sequence[np.ndarray]], n_vars: int) -> list[np.ndarray]:
+        """Full variables from each shard's arrays (wire order); slices are concatenated."""
+        pieces: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n_vars)]
+        for parts, arrays in zip(self.shards, per_shard, strict=True):
+            for p, a in zip(parts, arrays, strict=True):
+                pieces[p.var].append((p.start, a))
+        out = []
+        for i, ps in enumerate(pieces):
+            if not ps:
+                raise ValueError(f"variable {i} is on no shard")
+            ps.sort(key=lambda t: t[0])
+            out.append(ps[0][1] if len(ps) == 1 else np.concatenate([a for _, a in ps]))
+        return out
+
+    def describe(self) -> str:
+        """A table of the partition, for ``downpour server --show-partition``."""
+        total = sum(self.shard_bytes()) or 1
+        lines = [
+            f"partition {self.digest} of model {self.fingerprint[:12]} over "
+            f"{self.num_shards} shard(s)"
+        ]
+        for i, (parts, nbytes) in enumerate(zip(self.shards, self.shard_bytes(), strict=True)):
+            lines.append(
+                f"shard {i}: {nbytes / 1e6:.3f} MB ({100 * nbytes / total:.1f} %), "
+                f"{len(parts)} part(s)"
+            )
+            for p in parts:
+                shape = "x".join(map(str, p.part_shape)) or "scalar"
+                lines.append(f"  {p.wire_name:<48} {shape:>16} {p.nbytes / 1e6:>10.3f} MB")
+        return "\n".join(lines)
+
+
+def make_partition(
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[str | np.dtype],
+    num_shards: int,
+    fingerprint: str,
+) -> Partition:
+    """The partition of these variables over ``num_shards`` shards (see the module docstring)."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    dts = [np.dtype(d).name for d in dtypes]
+    sizes = [
+        int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+        for s, d in zip(shapes, dts, strict=True)
+    ]
+    share = sum(sizes) / num_shards
+    loads = [0] * num_shards
+    assigned: list[list[Part]] = [[] for _ in range(num_shards)]
+    whole: list[int] = []
+    for i, (name, shape, dt, size) in enumerate(zip(names, shapes, dts, sizes, strict=True)):
+        rows = shape[0] if shape else 0
+        if num_shards > 1 and size > share and rows >= 2:
+            pieces = min(num_shards, rows)
+            for k in range(pieces):
+                start, stop = k * rows // pieces, (k + 1) * rows // pieces
+                part = Part(i, name, start, stop, tuple(shape), dt, whole=False)
+                assigned[k].append(part)
+                loads[k] += part.nbytes
+        else:
+            whole.append(i)
+    for i in sorted(whole, key=lambda j: (-sizes[j], j)):
+        k = min(range(num_shards), key=lambda s: (loads[s], s))
+        rows = shapes[i][0] if shapes[i] else 0
+        assigned[k].append(Part(i, names[i], 0, rows, tuple(shapes[i]), dts[i], whole=True))
+        loads[k] += sizes[i]
+    for k, parts in enumerate(assigned):
+        if not parts:
+            raise ValueError(
+                f"{num_shards} shards for a model with {len(names)} variables leaves shard {k} "
+                "empty: use fewer shards"
+            )
+        parts.sort(key=lambda p: (p.var, p.start))
+    return Partition(num_shards, tuple(tuple(p) for p in assigned), fingerprint)
