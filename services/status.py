@@ -155,6 +155,26 @@ def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return merged
 
 
+def shard_summary(docs: dict[str, dict[str, Any]]) -> str | None:
+    """For shards of one partitioned model: which shards answer and which are missing (each
+    shard applies every push to its slice, so its version counts the cluster's updates)."""
+    sharded = [d for d in docs.values() if int(d.get("num_shards") or 1) > 1]
+    if not sharded:
+        return None
+    partitions = {d.get("partition") for d in sharded}
+    total = max(int(d["num_shards"]) for d in sharded)
+    present = sorted({int(d.get("shard", 0)) for d in sharded})
+    missing = [i for i in range(total) if i not in present]
+    versions = [int(d.get("version") or 0) for d in sharded]
+    return (
+        f"shards: {len(present)}/{total} present"
+        + (f", MISSING {missing}" if missing else "")
+        + f", partition {', '.join(sorted(map(str, partitions)))}"
+        + ("  (DIFFERENT PARTITIONS)" if len(partitions) > 1 else "")
+        + f", versions {min(versions)}..{max(versions)}"
+    )
+
+
 def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
     """Several servers as one cluster: totals, a line per server, a merged row per worker."""
     ok = {ep: d for ep, d in docs.items() if "error" not in d}
@@ -169,20 +189,25 @@ def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"cluster: {len(ok)}/{len(docs)} servers answering, model {model}"
         + ("" if len(models) <= 1 else "  (DIFFERENT MODELS: not shards of one model)"),
+    ]
+    if (shards := shard_summary(ok)) is not None:
+        lines.append(shards)
+    lines += [
         f"updates applied {updates}  updates/s {_fmt(rate)}  staleness mean "
         f"{_fmt(st_sum / st_count if st_count else None)} max {_fmt(st_max)}  "
         f"rejected {rejected}",
         "",
-        f"{'server':<28} {'version':>8} {'updates/s':>9} {'loss':>8} {'stale mean':>10} "
-        f"{'rejected':>8} {'held-out':>8}",
+        f"{'server':<28} {'shard':>5} {'version':>8} {'updates/s':>9} {'loss':>8} "
+        f"{'stale mean':>10} {'rejected':>8} {'held-out':>8}",
     ]
     for ep, d in docs.items():
         if "error" in d:
             lines.append(f"{ep:<28} unreachable: {d['error']}")
             continue
         ev = d.get("eval") or {}
+        shard = f"{d.get('shard', 0)}/{d.get('num_shards', 1)}"
         lines.append(
-            f"{ep:<28} {d.get('version', 0):>8} {_fmt(d.get('updates_per_s')):>9} "
+            f"{ep:<28} {shard:>5} {d.get('version', 0):>8} {_fmt(d.get('updates_per_s')):>9} "
             f"{_fmt(d.get('loss')):>8} {_fmt((d.get('staleness') or {}).get('mean')):>10} "
             f"{d.get('rejected_total', 0):>8} {_fmt(ev.get('accuracy')):>8}"
         )

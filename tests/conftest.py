@@ -114,19 +114,21 @@ class Cluster:
 
     def worker(
         self,
-        server_port: int,
+        server_port: int | list[int],
         *args: str,
         model: str = "tiny_models:tiny",
         worker_id: str = "w",
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
     ) -> Service:
-        """Start ``downpour worker`` against host:server_port (``prefix`` as for server)."""
+        """Start ``downpour worker`` against host:server_port, or every shard's port in shard
+        order when given a list (``prefix`` as for server)."""
+        ports = server_port if isinstance(server_port, list) else [server_port]
         proc, log = self._spawn(
             [
                 "worker",
                 "--server",
-                f"{host}:{server_port}",
+                ",".join(f"{host}:{p}" for p in ports),
                 "--model",
                 model,
                 "--id",
@@ -169,6 +171,20 @@ def summary(worker: Service) -> dict[str, Any]:
         if line.startswith('{"summary"'):
             return json.loads(line)["summary"]
     raise AssertionError(f"no summary from worker; log:\n{worker.log_text()}")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 right now (for a server restarted on the same ports)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_until(predicate: Any, timeout: float, what: str = "condition") -> Any:

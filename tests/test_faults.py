@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Cluster, Service, summary, wait_until
+from conftest import Cluster, Service, free_ports, summary, wait_until
 
 from services.server.checkpoint import CheckpointStore, capture, restore
 from services.server.state import ParameterState
@@ -68,17 +67,6 @@ def test_store_keeps_k_skips_damaged_and_cleans_leftovers(tmp_path: Path) -> Non
 
 
 # ---------------------------------------------------------------- processes
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _status(server: Service) -> dict:
@@ -203,7 +191,7 @@ def test_killed_worker_shows_missing_others_unaffected_and_it_rejoins(cluster: C
 def test_server_killed_and_restarted_workers_reconnect_and_continue(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    port, push_port, status_port = _free_ports(3)
+    port, push_port, status_port = free_ports(3)
     args = (
         "--state-dir",
         str(tmp_path / "state"),
