@@ -12,6 +12,7 @@ result):
 3. server: bare ParameterState.apply (XLA and graph) against a real server under a flood;
    the apply time against the memory-traffic floor; pull latency during the flood
 4. end to end: steps/s of local training, 1 and 2 downpour workers, TF ParameterServerStrategy
+5. shards: update capacity (applies/s, synthetic pushers) of 1 shard and of 2 shards
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
 Modes: full (default, < 15 min), ``--quick`` (< 3 min), ``--smoke`` (one repetition, a few
@@ -40,6 +41,7 @@ sys.path.insert(1, str(HERE.parents[1]))
 import bench_e2e  # noqa: E402
 import bench_seed  # noqa: E402
 import bench_server  # noqa: E402
+import bench_shards  # noqa: E402
 import bench_wire  # noqa: E402
 from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
 
@@ -68,6 +70,7 @@ REQUIRED: dict[str, list[str]] = {
         "ratio_1w_vs_local",
         "ratio_1w_vs_tf_pss",
     ],
+    "shards": ["one_shard_applies_per_s", "two_shards_applies_per_s", "ratio_two_vs_one"],
 }
 
 
@@ -88,6 +91,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ("ratio_1w_vs_local", e["ratio_1w_vs_local"], ">=", 1.0),
         ("ratio_1w_vs_tf_pss", e["ratio_1w_vs_tf_pss"], ">=", 1.5),
         ("ratio_1w_curve_vs_plain", e["ratio_1w_curve_vs_plain"], ">=", 0.85),
+        ("shards ratio_two_vs_one", r["shards"]["ratio_two_vs_one"], ">=", 1.6),
     ]
     out = []
     for name, value, op, bound in rows:
@@ -152,6 +156,14 @@ def table(r: dict[str, Any]) -> str:
         f"(per round: {_fmt_list(e['ratio_1w_vs_local_per_round'])}) |",
         f"| e2e | **downpour 1w / TF PSS** | **{e['ratio_1w_vs_tf_pss']:.2f}** "
         f"(per round: {_fmt_list(e['ratio_1w_vs_tf_pss_per_round'])}) |",
+        f"| shards | 1 shard under synthetic pushers | "
+        f"{r['shards']['one_shard_applies_per_s']:.1f} updates/s |",
+        f"| shards | 2 shards (the slower one; each "
+        f"{_fmt_list(r['shards']['two_shards_per_shard_applies_per_s'])}) | "
+        f"{r['shards']['two_shards_applies_per_s']:.1f} updates/s |",
+        f"| shards | **2 shards / 1 shard** | **{r['shards']['ratio_two_vs_one']:.2f}x** "
+        f"(server CPU {r['shards']['server_cpu_cores_one']:.2f} / "
+        f"{r['shards']['server_cpu_cores_two']:.2f} cores) |",
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -195,7 +207,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     timings = {}
     with Procs(logdir) as procs:
         t = time.monotonic()
-        log("[1/4] wire")
+        log("[1/5] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
         w = result["wire"]
         result["wire_curve"] = {  # measured interleaved with the plaintext push above
@@ -205,17 +217,21 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
-        log("[2/4] seed gradients")
+        log("[2/5] seed gradients")
         result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
         timings["seed_gradients"] = time.monotonic() - t
         t = time.monotonic()
-        log("[3/4] server")
+        log("[3/5] server")
         result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
         timings["server"] = time.monotonic() - t
         t = time.monotonic()
-        log("[4/4] end to end")
+        log("[4/5] end to end")
         result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[5/5] shards")
+        result["shards"] = bench_shards.run(plan, procs, names, grads)
+        timings["shards"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}
