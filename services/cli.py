@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl = sub.add_parser("plot", help="PNG plots of a run directory (history.csv, status.json)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by run-local")
+
+    from services import export
+
+    export.add_arguments(
+        sub.add_parser(
+            "export", help="write the newest checkpoint as a .keras file or a SavedModel"
+        )
+    )
     return parser
 
 
@@ -103,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.plot import main as plot_main
 
         return plot_main(args.run_dir)
+    if args.command == "export":
+        from services import export
+
+        return export.main(args)
     raise AssertionError(args.command)
 
 

@@ -77,12 +77,53 @@ def fingerprint(variables: Sequence[keras.Variable]) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
+# Trainable variables travel as gradients and weights on the wire and are applied by the
+# server's optimizer: float16, float32 and float64 do all of that (float16 and float64 train
+# end to end, tests/test_variable_dtypes.py). bfloat16 is not a wire dtype (NumPy has none of
+# its own, DLPack refuses it); integer and bool variables have no gradient.
+TRAINABLE_DTYPES = frozenset({"float16", "float32", "float64"})
+
+
+def check_variables(model: keras.Model, name: str | None = None) -> None:
+    """Refuse a model whose trainable variables downpour cannot train, naming the variable.
+
+    Both services build the model through ``build_model``, so a server refuses at start and a
+    worker before its hello. Checked: every trainable variable has a dtype of
+    ``TRAINABLE_DTYPES``, and no two share a path (tensors are named by path on the wire and
+    in checkpoints). Non-trainable variables of any dtype are allowed: they stay in each
+    process as ``build`` made them (downpour neither sends nor checkpoints them).
+    """
+    label = f"model {name!r}" if name else "the model"
+    seen: set[str] = set()
+    for v in model.trainable_variables:
+        dtype = str(v.dtype)
+        if dtype not in TRAINABLE_DTYPES:
+            hint = (
+                "keep the variables float32 and compute in bfloat16 with the "
+                "'mixed_bfloat16' dtype policy"
+                if dtype == "bfloat16"
+                else "make it non-trainable (trainable=False) if it is state, not a parameter"
+            )
+            raise ValueError(
+                f"{label}: trainable variable {v.path!r} has dtype {dtype}; downpour trains "
+                f"{', '.join(sorted(TRAINABLE_DTYPES))} variables only: {hint}"
+            )
+        if v.path in seen:
+            raise ValueError(
+                f"{label}: two trainable variables have the path {v.path!r}; give each "
+                "add_weight() of a layer its own name (variables travel and are checkpointed "
+                "by path)"
+            )
+        seen.add(v.path)
+
+
 def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
-    """Build the spec's model with a fixed initialisation seed."""
+    """Build the spec's model with a fixed initialisation seed; ``check_variables`` it."""
     keras.utils.set_random_seed(seed)
     model = spec.build()
     if not model.built or not model.trainable_variables:
         raise ValueError(f"model {spec.name!r} has no built trainable variables")
+    check_variables(model, spec.name)
     return model
 
 

@@ -1,0 +1,395 @@
+"""``downpour export``: the trained model out of the server's checkpoints, for plain TensorFlow.
+
+The server's checkpoint (``services/server/checkpoint.py``) holds every trainable variable as
+``model/<variable path>`` (and the optimizer's slots as ``optimizer/...``, ignored here). Export
+reads the newest checkpoint of each ``--state-dir``, checks its fingerprint against the model
+built from ``--model``, assigns the arrays to that model's trainable variables and writes
+
+- ``PATH.keras``: a Keras archive (``keras.models.load_model``), or
+- any other ``PATH``: a TensorFlow SavedModel directory (``tf.saved_model.load``; the
+  ``serve`` endpoint and the ``serving_default`` signature take a batch of inputs and return
+  the model's outputs).
+
+Neither needs downpour to load. The written file is loaded back and its outputs compared with
+the model's before export reports success.
+
+Sharded servers (one state directory per shard) store only their parts, a row range of a
+split variable as ``model/<path>[start:stop]``; ``--state-dir`` is then given once per shard,
+and the parts are joined by the partition every shard computes (``shared.partition``). A part
+no checkpoint holds is an error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import keras
+
+    from services.server.checkpoint import Checkpoint
+    from shared.models import ModelSpec
+
+log = logging.getLogger("downpour.export")
+
+MODEL_PREFIX = "model/"
+# Outputs of the reloaded file must match the in-memory model's to this (relative) tolerance.
+RTOL = 1e-5
+
+
+class ExportError(Exception):
+    """Export refused: no checkpoint, another model, a missing variable, a bad output path."""
+
+
+@dataclass
+class ExportResult:
+    """What was written, from what, and how the reloaded file scored."""
+
+    path: Path
+    format: str  # "keras" or "saved_model"
+    model_ref: str
+    checkpoints: list[tuple[str, int]]  # (file, version) per state directory
+    accuracy: float | None = None  # the spec's metric on the held-out set, reloaded model
+    max_abs_diff: float | None = None  # reloaded vs in-memory outputs
+    custom_objects: list[str] = field(default_factory=list)
+    non_trainable: list[str] = field(default_factory=list)
+
+
+def load_checkpoints(state_dirs: Sequence[str | Path]) -> list[Checkpoint]:
+    """The newest loadable checkpoint of each state directory (one per shard)."""
+    from services.server.checkpoint import CheckpointStore
+
+    if not state_dirs:
+        raise ExportError("give at least one --state-dir")
+    found = []
+    for d in state_dirs:
+        if not Path(d).is_dir():
+            raise ExportError(f"--state-dir {d}: no such directory")
+        ckpt = CheckpointStore(d).latest()
+        if ckpt is None:
+            raise ExportError(f"--state-dir {d}: no checkpoint (ckpt-*.npz) that loads")
+        found.append(ckpt)
+    return found
+
+
+def check_shards(checkpoints: Sequence[Checkpoint]) -> None:
+    """Refuse a set of checkpoints that is not exactly one whole model.
+
+    One unsharded checkpoint, or one checkpoint per shard of the same partition.
+    """
+    partitions = {c.meta.get("partition") for c in checkpoints}
+    if len(partitions) > 1:
+        raise ExportError(
+            "the checkpoints come from different partitions of the model: "
+            + ", ".join(f"{c.path} (partition {c.meta.get('partition')})" for c in checkpoints)
+        )
+    num_shards = {int(c.meta.get("num_shards", 1)) for c in checkpoints}
+    if len(num_shards) > 1:
+        raise ExportError(f"the checkpoints disagree on the number of shards: {sorted(num_shards)}")
+    n = num_shards.pop()
+    shards = sorted(int(c.meta.get("shard", 0)) for c in checkpoints)
+    if shards != list(range(n)):
+        missing = sorted(set(range(n)) - set(shards))
+        twice = sorted({i for i in shards if shards.count(i) > 1})
+        problems = ([f"missing {missing}"] if missing else []) + (
+            [f"shard(s) {twice} given twice"] if twice else []
+        )
+        raise ExportError(
+            f"need one checkpoint of each of the {n} shard(s), got shard(s) {shards} "
+            f"({', '.join(problems)}): pass each shard's state directory once, "
+            "--state-dir DIR per shard"
+        )
+
+
+def gather_variables(
+    checkpoints: Sequence[Checkpoint], variables: Sequence[keras.Variable]
+) -> list[np.ndarray]:
+    """One array per variable, put together from the checkpoints' parts.
+
+    The parts are found by the partition every shard computes (``shared.partition``, the same
+    join the workers use), so a sharded model comes back exactly as the shards hold it.
+    Optimizer entries are ignored; a missing part, an entry the model lacks, another
+    partition, or a shape or dtype mismatch is an ExportError.
+    """
+    from services.cluster import partition_of
+
+    n = int(checkpoints[0].meta.get("num_shards", 1))
+    part = partition_of(variables, n)
+    digest = checkpoints[0].meta.get("partition")
+    if digest is not None and digest != part.digest:
+        raise ExportError(
+            f"the checkpoints were written with partition {digest}; this model over {n} "
+            f"shard(s) partitions as {part.digest}: pass the server's --model"
+        )
+    by_shard = {int(c.meta.get("shard", 0)): c for c in checkpoints}
+    per_shard = []
+    for i, parts in enumerate(part.shards):
+        c = by_shard[i]
+        keys = {MODEL_PREFIX + p.wire_name for p in parts}
+        unknown = sorted(k[len(MODEL_PREFIX) :] for k in c.arrays if k.startswith(MODEL_PREFIX))
+        unknown = [k for k in unknown if MODEL_PREFIX + k not in keys]
+        if unknown:
+            raise ExportError(f"{c.path} holds variables this model lacks: {unknown}")
+        arrays = []
+        for p in parts:
+            a = c.arrays.get(MODEL_PREFIX + p.wire_name)
+            if a is None:
+                raise ExportError(
+                    f"variable {p.wire_name!r} {p.part_shape} is in no checkpoint given"
+                    " (a shard's --state-dir missing?)"
+                )
+            if tuple(a.shape) != p.part_shape:
+                raise ExportError(
+                    f"variable {p.wire_name!r}: checkpoint shape {a.shape}, model {p.part_shape}"
+                )
+            if a.dtype != np.dtype(p.dtype):
+                raise ExportError(
+                    f"variable {p.wire_name!r}: checkpoint dtype {a.dtype}, model {p.dtype}"
+                )
+            arrays.append(a)
+        per_shard.append(arrays)
+    return part.join(per_shard, len(variables))
+
+
+def model_candidates(meta: dict[str, Any]) -> list[str]:
+    """Model references to try when --model is not given, most specific first.
+
+    The checkpoint records the spec's *name* (``model``); it resolves when it is a
+    ``module:function`` reference or a built-in model of ``shared.models``. A ``model_ref``
+    entry, if a server records one, comes first.
+    """
+    from shared.models import DEFAULT_MODEL
+
+    refs = []
+    if isinstance(meta.get("model_ref"), str):
+        refs.append(meta["model_ref"])
+    name = meta.get("model")
+    if isinstance(name, str) and name:
+        refs.append(name if ":" in name else f"shared.models:{name}")
+    refs.append(DEFAULT_MODEL)
+    return list(dict.fromkeys(refs))
+
+
+def resolve_spec(model_ref: str | None, meta: dict[str, Any]) -> tuple[str, ModelSpec]:
+    """(reference, spec): ``--model`` if given, else the first candidate that loads."""
+    from shared.models import load_spec
+
+    if model_ref is not None:
+        try:
+            return model_ref, load_spec(model_ref)
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            raise ExportError(f"--model {model_ref}: {exc}") from None
+    for ref in model_candidates(meta):
+        try:
+            return ref, load_spec(ref)
+        except (ImportError, AttributeError, ValueError, TypeError):
+            continue
+    raise ExportError("no model: pass --model module:function (the server's --model)")
+
+
+def custom_objects(model: keras.Model) -> list[str]:
+    """Classes in the model's Keras config that are not Keras's own.
+
+    A ``.keras`` file names them, and loading it needs them importable (or ``custom_objects``);
+    a SavedModel directory does not.
+    """
+    import keras
+
+    found: set[str] = set()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            if "class_name" in o and "module" in o:
+                module = o.get("module")
+                if not (isinstance(module, str) and module.split(".")[0] == "keras"):
+                    found.add(f"{module}.{o['class_name']}" if module else str(o["class_name"]))
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(keras.saving.serialize_keras_object(model))
+    return sorted(found)
+
+
+def _predict(fn: Any, x: np.ndarray) -> np.ndarray:
+    outs = [np.asarray(fn(x[i : i + 500])) for i in range(0, len(x), 500)]
+    return np.concatenate(outs)
+
+
+def write_model(model: keras.Model, out: Path) -> str:
+    """Write ``out`` as a .keras archive or a SavedModel directory; return the format."""
+    if out.suffix == ".keras":
+        model.save(out)
+        return "keras"
+    model.export(str(out), format="tf_saved_model", verbose=False)
+    return "saved_model"
+
+
+def reload_fn(out: Path, fmt: str) -> Any:
+    """A callable batch -> outputs from the written file, as plain TensorFlow/Keras loads it."""
+    import keras
+    import tensorflow as tf
+
+    if fmt == "keras":
+        loaded = keras.models.load_model(out, compile=False)
+        return lambda x: loaded(x, training=False)
+    loaded = tf.saved_model.load(str(out))  # must outlive the call: it owns the variables
+    return lambda x: loaded.serve(tf.constant(x))
+
+
+def export(
+    state_dirs: Sequence[str | Path],
+    out: str | Path,
+    model_ref: str | None = None,
+    data_dir: str | None = None,
+    verify: bool = True,
+) -> ExportResult:
+    """Export the newest checkpoint(s) of ``state_dirs`` to ``out``; see the module docstring.
+
+    With ``verify`` the file is loaded back, its outputs compared with the in-memory model on
+    (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
+    """
+    from shared.models import build_model, fingerprint
+
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} exists: remove it or choose another --out")
+    if not out.parent.is_dir():
+        raise ExportError(f"{out.parent}: no such directory")
+    checkpoints = load_checkpoints(state_dirs)
+    check_shards(checkpoints)
+    meta = checkpoints[0].meta
+    ref, spec = resolve_spec(model_ref, meta)
+    try:
+        model = build_model(spec)
+    except ValueError as exc:
+        raise ExportError(f"model {ref}: {exc}") from None
+    variables = list(model.trainable_variables)
+    fp = fingerprint(variables)
+    for c in checkpoints:
+        if c.meta.get("fingerprint") != fp:
+            raise ExportError(
+                f"{c.path} was written for model {c.meta.get('model')!r} (fingerprint "
+                f"{c.meta.get('fingerprint')}), but {ref} ({spec.name!r}) has fingerprint {fp}: "
+                "pass the server's --model module:function"
+            )
+    for v, a in zip(variables, gather_variables(checkpoints, variables), strict=True):
+        v.assign(a)
+
+    try:
+        fmt = write_model(model, out)
+    except (OSError, ValueError, TypeError, NotImplementedError) as exc:
+        raise ExportError(f"cannot write {out}: {exc}") from None
+    result = ExportResult(
+        path=out,
+        format=fmt,
+        model_ref=ref,
+        checkpoints=[(str(c.path), c.version) for c in checkpoints],
+        custom_objects=custom_objects(model),
+        non_trainable=[
+            v.path for v in model.non_trainable_variables if "seed_generator" not in v.path
+        ],
+    )
+    if not verify:
+        return result
+
+    try:
+        data = spec.load_data(data_dir)
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"{out} was written, but the model's data for checking it does not load: {exc} "
+            "(pass --data-dir, or --no-verify)"
+        ) from None
+    x = data.x_test if len(data.x_test) else data.x_train
+    try:
+        fn = reload_fn(out, result.format)
+    except Exception as exc:  # noqa: BLE001 - any load failure is reported, with the reason
+        if result.custom_objects:
+            why = (
+                f"it needs the model's own classes {result.custom_objects}: export a SavedModel "
+                "directory instead (an --out without .keras), or register the classes with "
+                "@keras.saving.register_keras_serializable() and import them before loading"
+            )
+        else:
+            why = " ".join(str(exc).split())[:500]
+        raise ExportError(f"{out} was written but does not load back: {why}") from None
+    sample = x[:256]
+    want = _predict(lambda b: model(b, training=False), sample)
+    got = _predict(fn, sample)
+    result.max_abs_diff = float(np.max(np.abs(got.astype(np.float64) - want))) if len(got) else 0.0
+    if result.max_abs_diff > RTOL * (1.0 + float(np.max(np.abs(want), initial=0.0))):
+        raise ExportError(
+            f"{out}: the reloaded model's outputs differ from the checkpoint's by "
+            f"{result.max_abs_diff:g}"
+        )
+    if len(data.x_test):
+        result.accuracy = spec.metric(data.y_test, _predict(fn, data.x_test))
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``downpour export`` options."""
+    p.add_argument(
+        "--state-dir",
+        action="append",
+        required=True,
+        metavar="DIR",
+        help="the server's --state-dir (its newest checkpoint is exported); "
+        "a sharded server: once per shard",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="PATH.keras: a Keras archive; any other PATH: a SavedModel directory",
+    )
+    p.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="the server's --model (default: the model the checkpoint names, if it resolves, "
+        "else shared.models:deep_mnist)",
+    )
+    p.add_argument("--data-dir", help="the model's --data-dir, for the check after writing")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not load the written file back and score it on the held-out set",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``downpour export``; 0 on success, 2 when refused."""
+    from shared.logs import setup_logging
+
+    if not logging.getLogger().handlers:  # leave an embedding program's logging alone
+        setup_logging("export", "INFO", "text")
+    try:
+        r = export(args.state_dir, args.out, args.model, args.data_dir, not args.no_verify)
+    except ExportError as exc:
+        print(f"downpour export: {exc}", file=sys.stderr)
+        return 2
+    for path, version in r.checkpoints:
+        print(f"checkpoint {path} (version {version})")
+    kind = "Keras archive" if r.format == "keras" else "SavedModel directory"
+    print(f"model {r.model_ref}: wrote {kind} {r.path}")
+    if r.custom_objects and r.format == "keras":
+        print(f"note: loading {r.path} needs these classes importable: {r.custom_objects}")
+    if r.non_trainable:
+        print(
+            "note: non-trainable variables are exported as the model's build() made them "
+            f"(downpour trains and checkpoints trainable variables only): {r.non_trainable}"
+        )
+    if r.max_abs_diff is not None:
+        print(f"reloaded: outputs match (max abs diff {r.max_abs_diff:.2g})")
+    if r.accuracy is not None:
+        print(f"held-out accuracy: {r.accuracy:.4f}")
+    return 0

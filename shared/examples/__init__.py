@@ -1,0 +1,1 @@
+"""Worked examples of model plugins (``--model shared.examples.<module>:spec``)."""
