@@ -41,6 +41,7 @@ def test_run_local_writes_history_status_tensorboard_and_plots(tmp_path: Path) -
     assert out.returncode == 0, out.stdout + out.stderr + (run_dir / "server.log").read_text()
     lines = out.stdout.splitlines()
     assert lines[-1].startswith("held-out accuracy: ")
+    assert float(lines[-1].removeprefix("held-out accuracy: ")) > 0.9
     metrics_line = next(line for line in lines if line.startswith("metrics: http://127.0.0.1:"))
     assert metrics_line.endswith("/metrics")
 
@@ -61,3 +62,25 @@ def test_run_local_writes_history_status_tensorboard_and_plots(tmp_path: Path) -
     for name in ("training.png", "staleness.png", "throughput.png"):
         assert (run_dir / name).stat().st_size > 10_000, name
         assert f"plot: {run_dir / name}" in lines
+
+
+def test_run_local_with_two_shards_reaches_the_one_shard_bar(tmp_path: Path) -> None:
+    """``--shards 2`` (``make run-local SHARDS=2``): two shard processes, the workers list
+    both, and the evaluator scores the joined weights."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "services.cli", "run-local", "--model", "tiny_models:tiny",
+            "--workers", "2", "--shards", "2", "--steps", "150", "--no-progress",
+            "--run-dir", str(run_dir),
+        ],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240,
+    )  # fmt: skip
+    logs = "".join(p.read_text() for p in run_dir.glob("server-*.log"))
+    assert out.returncode == 0, out.stdout + out.stderr + logs
+    lines = out.stdout.splitlines()
+    assert "shard 0/2: version 300, 300 updates" in out.stdout
+    assert "shard 1/2: version 300, 300 updates" in out.stdout
+    accuracy = float(lines[-1].removeprefix("held-out accuracy: "))
+    assert accuracy > 0.9  # the bar tiny reaches with one server in the same 300 updates
+    assert (run_dir / "server-0.json").exists() and (run_dir / "server-1.json").exists()
