@@ -79,7 +79,8 @@ def test_two_shards_two_workers_train_and_show_one_cluster(cluster: Cluster) -> 
         assert doc["staleness"]["count"] == 120  # staleness is tracked per shard
         assert set(doc["workers"]) == {"w0", "w1"}
     assert docs[0]["shard_bytes"] + docs[1]["shard_bytes"] == sum(
-        int(np.prod(v.shape)) * 4 for v in build_model(load_spec("tiny_models:tiny")).trainable_variables
+        int(np.prod(v.shape)) * 4
+        for v in build_model(load_spec("tiny_models:tiny")).trainable_variables
     )
     versions, acc = held_out_accuracy(servers)
     assert versions == [120, 120]
