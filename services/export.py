@@ -60,6 +60,7 @@ class ExportResult:
     max_abs_diff: float | None = None  # reloaded vs in-memory outputs
     custom_objects: list[str] = field(default_factory=list)
     non_trainable: list[str] = field(default_factory=list)
+    batchnorm_recalibrated: int = 0  # BatchNormalization layers whose statistics were recomputed
 
 
 def load_checkpoints(state_dirs: Sequence[str | Path]) -> list[Checkpoint]:
@@ -258,7 +259,7 @@ def export(
     With ``verify`` the file is loaded back, its outputs compared with the in-memory model on
     (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
     """
-    from shared.models import build_model, fingerprint
+    from shared.models import batchnorm_layers, build_model, fingerprint, recalibrate_batchnorm
 
     out = Path(out)
     if out.exists():
@@ -284,6 +285,15 @@ def export(
             )
     for v, a in zip(variables, gather_variables(checkpoints, variables), strict=True):
         v.assign(a)
+    recalibrated = 0
+    if batchnorm_layers(model):  # their statistics are recomputed for these weights
+        try:
+            recalibrated = recalibrate_batchnorm(model, spec.load_data(data_dir).x_train)
+        except (OSError, ValueError) as exc:
+            raise ExportError(
+                f"the model has BatchNormalization layers, whose statistics are recomputed "
+                f"from the training data, and that does not load: {exc} (pass --data-dir)"
+            ) from None
 
     try:
         fmt = write_model(model, out)
@@ -298,6 +308,7 @@ def export(
         non_trainable=[
             v.path for v in model.non_trainable_variables if "seed_generator" not in v.path
         ],
+        batchnorm_recalibrated=recalibrated,
     )
     if not verify:
         return result
@@ -383,7 +394,12 @@ def main(args: argparse.Namespace) -> int:
     print(f"model {r.model_ref}: wrote {kind} {r.path}")
     if r.custom_objects and r.format == "keras":
         print(f"note: loading {r.path} needs these classes importable: {r.custom_objects}")
-    if r.non_trainable:
+    if r.batchnorm_recalibrated:
+        print(
+            f"BatchNorm statistics of {r.batchnorm_recalibrated} layer(s) recomputed for the "
+            "exported weights from the training data (README, BatchNorm)"
+        )
+    elif r.non_trainable:
         print(
             "note: non-trainable variables are exported as the model's build() made them "
             f"(downpour trains and checkpoints trainable variables only): {r.non_trainable}"

@@ -119,7 +119,7 @@ class Evaluator:
         """(server version, held-out metric) with the server's current weights; ``port`` is
         a list of the shards' ports in shard order for a sharded server (version: shard 0's)."""
         from services.cluster import pull_full
-        from shared.models import evaluate
+        from shared.models import evaluate, recalibrate_batchnorm
 
         ports = port if isinstance(port, list) else [port]
         versions, arrays = pull_full(
@@ -130,6 +130,7 @@ class Evaluator:
         )
         for v, a in zip(self.model.trainable_variables, arrays, strict=True):
             v.assign(a)
+        recalibrate_batchnorm(self.model, self.data.x_train)  # no-op without BatchNormalization
         return versions[0], evaluate(self.spec, self.model, self.data.x_test, self.data.y_test)
 
 

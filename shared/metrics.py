@@ -196,6 +196,14 @@ REJECTED = MetricInfo(
     "",
     "Messages refused, by reason; nothing was applied.",
 )
+POLICY = MetricInfo(
+    "policy",
+    "downpour_policy_events_total",
+    COUNTER,
+    "",
+    "Staleness-policy decisions, by event: offered, updates, applied, scaled, dropped_stale, "
+    "late, duplicate, future, aggregated, discarded (README, Staleness policies).",
+)
 AUTH_DENIED = MetricInfo(
     "auth_denied",
     "downpour_auth_denied_total",
@@ -239,7 +247,21 @@ WORKER_METRICS: tuple[MetricInfo, ...] = (
         "downpour_worker_updates_applied_total",
         COUNTER,
         "",
-        "Gradient lists applied from this worker.",
+        "Gradients from this worker that reached the weights (sync: each of an update's K).",
+    ),
+    MetricInfo(
+        "dropped",
+        "downpour_worker_policy_dropped_total",
+        COUNTER,
+        "",
+        "Valid gradients from this worker the staleness policy did not apply.",
+    ),
+    MetricInfo(
+        "held",
+        "downpour_worker_policy_held_total",
+        COUNTER,
+        "",
+        "Gradients from this worker held for a sync:K/N round.",
     ),
     MetricInfo(
         "rejected",
@@ -255,7 +277,7 @@ WORKER_METRICS: tuple[MetricInfo, ...] = (
         "downpour_worker_staleness",
         GAUGE,
         "",
-        "Staleness of this worker's last applied gradient.",
+        "Staleness of this worker's last accepted gradient (applied, held or dropped).",
     ),
     MetricInfo("loss", "downpour_worker_loss", GAUGE, "", "Batch loss of this worker's last push."),
     MetricInfo(
@@ -301,7 +323,18 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         1e-3,
     ),
     MetricInfo(
-        "bytes_sent", "downpour_worker_sent_bytes_total", COUNTER, "bytes", "Gradient bytes sent."
+        "bytes_sent",
+        "downpour_worker_sent_bytes_total",
+        COUNTER,
+        "bytes",
+        "Gradient message bytes sent (after --compress).",
+    ),
+    MetricInfo(
+        "bytes_raw",
+        "downpour_worker_raw_bytes_total",
+        COUNTER,
+        "bytes",
+        "What the same gradient messages would have taken uncompressed.",
     ),
     MetricInfo(
         "backpressure",
@@ -333,6 +366,35 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         COUNTER,
         "",
         "Gradients left unsent at a planned stop.",
+    ),
+    MetricInfo(
+        "dropped_stale",
+        "downpour_worker_stale_dropped_total",
+        COUNTER,
+        "",
+        "Gradients the server's policy dropped as too stale, as told in pull replies.",
+    ),
+    MetricInfo(
+        "stale_refreshes",
+        "downpour_worker_stale_refreshes_total",
+        COUNTER,
+        "",
+        "Extra synchronous pulls made because the server dropped a stale gradient.",
+    ),
+    MetricInfo(
+        "sync_wait_ms",
+        "downpour_worker_sync_wait_seconds",
+        GAUGE,
+        "seconds",
+        "With a sync:K/N server: how long the last wait for the next version took.",
+        1e-3,
+    ),
+    MetricInfo(
+        "sync_wait_timeouts",
+        "downpour_worker_sync_wait_timeouts_total",
+        COUNTER,
+        "",
+        "With a sync:K/N server: waits for the next version that timed out.",
     ),
 )
 

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from shared.data import Dataset, load_mnist  # noqa: E402
+from shared.models_tf1 import Tf1Graph, deep_mnist_graph  # noqa: E402
 
 DEFAULT_MODEL = "shared.models:deep_mnist"
 
@@ -52,6 +53,8 @@ class ModelSpec:
     metric: Callable[[np.ndarray, np.ndarray], float] = accuracy
     batch_size: int = 50
     label_dtype: tf.DType = tf.int64
+    # the same model as a tf.compat.v1 graph (shared.models_tf1.Tf1Graph) for --graph tf1
+    tf1_graph: Callable[[], Tf1Graph] | None = None
 
 
 def load_spec(ref: str = DEFAULT_MODEL) -> ModelSpec:
@@ -73,7 +76,12 @@ def describe_variables(variables: Sequence[keras.Variable]) -> list[tuple[str, l
 
 def fingerprint(variables: Sequence[keras.Variable]) -> str:
     """Hex digest identifying the trainable variables' names, shapes and dtypes."""
-    blob = json.dumps(describe_variables(variables), separators=(",", ":")).encode()
+    return fingerprint_of(describe_variables(variables))
+
+
+def fingerprint_of(described: Sequence[tuple[str, list[int], str]]) -> str:
+    """The fingerprint of ``describe_variables`` output (also of a TF1 graph's variables)."""
+    blob = json.dumps([list(d) for d in described], separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
@@ -133,6 +141,44 @@ def evaluate(spec: ModelSpec, model: keras.Model, x: np.ndarray, y: np.ndarray) 
     return spec.metric(y, np.concatenate(outs))
 
 
+def batchnorm_layers(model: keras.Model) -> list[keras.layers.BatchNormalization]:
+    """The model's BatchNormalization layers, nested models included."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras's own walk
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
+def recalibrate_batchnorm(
+    model: keras.Model, x: np.ndarray, batch_size: int = 250, max_batches: int = 20
+) -> int:
+    """Re-estimate every BatchNormalization layer's moving mean and variance for the weights
+    the model holds now; returns how many layers there were.
+
+    downpour's policy for non-trainable state: BatchNorm's moving statistics get no gradient,
+    so the server does not train or hold them. Statistics a worker gathered belong to the
+    (older, different) weights it computed with; averaging them would describe no model the
+    server ever had. So whoever evaluates or exports the server's weights first recomputes
+    the statistics with those weights, as SWA does (Izmailov et al. 2018, ``bn_update``):
+    forward passes in training mode over up to ``max_batches`` training batches, with the
+    momentum set so that the result is the exact mean over the batches.
+    """
+    layers = batchnorm_layers(model)
+    if not layers or len(x) == 0:
+        return len(layers)
+    saved = [layer.momentum for layer in layers]
+    try:
+        for i, start in enumerate(range(0, min(len(x), batch_size * max_batches), batch_size)):
+            for layer in layers:
+                layer.momentum = i / (i + 1)  # running mean: batch i weighs 1/(i+1)
+            model(x[start : start + batch_size], training=True)
+    finally:
+        for layer, m in zip(layers, saved, strict=True):
+            layer.momentum = m
+    return len(layers)
+
+
 def _deep_mnist_model() -> keras.Model:
     layers = keras.layers
     inp = keras.Input((28, 28, 1), name="image")
@@ -149,4 +195,9 @@ def _deep_mnist_model() -> keras.Model:
 
 def deep_mnist() -> ModelSpec:
     """TensorFlow's "Deep MNIST" CNN (3,274,634 parameters) on MNIST-5k or ``--data-dir``."""
-    return ModelSpec(name="deep_mnist", build=_deep_mnist_model, load_data=load_mnist)
+    return ModelSpec(
+        name="deep_mnist",
+        build=_deep_mnist_model,
+        load_data=load_mnist,
+        tf1_graph=deep_mnist_graph,  # the seed's own graph, for --graph tf1
+    )

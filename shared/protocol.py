@@ -48,13 +48,16 @@ Encodings (compressed gradients, ``downpour worker --compress``)::
 Message types (REQ/REP unless noted)::
 
     hello    -> hello      worker announces protocol + model fingerprint; reply carries the
-                           server version, gradient port, and the worker's last accepted seq
+                           server version, gradient port, the worker's last accepted seq, the
+                           "encodings" the server decodes and its staleness "policy"
     pull     -> weights    body {"have": V, "incarnation": I} when the sender holds version V
                            from server incarnation I (omitted when it holds none); reply
                            base_version = current version with all tensors, or body
                            {"unchanged": true} and no tensors when it is still V of I.
                            Replies to hello and pull carry the server's "incarnation" (random
-                           per start), so versions from before a restart are never confused
+                           per start), so versions from before a restart are never confused.
+                           A pull reply carries "dropped_stale": n when the server's policy
+                           dropped n of the sender's gradients as too old since its last pull
     push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps"}
     heartbeat -> heartbeat a worker that is otherwise silent says it is alive; body = its
                            figures; reply base_version = current version

@@ -127,6 +127,7 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
         metrics.STALENESS,
         metrics.REJECTED,
         metrics.AUTH_DENIED,
+        metrics.POLICY,
     ]
     names = [m.name for m in catalogue]
     assert len(names) == len(set(names))

@@ -99,3 +99,44 @@ def wide() -> ModelSpec:
         return keras.Model(inp, out, name="wide")
 
     return ModelSpec(name="wide", build=build, load_data=lambda _d: blobs(), batch_size=32)
+
+
+def batchnorm() -> ModelSpec:
+    """Dense -> BatchNormalization -> relu -> logits on blobs moved far from zero (offset 40,
+    scale 4): inference with the initial moving statistics (mean 0, variance 1) is far off,
+    so it shows whether a BatchNorm policy gives the server's weights usable statistics."""
+
+    def data(_d: str | None) -> Dataset:
+        d = blobs()
+        return Dataset(d.x_train * 4 + 40, d.y_train, d.x_test * 4 + 40, d.y_test)
+
+    def build() -> keras.Model:
+        inp = keras.Input((16,), name="features")
+        h = keras.layers.Dense(32, name="hidden")(inp)
+        h = keras.layers.BatchNormalization(name="bn")(h)
+        h = keras.layers.Activation("relu", name="relu")(h)
+        out = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inp, out, name="batchnorm")
+
+    return ModelSpec(name="batchnorm", build=build, load_data=data, batch_size=32)
+
+
+def big_embedding() -> ModelSpec:
+    """The embedding classifier with a 100,000-row table (6.4 MB): a batch touches at most
+    120 rows, so a push should carry about 0.1 % of the table."""
+    vocab = 100_000
+
+    def build() -> keras.Model:
+        inp = keras.Input((6,), dtype="int32", name="tokens")
+        e = keras.layers.Embedding(vocab, 16, name="embed")(inp)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
+        out = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inp, out, name="big_embedding")
+
+    def data(_d: str | None) -> Dataset:
+        rng = np.random.default_rng(4)
+        y = rng.integers(0, 4, 800).astype(np.int64)
+        x = (rng.integers(0, 50, (800, 6)) + 25_000 * y[:, None]).astype(np.int32)
+        return Dataset(x[:640], y[:640], x[640:], y[640:])
+
+    return ModelSpec(name="big_embedding", build=build, load_data=data, batch_size=20)

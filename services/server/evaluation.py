@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.models import ModelSpec, build_model, evaluate
+from shared.models import ModelSpec, build_model, evaluate, recalibrate_batchnorm
 
 log = logging.getLogger("downpour.server")
 
@@ -44,6 +44,7 @@ class HeldOutEvaluator:
         self.spec = spec
         self.every = every
         self.x, self.y = data.x_test, data.y_test
+        self.x_train = data.x_train  # BatchNorm statistics are recomputed from it
         self.model = build_model(spec)  # a second copy: the loop's variables are never touched
         self.on_result = on_result
         self.last: dict[str, Any] | None = None
@@ -112,6 +113,7 @@ class HeldOutEvaluator:
         t0 = time.perf_counter()
         for var, a in zip(self.model.trainable_variables, arrays, strict=True):
             var.assign(a)
+        recalibrate_batchnorm(self.model, self.x_train)  # no-op without BatchNormalization
         accuracy = float(evaluate(self.spec, self.model, self.x, self.y))
         self.count += 1
         self.last = {

@@ -25,6 +25,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "adagrad", "sgd"])
     p.add_argument("--lr", type=positive(), default=1e-3, help="learning rate")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    p.add_argument(
+        "--policy",
+        type=policy_text,
+        default="async",
+        metavar="POLICY",
+        help="what to do with stale gradients: async (apply each as it arrives), "
+        "staleness-aware (learning rate / max(1, staleness)), bounded:K (drop staleness > K), "
+        "sync:K/N (average the first K fresh gradients of N workers, apply once); see README, "
+        "Staleness policies and compression",
+    )
     shards = p.add_argument_group("shards (see README, Running on several machines)")
     shards.add_argument(
         "--num-shards",
@@ -122,6 +132,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     obs.add_argument("--data-dir", help="the held-out set for --eval-every: the model's --data-dir")
     obs.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("--log-level", default="INFO")
+
+
+def policy_text(text: str) -> str:
+    """argparse type of --policy: the canonical text of a valid policy, or a clear error."""
+    from services.server.policies import parse_policy  # pure Python: no TensorFlow import
+
+    try:
+        return parse_policy(text).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def show_partition(model_ref: str, num_shards: int) -> int:
@@ -228,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         shard=args.shard,
         num_shards=args.num_shards,
+        model_ref=args.model,
+        policy=args.policy,
     )
     try:
         server = Server(load_spec(args.model), config)

@@ -87,6 +87,7 @@ class SnapshotCollector(Collector):
             for reason, n in sorted((doc.get(mi.key) or {}).items()):
                 fam.add_metric([str(reason)], float(n))
             yield fam
+        yield from self._policy(doc.get(m.POLICY.key))
         yield from self._eval(doc.get("eval"))
         yield from self._workers(doc.get("workers") or {})
         yield from self._checkpoints(doc.get("checkpoints"))
@@ -101,6 +102,15 @@ class SnapshotCollector(Collector):
             buckets.append((le, total))
         fam = HistogramMetricFamily(m.STALENESS.name, m.STALENESS.help)
         fam.add_metric([], buckets, sum_value=float(st.get("sum", 0.0)))
+        yield fam
+
+    def _policy(self, pol: dict[str, Any] | None) -> Iterator[Metric]:
+        if not pol:
+            return
+        fam = _family(m.POLICY, ["policy", "event"])
+        for event, n in sorted((pol.get("counters") or {}).items()):
+            if (v := _number(n)) is not None:
+                fam.add_metric([str(pol.get("policy", "")), str(event)], v)
         yield fam
 
     def _eval(self, ev: dict[str, Any] | None) -> Iterator[Metric]:

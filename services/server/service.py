@@ -4,6 +4,13 @@ One thread owns the parameters and serves gradients (PULL) and hello/pull (REP) 
 poll loop, so a weight reply is always a whole version and never races an apply. The status
 socket has its own thread and answers from a snapshot the loop publishes, so a slow or
 flooding status client never stalls training.
+
+Every valid push goes through the staleness policy (``--policy``, ``services.server.policies``):
+it is applied (with the policy's learning-rate scale), dropped (counted, not an error: the
+sender hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
+aggregation; a partial round is applied when the server stops). With shards each shard runs
+its own policy on its own slice and its own version; for ``sync:K/N`` that means each shard
+aggregates its rounds independently.
 """
 
 from __future__ import annotations
@@ -26,6 +33,15 @@ import zmq
 from services.server.checkpoint import CheckpointStore, CheckpointWriter, capture
 from services.server.checkpoint import restore as restore_checkpoint
 from services.server.observe import Observers
+from services.server.policies import (
+    APPLY,
+    DROP,
+    REASON_LATE,
+    REASON_STALE,
+    Decision,
+    SyncPolicy,
+    parse_policy,
+)
 from services.server.state import ParameterState
 from shared import protocol, security, systemd
 from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
@@ -71,6 +87,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"  # plain HTTP, no authentication: loopback by default
     shard: int = 0  # this server's index among num_shards (--shard)
     num_shards: int = 1  # servers the model is partitioned over (--num-shards)
+    model_ref: str | None = None  # the --model reference, recorded in checkpoints for export
+    policy: str = "async"  # staleness policy (--policy; services.server.policies.parse_policy)
 
 
 @dataclass
@@ -81,7 +99,10 @@ class WorkerRecord:
     last_seen: float
     last_seq: int = 0
     pushes: int = 0
-    applied: int = 0
+    applied: int = 0  # gradients of this worker that reached the weights (sync: K per update)
+    dropped: int = 0  # accepted but not applied by the policy (stale, late, duplicate)
+    held: int = 0  # kept for a sync round (later applied, or discarded)
+    dropped_unreported: int = 0  # stale drops not yet told to the worker in a pull reply
     rejected: int = 0
     pulls: int = 0
     steps: int = 0
@@ -106,6 +127,7 @@ class Server:
     def __init__(self, spec: ModelSpec, config: ServerConfig) -> None:
         self.spec = spec
         self.config = config
+        self.policy = parse_policy(config.policy)  # ValueError names the accepted forms
         if config.num_shards > 1 and config.eval_every:
             raise ValueError(
                 "--eval-every needs the whole model: a shard holds part of it (evaluate with "
@@ -209,6 +231,7 @@ class Server:
         return {
             "fingerprint": self.state.fingerprint,
             "model": self.spec.name,
+            "model_ref": self.config.model_ref,
             "workers": seqs,
             **self.shard_fields(),
         }
@@ -289,6 +312,7 @@ class Server:
             self.push_port,
             self.status_port,
         )
+        log.info("staleness policy: %s", self.policy)
         watchdog = systemd.Watchdog()  # WatchdogSec=: pings while the loop and status thread run
         poller = zmq.Poller()
         poller.register(self.rep, zmq.POLLIN)
@@ -306,6 +330,7 @@ class Server:
                 self._publish()
             systemd.notify("STOPPING=1\nSTATUS=stopping: applying received gradients")
             self._drain_pushes(deadline=time.monotonic() + self.config.drain_timeout_s)
+            self._flush_policy()
             self._maybe_checkpoint(final=True)
         finally:
             self._publish(force=True)
@@ -370,16 +395,19 @@ class Server:
             extra={"worker": sender},
         )
 
-    def _gradients(self, msg: Message) -> list[np.ndarray]:
-        """Check a push's tensors against the model; return them in variable order."""
+    def _gradients(self, msg: Message) -> list[np.ndarray | protocol.Sparse]:
+        """Check a push's tensors against the model; return them in variable order. A row-sparse
+        gradient of a variable the state applies sparsely stays sparse (unless the policy sums
+        gradients, which it does densely)."""
         st = self.state
+        keep_sparse = not isinstance(self.policy, SyncPolicy)
         if len(msg.tensors) != len(st.names):
             raise ProtocolError(
                 protocol.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(st.names)}"
             )
         grads = []
-        for (name, t), want, shape, dtype in zip(
-            msg.tensors.items(), st.names, st.shapes, st.dtypes, strict=True
+        for (name, t), want, shape, dtype, sparse in zip(
+            msg.tensors.items(), st.names, st.shapes, st.dtypes, st.sparse, strict=True
         ):
             if name != want:
                 raise ProtocolError(protocol.R_NAME, f"tensor {name!r} where {want!r} was expected")
@@ -391,7 +419,10 @@ class Server:
                 )
             if got_dtype != dtype:
                 raise ProtocolError(protocol.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
-            grads.append(protocol.densify(t))
+            if sparse and keep_sparse and isinstance(t, protocol.Sparse):
+                grads.append(t)  # applied to the rows it touches only
+            else:
+                grads.append(protocol.densify(t))
         return grads
 
     def _check_identity(self, user: str | None, claimed: str) -> None:
@@ -432,20 +463,24 @@ class Server:
             grads = self._gradients(msg)
             if not self.config.allow_nonfinite:
                 for name, g in zip(self.state.names, grads, strict=True):
-                    if not all_finite(g):
+                    if not all_finite(g.values if isinstance(g, protocol.Sparse) else g):
                         raise ProtocolError(protocol.R_NONFINITE, f"{name!r} has NaN or Inf")
         except ProtocolError as exc:
             self._reject(exc.code, exc.message, sender)
             return
         staleness = self.state.version - msg.base_version
-        t0 = time.perf_counter()
-        self.state.apply(grads)
-        self.apply_ms.update(1e3 * (time.perf_counter() - t0))
-        self.update_rate.mark()
-        self.staleness.observe(staleness)
+        # Valid and new: the policy decides. A drop or a hold is accepted, not an error.
+        decision = self.policy.offer(grads, msg.base_version, self.state.version, msg.sender)
         rec.last_seq = msg.seq
-        rec.applied += 1
         rec.staleness = staleness
+        if decision.action == APPLY:
+            self._apply_decision(decision)
+        elif decision.action == DROP:
+            rec.dropped += 1
+            if decision.reason in (REASON_STALE, REASON_LATE):  # told at its next pull
+                rec.dropped_unreported += 1
+        else:
+            rec.held += 1
         rec.steps = int(msg.body.get("steps", rec.steps) or 0)
         loss = msg.body.get("loss")
         if isinstance(loss, float | int) and np.isfinite(loss):
@@ -453,6 +488,27 @@ class Server:
             self.loss.update(float(loss))
         if "stats" in msg.body:
             rec.reported = clean_reported(msg.body["stats"])
+
+    def _apply_decision(self, decision: Decision) -> None:
+        """Apply a policy's update (its gradients, its learning-rate scale); credit its workers."""
+        assert decision.grads is not None
+        t0 = time.perf_counter()
+        self.state.apply(decision.grads, decision.lr_scale)
+        self.apply_ms.update(1e3 * (time.perf_counter() - t0))
+        self.update_rate.mark()
+        self.staleness.observe(decision.staleness)
+        for wid in decision.workers:
+            if (r := self.workers.get(wid)) is not None:
+                r.applied += 1
+
+    def _flush_policy(self) -> None:
+        """At shutdown: apply what the policy still holds (a partial sync round), if anything."""
+        decision = self.policy.flush(self.state.version)
+        if decision is not None and decision.action == APPLY:
+            log.info(
+                "applying a partial %s round of %d gradients", self.policy, len(decision.workers)
+            )
+            self._apply_decision(decision)
 
     # ------------------------------------------------------------ hello / pull
 
@@ -530,6 +586,8 @@ class Server:
                 "last_seq": rec.last_seq,
                 "payload_bytes": self.state.payload_bytes,
                 "incarnation": self.incarnation,
+                "encodings": sorted(protocol.ENCODINGS),
+                "policy": self.policy.spec,
                 **mine,
             },
         )
@@ -548,11 +606,14 @@ class Server:
     def _pull(self, msg: Message) -> Message:
         self.counters["pulls"] += 1
         rec = self.workers.get(msg.sender)
+        body: dict[str, Any] = {"incarnation": self.incarnation}
         if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
             rec.pulls += 1
             rec.last_seen = time.monotonic()
+            if rec.dropped_unreported:  # its gradients were too old: it should refresh now
+                body["dropped_stale"] = rec.dropped_unreported
+                rec.dropped_unreported = 0
         version, arrays = self.state.weights()
-        body: dict[str, Any] = {"incarnation": self.incarnation}
         if msg.body.get("have") == version and msg.body.get("incarnation") == self.incarnation:
             self.counters["pulls_unchanged"] += 1
             return Message(
@@ -585,6 +646,8 @@ class Server:
                 "last_seen_s": round(now - r.last_seen, 3),
                 "pushes": r.pushes,
                 "applied": r.applied,
+                "dropped": r.dropped,
+                "held": r.held,
                 "rejected": r.rejected,
                 "pulls": r.pulls,
                 "last_seq": r.last_seq,
@@ -611,6 +674,7 @@ class Server:
             "apply_traces": self.state.apply_traces,
             "loss": self.loss.value,
             "staleness": self.staleness.snapshot(),
+            "policy": {**self.policy.describe(), "learning_rate": self.state.learning_rate},
             "rejected": dict(self.rejected),
             "rejected_total": self.rejected.total(),
             **security.status_fields(self.auth),

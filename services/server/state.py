@@ -12,11 +12,17 @@ arrays sit at arbitrary addresses inside ZeroMQ's buffers, and TensorFlow needs 
 so they are copied once into pre-allocated, 64-byte aligned staging buffers and handed over
 through DLPack without another copy (the usual NumPy conversion allocates a fresh tensor per
 call and copies into it, about three times slower).
+
+The step's first input is the learning rate of that one update, a float32 scalar assigned to
+``optimizer.learning_rate`` inside the step: a staleness policy scales it per update
+(``services.server.policies``; scaling the gradient would not scale an Adam step) without a
+retrace or an eager assign. ``apply(grads)`` feeds the base rate, so unscaled updates are
+exactly what they were without the input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import keras
 import numpy as np
@@ -24,6 +30,7 @@ import tensorflow as tf
 
 from shared.models import ModelSpec, build_model, describe_variables, evaluate, fingerprint
 from shared.partition import Partition, make_partition
+from shared.protocol import Sparse
 
 OPTIMIZERS = {
     "adam": keras.optimizers.Adam,
@@ -53,6 +60,44 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN_BY
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
+def sparse_gradients(spec: ModelSpec, model: keras.Model) -> list[bool]:
+    """Which trainable variables get row-sparse gradients (``tf.IndexedSlices``, from an
+    Embedding), found with one forward and backward pass on a batch of zeros (no data needed).
+    A model whose inputs cannot be made that way is treated as all dense."""
+    n = len(model.trainable_variables)
+    try:
+        xs = [
+            np.zeros((1, *(d or 1 for d in t.shape[1:])), dtype=np.dtype(t.dtype))
+            for t in model.inputs
+        ]
+        y = np.zeros((1,), spec.label_dtype.as_numpy_dtype)
+        with tf.GradientTape() as tape:
+            loss = spec.loss(y, model(xs if len(xs) > 1 else xs[0], training=False))
+        grads = tape.gradient(loss, model.trainable_variables)
+    except Exception:  # noqa: BLE001 - any model we cannot probe is applied densely
+        return [False] * n
+    return [isinstance(g, tf.IndexedSlices) for g in grads]
+
+
+def _slices(it: Iterator[tf.Tensor], shape: tuple[int, ...]) -> tf.IndexedSlices:
+    """The next (indices, values) pair of the apply step's inputs as IndexedSlices."""
+    indices = next(it)
+    values = next(it)
+    return tf.IndexedSlices(values, indices, dense_shape=tf.constant(shape, tf.int64))
+
+
+def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique row indices (int64) and each row's summed values. Keras's Adagrad and Adam
+    square a sparse gradient's values row by row, so a repeated row must be summed first."""
+    rows, inverse = np.unique(indices, return_inverse=True)
+    if len(rows) == len(indices):
+        order = np.argsort(indices, kind="stable")
+        return indices[order].astype(np.int64), np.ascontiguousarray(values[order])
+    summed = np.zeros((len(rows), *values.shape[1:]), dtype=values.dtype)
+    np.add.at(summed, inverse, values)
+    return rows.astype(np.int64), summed
+
+
 class ParameterState:
     """Owns the model's variables and applies gradient lists to them, one version at a time.
 
@@ -62,6 +107,8 @@ class ParameterState:
 
     ``jit`` compiles the apply step with XLA (the default: faster, same result within float
     tolerance, see tests/test_apply_jit.py); ``jit=False`` runs the op-by-op graph.
+    Variables with row-sparse gradients (``sparse``, found by ``sparse_gradients``) are
+    applied to the rows a push touched only; ``sparse_apply=False`` applies them densely.
 
     With ``num_shards`` > 1 the state holds only shard ``shard``'s parts of the model
     (``shared.partition``): one variable per part, initialised from the same seeded model
@@ -78,14 +125,15 @@ class ParameterState:
         jit: bool = True,
         shard: int = 0,
         num_shards: int = 1,
+        sparse_apply: bool = True,
     ) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard must be in 0..{num_shards - 1}, got {shard}")
         self.spec = spec
-        self.jit = jit
         self.shard = shard
         model = build_model(spec, seed)
         full = list(model.trainable_variables)
+        row_sparse = sparse_gradients(spec, model) if sparse_apply else [False] * len(full)
         self.fingerprint = fingerprint(full)
         self.description = describe_variables(full)
         self.partition: Partition = make_partition(
@@ -109,11 +157,17 @@ class ParameterState:
                 for j, p in enumerate(parts)
             ]
         self.names = [p.wire_name for p in parts]
+        # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
+        # the rows a push touched. Their row count varies per push, which XLA would compile
+        # anew for each size, so such a model's step runs as a graph without XLA.
+        self.sparse = [row_sparse[p.var] for p in parts]
+        self.jit = jit and not any(self.sparse)
         self.shapes = [tuple(int(d) for d in v.shape) for v in self.variables]
         self.dtypes = [np.dtype(str(v.dtype)) for v in self.variables]
         self.payload_bytes = sum(
             int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)
         )
+        self.learning_rate = float(learning_rate)
         self.optimizer = make_optimizer(optimizer, learning_rate)
         self.optimizer.build(self.variables)
         self.version = 0
@@ -122,13 +176,27 @@ class ParameterState:
         # One staging buffer per variable, reused by every apply (the step is synchronous).
         self._staging = [aligned_empty(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
-        signature = [
-            tf.TensorSpec(s, v.dtype) for s, v in zip(self.shapes, self.variables, strict=True)
-        ]
+        lr_dtype = tf.as_dtype(self.optimizer.learning_rate.dtype)
+        self._base_lr = tf.constant(self.learning_rate, lr_dtype)
+        signature = [tf.TensorSpec((), lr_dtype)]
+        for shape, v, sparse in zip(self.shapes, self.variables, self.sparse, strict=True):
+            if sparse:  # unique row indices, and those rows' values
+                signature += [
+                    tf.TensorSpec((None,), tf.int64),
+                    tf.TensorSpec((None, *shape[1:]), v.dtype),
+                ]
+            else:
+                signature.append(tf.TensorSpec(shape, v.dtype))
 
-        @tf.function(input_signature=signature, jit_compile=jit)
-        def apply_step(*grads: tf.Tensor) -> tf.Tensor:
+        @tf.function(input_signature=signature, jit_compile=self.jit)
+        def apply_step(lr: tf.Tensor, *flat: tf.Tensor) -> tf.Tensor:
             self.apply_traces += 1  # runs only while tracing
+            self.optimizer.learning_rate.assign(lr)  # this update's rate (staleness policies)
+            it = iter(flat)
+            grads = [  # the flat inputs, in order: one tensor per dense variable, two per sparse
+                _slices(it, shape) if sparse else next(it)
+                for shape, sparse in zip(self.shapes, self.sparse, strict=True)
+            ]
             self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
             return self.optimizer.iterations
 
@@ -136,21 +204,38 @@ class ParameterState:
         # argument matching: a few hundred microseconds per apply with eight tensors.
         self._apply_step = apply_step.get_concrete_function()
 
-    def _feed(self, grads: Sequence[np.ndarray]) -> list[tf.Tensor]:
-        """Copy the gradients into the staging buffers; tensors that alias those buffers."""
+    def _feed(self, grads: Sequence[np.ndarray | Sparse]) -> list[tf.Tensor]:
+        """Copy the gradients into the staging buffers; tensors that alias those buffers.
+        A sparse variable's gradient goes in as (unique rows, their values)."""
         if len(grads) != len(self._staging):
             raise ValueError(f"{len(grads)} gradients for {len(self._staging)} variables")
         tensors = []
-        for name, buf, g in zip(self.names, self._staging, grads, strict=True):
+        for name, buf, g, sparse in zip(self.names, self._staging, grads, self.sparse, strict=True):
+            if sparse:
+                if isinstance(g, Sparse):
+                    if tuple(g.dense_shape) != buf.shape:
+                        raise ValueError(f"{name}: gradient shape {g.dense_shape} != {buf.shape}")
+                    rows, values = dedupe_rows(np.asarray(g.indices), np.asarray(g.values))
+                else:  # dense (e.g. after top-k or a sync average): every row
+                    rows, values = np.arange(buf.shape[0], dtype=np.int64), np.asarray(g)
+                tensors += [tf.constant(rows), tf.constant(values.astype(buf.dtype, copy=False))]
+                continue
+            if isinstance(g, Sparse):
+                g = g.to_dense()
             if tuple(np.shape(g)) != buf.shape:
                 raise ValueError(f"{name}: gradient shape {np.shape(g)} != {buf.shape}")
             np.copyto(buf, g, casting="same_kind")  # received frames sit at any address
             tensors.append(tf.experimental.dlpack.from_dlpack(buf.__dlpack__()))
         return tensors
 
-    def apply(self, grads: Sequence[np.ndarray]) -> int:
-        """Apply one gradient list (in variable order); returns the new version."""
-        self._apply_step(*self._feed(grads))
+    def apply(self, grads: Sequence[np.ndarray | Sparse], lr_scale: float = 1.0) -> int:
+        """Apply one gradient list (in variable order) with the learning rate times
+        ``lr_scale`` (a staleness policy's scale; 1.0: the base rate); returns the new version."""
+        if lr_scale == 1.0:
+            lr = self._base_lr
+        else:
+            lr = tf.constant(self.learning_rate * float(lr_scale), self._base_lr.dtype)
+        self._apply_step(lr, *self._feed(grads))
         self.version += 1
         return self.version
 

@@ -62,7 +62,13 @@ def payload_bytes(t: WireTensor) -> int:
 
 
 class Compressor(ABC):
-    """Gradient list -> message tensors, with byte accounting (``raw_bytes``, ``sent_bytes``)."""
+    """Gradient list -> message tensors, with byte accounting (``raw_bytes``, ``sent_bytes``).
+
+    ``encodings``: the wire encodings it sends beyond ``dense`` and ``sparse``, which the
+    server must decode (a server advertises its ``protocol.ENCODINGS`` in its hello reply).
+    """
+
+    encodings: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.raw_bytes = 0
@@ -127,6 +133,8 @@ class NoCompression(Compressor):
 class BF16Compression(Compressor):
     """Rounds float tensors to bfloat16 (nearest, ties to even): 2 bytes per element."""
 
+    encodings = frozenset({protocol.BF16})
+
     @property
     def spec(self) -> str:
         return "bf16"
@@ -139,6 +147,8 @@ class BF16Compression(Compressor):
 
 class TopKCompression(Compressor):
     """Top-k sparsification with error feedback (see the module docstring)."""
+
+    encodings = frozenset({protocol.TOPK})
 
     def __init__(self, ratio: float) -> None:
         super().__init__()

@@ -26,6 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default="shared.models:deep_mnist", help="module:function returning a ModelSpec"
     )
     p.add_argument(
+        "--graph",
+        choices=["tf2", "tf1"],
+        default="tf2",
+        help="tf2: a compiled tf.function; tf1: the model's tf.compat.v1 graph in a Session, "
+        "loss and all gradients in one sess.run (the spec's tf1_graph)",
+    )
+    p.add_argument(
         "--data-dir",
         help="directory with the standard MNIST IDX files (default: embedded MNIST-5k)",
     )
@@ -36,6 +43,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--n-push", type=at_least(1), default=1, help="push gradients every N steps (averaged)"
     )
     p.add_argument("--seed", type=int, help="data-order seed (default from the worker id)")
+    p.add_argument(
+        "--compress",
+        type=compression_text,
+        default="none",
+        metavar="MODE",
+        help="gradient compression: none, bf16 (half the bytes) or topk:RATIO (the largest "
+        "RATIO of each gradient's entries, the rest carried to the next push: error feedback)",
+    )
+    p.add_argument(
+        "--sync-wait",
+        type=positive(),
+        default=5.0,
+        help="with a sync:K/N server: longest wait, in seconds, for the next version after a "
+        "push (a second gradient from the same weights would be dropped)",
+    )
     p.add_argument(
         "--request-timeout", type=positive(), default=10.0, help="seconds to wait for one reply"
     )
@@ -79,6 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=at_least(0), default=50, help="steps between log lines")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
+
+
+def compression_text(text: str) -> str:
+    """argparse type of --compress: the canonical text of a valid mode, or a clear error."""
+    from services.worker.compress import parse_compression  # NumPy only: no TensorFlow
+
+    try:
+        return parse_compression(text).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_server(s: str) -> tuple[str, int]:
@@ -154,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         log_every=args.log_every,
         keys=keys,
+        compress=args.compress,
+        sync_wait_s=args.sync_wait,
+        graph=args.graph,
     )
     spec = load_spec(args.model)
     try:

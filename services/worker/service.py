@@ -13,6 +13,18 @@ same partition as the shards (``shared.partition``), pushes each shard its slice
 gradient list under one sequence number, and pulls from all shards at once: one fetcher
 thread and REQ socket per shard. Each shard has its own weight version; a push carries the
 version of that shard's weights it was computed from, so each shard measures its own staleness.
+
+``compress`` (``none``, ``bf16``, ``topk:RATIO``; ``services.worker.compress``) encodes each
+shard's slice with that shard's own compressor, so a top-k error-feedback residual belongs to
+one slice; the residuals are cleared after a step with a non-finite loss. When a pull reply
+says the server's policy dropped some of this worker's gradients as too stale
+(``dropped_stale``), the worker waits for fresh weights before its next step instead of
+using the prefetched ones, which are a step old. When the server aggregates synchronously
+(its hello says ``sync:K/N``), a second gradient from the same weights would only be dropped
+as a duplicate, so after each push the worker waits (polling pulls, at most ``sync_wait_s``)
+until every shard's version has moved on, as SyncReplicasOptimizer's workers wait for the new
+global step; after a wait times out (fewer than K workers left) it stops waiting until it sees
+the version move again.
 """
 
 from __future__ import annotations
@@ -33,12 +45,14 @@ from typing import Any
 import numpy as np
 import zmq
 
+from services.worker.compress import Compressor, parse_compression
 from services.worker.step import Accumulator, GradientStep
+from services.worker.tf1 import Tf1Step
 from shared import protocol, security
 from shared.data import Dataset
 from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
 from shared.metrics import Rate, new_worker_stats
-from shared.models import ModelSpec, build_model, fingerprint
+from shared.models import ModelSpec, build_model, evaluate, fingerprint
 from shared.partition import make_partition
 from shared.protocol import Message
 from shared.transport import (
@@ -82,6 +96,9 @@ class WorkerConfig:
     io_threads: int = 1
     log_every: int = 50
     keys: security.ClientKeys | None = None  # CURVE on every socket when set (--key)
+    compress: str = "none"  # gradient compression (--compress; compress.parse_compression)
+    sync_wait_s: float = 5.0  # with a sync:K/N server: longest wait for the next version
+    graph: str = "tf2"  # --graph: tf2 (compiled tf.function) or tf1 (the spec's TF1 graph)
 
     def resolved_id(self) -> str:
         """The configured id, or hostname-pid."""
@@ -208,7 +225,11 @@ class Worker:
         self.data = data
         self.id = config.resolved_id()
         self.model = build_model(spec)
-        self.step_fn = GradientStep(spec, self.model, data.x_train[:1])
+        self.step_fn = (  # tf1: the model's Session graph, checked against this Keras model
+            Tf1Step(spec, self.model)
+            if config.graph == "tf1"
+            else GradientStep(spec, self.model, data.x_train[:1])
+        )
         variables = self.model.trainable_variables
         self.names = [v.path for v in variables]
         self.fingerprint = fingerprint(variables)
@@ -238,6 +259,13 @@ class Worker:
             Link(i, host, port, self.new_client(host, port))
             for i, (host, port) in enumerate(endpoints)
         ]
+        # one per shard: a top-k residual is kept per position in that shard's slice list
+        self.compressors: list[Compressor] = [
+            parse_compression(config.compress) for _ in self.links
+        ]
+        self._refresh = False  # a shard dropped a stale gradient: pull fresh weights next step
+        self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
+        self._sync_stalled = False  # a sync wait timed out and no version moved since
 
     @property
     def version(self) -> int:
@@ -333,6 +361,8 @@ class Worker:
                 f"server {link.req.endpoint} refused this worker: {exc.message}"
             ) from None
         self._note_incarnation(link, reply)
+        self._check_encodings(link, reply)
+        self.sync = str(reply.body.get("policy", "")).startswith("sync:")
         push_port = int(reply.body["push_port"])
         self.seq = max(self.seq, int(reply.body.get("last_seq", 0)))
         if push_port != link.push_port:
@@ -356,6 +386,20 @@ class Worker:
             self.spec.name,
         )
 
+    def _check_encodings(self, link: Link, reply: Message) -> None:
+        """Refuse to start when the server cannot decode what --compress sends."""
+        comp = self.compressors[link.index]
+        offered = reply.body.get("encodings")
+        if not isinstance(offered, list):
+            offered = [protocol.DENSE, protocol.SPARSE]  # a server from before compression
+        missing = sorted(comp.encodings - {str(e) for e in offered})
+        if missing:
+            raise WorkerError(
+                f"server {link.req.endpoint} cannot decode the {', '.join(missing)} encoding "
+                f"that --compress {comp.spec} sends (it decodes {', '.join(map(str, offered))}): "
+                "upgrade the server or use --compress none"
+            )
+
     def pull_message(self, link: Link, have: int) -> Message:
         """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
         body = {"have": have, "incarnation": link.incarnation} if have >= 0 else {}
@@ -368,6 +412,10 @@ class Worker:
         changed = False
         for link, reply in zip(self.links, replies, strict=True):
             self._note_incarnation(link, reply)
+            dropped = reply.body.get("dropped_stale")
+            if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
+                self.stats["dropped_stale"] += dropped
+                self._refresh = True
             if reply.body.get("unchanged"):
                 continue
             if list(reply.tensors) != self.wire_names[link.index]:
@@ -378,6 +426,7 @@ class Worker:
             link.arrays = list(reply.tensors.values())
             link.version = reply.base_version
             changed = True
+            self._sync_stalled = False
         if changed:
             if len(self.links) == 1:
                 arrays = self.links[0].arrays
@@ -411,10 +460,57 @@ class Worker:
                 assert link.fetcher is not None
                 link.fetcher.request(link.version)
         self.install(self._fetch_all(), t0)
+        if self.config.prefetch and self._refresh:
+            # The server dropped gradients of ours as too stale, and what the fetchers brought
+            # was requested a step ago: wait for the current weights before the next step.
+            self.stats["stale_refreshes"] += 1
+            for link in self.links:
+                assert link.fetcher is not None
+                link.fetcher.request(link.version)
+            self.install(self._fetch_all(), t0)
+        self._refresh = False
         if self.config.prefetch:
             for link in self.links:
                 assert link.fetcher is not None
                 link.fetcher.request(link.version)
+
+    def await_new_version(self, pushed_from: list[int]) -> None:
+        """With a sync:K/N server: pull until every shard has moved past the versions the last
+        push was computed from (a gradient from those weights would be a duplicate), at most
+        ``sync_wait_s``; a timeout means fewer than K workers are pushing, so stop waiting
+        until a version moves again."""
+        if self._sync_stalled or all(
+            lk.version > v for lk, v in zip(self.links, pushed_from, strict=True)
+        ):
+            return
+        t0 = time.perf_counter()
+        deadline = Deadline(self.config.sync_wait_s)
+        delay = backoff_delays(0.002, 0.05)
+        in_flight = self.config.prefetch  # with prefetch a request per shard is outstanding
+        while not self._stop.is_set():
+            if not in_flight:
+                for link in self.links:
+                    assert link.fetcher is not None
+                    link.fetcher.request(link.version)
+            self.install(self._fetch_all(), t0)
+            in_flight = False
+            if all(lk.version > v for lk, v in zip(self.links, pushed_from, strict=True)):
+                break
+            if deadline.expired():
+                self.stats["sync_wait_timeouts"] += 1
+                self._sync_stalled = True
+                log.warning(
+                    "no new version within %.1f s of waiting (fewer than K workers pushing?): "
+                    "not waiting again until the version moves",
+                    self.config.sync_wait_s,
+                )
+                break
+            self._stop.wait(min(delay(), deadline.remaining()))
+        if self.config.prefetch and not in_flight:
+            for link in self.links:
+                assert link.fetcher is not None
+                link.fetcher.request(link.version)
+        self.stats["sync_wait_ms"] = 1e3 * (time.perf_counter() - t0)
 
     def push(
         self,
@@ -424,28 +520,36 @@ class Worker:
         steps: int,
         batch_size: int,
     ) -> None:
-        """Send one gradient message per shard (its slice, its base version, one shared seq);
-        waits out back-pressure within server_timeout_s."""
+        """Send one gradient message per shard (its slice compressed by that shard's
+        compressor, its base version, one shared seq); waits out back-pressure within
+        server_timeout_s. ``bytes_sent`` counts the message bytes, ``bytes_raw`` what they
+        would have been uncompressed (the same headers, the uncompressed payload)."""
         self.seq += 1
         per_shard = [grads] if len(self.links) == 1 else self.partition.split(grads)
         body = {"loss": loss, "batch_size": batch_size, "steps": steps, "stats": self.stats}
         t0 = time.perf_counter()
-        sent = 0
+        sent = raw = 0
         for link, tensors in zip(self.links, per_shard, strict=True):
+            comp = self.compressors[link.index]
+            raw0, sent0 = comp.raw_bytes, comp.sent_bytes
+            wire = comp.compress(tensors)
             msg = Message(
                 protocol.PUSH,
                 self.id,
                 seq=self.seq,
                 base_version=base_versions[link.index],
                 body=body,
-                tensors=dict(zip(self.wire_names[link.index], tensors, strict=True)),
+                tensors=dict(zip(self.wire_names[link.index], wire, strict=True)),
             )
             frames = protocol.encode(msg)
             if not self._send(link, frames):
                 return
-            sent += sum(memoryview(f).nbytes for f in frames)
+            n = sum(memoryview(f).nbytes for f in frames)
+            sent += n
+            raw += n - (comp.sent_bytes - sent0) + (comp.raw_bytes - raw0)
         self.stats["pushes"] += 1
         self.stats["bytes_sent"] += sent
+        self.stats["bytes_raw"] += raw
         self.stats["push_ms"] = 1e3 * (time.perf_counter() - t0)
 
     def _send(self, link: Link, frames: list[Any]) -> bool:
@@ -472,6 +576,14 @@ class Worker:
 
     # ------------------------------------------------------------ training
 
+    def held_out(self) -> float | None:
+        """The spec's metric on the held-out set with this worker's model as it ends: the last
+        weights it pulled and its own BatchNorm statistics (None in tf1 mode, whose weights
+        live in the TF1 session, or without held-out examples)."""
+        if self.config.graph != "tf2" or not len(self.data.x_test):
+            return None
+        return float(evaluate(self.spec, self.model, self.data.x_test, self.data.y_test))
+
     def total_steps(self) -> int:
         """--steps, or --epochs worth of full batches."""
         if self.config.steps is not None:
@@ -490,6 +602,8 @@ class Worker:
         loss = float("nan")
         base_versions = [0] * len(self.links)
         step = 0
+        nonfinite = False  # a step since the last push had a NaN/Inf loss
+        pushed_from: list[int] | None = None  # base versions of the last push
         set_log_context(worker=self.id, version=lambda: self.version)
         self.hello()
         for link in self.links:  # the first pull from every shard at once
@@ -504,6 +618,10 @@ class Worker:
             if step and step % cfg.n_fetch == 0:
                 self.pull()
             if acc.count == 0:  # the oldest weights in this accumulation, per shard
+                if self.sync and pushed_from is not None:
+                    self.await_new_version(pushed_from)
+                    if self._stop.is_set():
+                        break
                 base_versions = [link.version for link in self.links]
             x, y = next(data)
             t0 = time.perf_counter()
@@ -515,8 +633,15 @@ class Worker:
             self.stats["steps_per_s"] = round(self._step_rate.per_second(), 3)
             if math.isfinite(loss):
                 self.stats["loss"] = loss
+            else:
+                nonfinite = True
             if acc.count >= cfg.n_push:
                 self.push(acc.take(), base_versions, loss, step, self.spec.batch_size)
+                pushed_from = base_versions
+                if nonfinite:  # the server refuses a NaN/Inf gradient; keep none in a residual
+                    for comp in self.compressors:
+                        comp.reset()
+                    nonfinite = False
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(
                     "worker %s step %d/%d loss %.4f version %d",
@@ -529,6 +654,7 @@ class Worker:
         elapsed = time.monotonic() - started
         summary = {
             "worker": self.id,
+            "held_out": self.held_out(),
             "steps": step,
             "seconds": round(elapsed, 2),
             "steps_per_s": round(step / max(elapsed, 1e-9), 3),
@@ -541,6 +667,12 @@ class Worker:
             "backpressure": int(self.stats["backpressure"]),
             "reconnects": int(self.stats["reconnects"]),
             "dropped": int(self.stats["dropped"]),
+            "compress": self.compressors[0].spec,
+            "bytes_raw": int(self.stats["bytes_raw"]),
+            "bytes_sent": int(self.stats["bytes_sent"]),
+            "dropped_stale": int(self.stats["dropped_stale"]),
+            "stale_refreshes": int(self.stats["stale_refreshes"]),
+            "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
             "last_seq": self.seq,
             "stopped_early": step < total,
         }

@@ -1,0 +1,114 @@
+"""Gradient compression between real processes (``downpour worker --compress``).
+
+``tiny_models:wide`` (8.5 MB of float32 gradients per push, cheap to compute) makes the
+message headers negligible, so the byte ratios are those of the payload: bf16 about 2x,
+``topk:0.01`` about 50x (4-byte index + 4-byte value for 1 % of the entries). The server
+decodes both and trains; the held-out accuracy of the pulled weights must be well above
+chance (0.25).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+from conftest import Cluster, pull_weights, summary
+
+from services.status import fetch_status
+from shared import protocol
+from shared.protocol import Message
+
+WIDE = "tiny_models:wide"
+
+
+def wide_accuracy(arrays: list[np.ndarray]) -> float:
+    """The wide MLP (dense relu, dense relu, dense) on the held-out blobs, in NumPy."""
+    from tiny_models import blobs
+
+    data = blobs()
+    h = data.x_test
+    for i in range(0, len(arrays), 2):
+        h = h @ arrays[i] + arrays[i + 1]
+        if i + 2 < len(arrays):
+            h = np.maximum(h, 0.0)
+    return float(np.mean(np.argmax(h, axis=1) == data.y_test))
+
+
+def test_topk_sends_over_40x_fewer_bytes_and_trains(cluster: Cluster) -> None:
+    server = cluster.server(model=WIDE)
+    w = cluster.worker(server.info["port"], "--steps", "30", "--compress", "topk:0.01", model=WIDE)
+    assert w.wait(timeout=120) == 0, w.log_text()
+    s = summary(w)
+    assert s["compress"] == "topk:0.01" and s["pushes"] == 30
+    ratio = s["bytes_raw"] / s["bytes_sent"]
+    assert ratio >= 40, ratio
+    assert s["bytes_raw"] >= 30 * 8_400_000  # what 30 dense pushes would have taken
+
+    doc = fetch_status(server.status)
+    assert doc["version"] == 30 and doc["rejected_total"] == 0
+    rep = doc["workers"]["w"]["reported"]  # sent with the pushes (the last one lags a push)
+    assert rep["bytes_raw"] / rep["bytes_sent"] >= 40
+    # the server received the compressed messages, not the dense ones
+    assert doc["bytes_in"] < s["bytes_sent"] + 200_000
+    assert wide_accuracy(pull_weights(server.rep)[1]) > 0.8
+
+
+def test_bf16_halves_the_bytes_and_trains_on_two_shards(cluster: Cluster) -> None:
+    from services.local import Evaluator
+
+    shards = [cluster.server("--num-shards", "2", "--shard", str(i), model=WIDE) for i in range(2)]
+    ports = [sh.info["port"] for sh in shards]
+    w = cluster.worker(ports, "--steps", "30", "--compress", "bf16", model=WIDE)
+    evaluator = Evaluator(WIDE, None)  # builds the model while the worker trains
+    assert w.wait(timeout=120) == 0, w.log_text()
+    s = summary(w)
+    assert s["compress"] == "bf16" and s["pushes"] == 30
+    assert 1.95 <= s["bytes_raw"] / s["bytes_sent"] <= 2.0
+    docs = [fetch_status(sh.status) for sh in shards]
+    for doc in docs:  # each shard decoded its slice of every push
+        assert doc["version"] == 30 and doc["rejected_total"] == 0
+    # the shards together received about half of what the dense gradients take
+    received = sum(doc["bytes_in"] for doc in docs)
+    assert received < 0.52 * s["bytes_raw"]
+    version, acc = evaluator.score("127.0.0.1", ports)
+    assert version == 30 and acc > 0.8
+
+
+@pytest.fixture
+def old_server() -> Iterator[int]:
+    """A REP socket answering hello like a server from before compression (no encodings)."""
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    rep.setsockopt(zmq.LINGER, 0)
+    port = rep.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not rep.poll(100):
+                continue
+            msg = protocol.decode(rep.recv_multipart())
+            body = {"push_port": 1, "incarnation": "old", "last_seq": 0}
+            rep.send_multipart(protocol.encode(Message(msg.type, "server", body=body)))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield port
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        rep.close(0)
+        ctx.term()
+
+
+def test_worker_refuses_a_compression_the_server_cannot_decode(
+    cluster: Cluster, old_server: int
+) -> None:
+    w = cluster.worker(old_server, "--steps", "5", "--compress", "topk:0.01")
+    assert w.wait(timeout=120) == 3
+    log = w.log_text()
+    assert "cannot decode the topk encoding" in log and "--compress none" in log

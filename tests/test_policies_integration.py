@@ -1,0 +1,288 @@
+"""Staleness policies in a real server process (``downpour server --policy``).
+
+Each test starts one server with SGD (so a step is exactly ``lr * scale * gradient``) and
+first drives it with hand-made pushes from a probe on the gradient socket, whose staleness
+the test chooses, checking the policy's arithmetic in the weights and its counters in the
+status document; then real worker processes train the tiny model under the same policy and
+the held-out accuracy of the pulled weights must be well above chance (0.25).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from conftest import ROOT, Cluster, Service, env, pull_weights, summary, wait_until
+
+from services.status import fetch_status
+from shared import protocol
+from shared.protocol import Message
+from shared.transport import ReqClient, make_context
+
+LR = 0.1
+SGD = ("--optimizer", "sgd", "--lr", str(LR))
+
+
+def held_out_accuracy(arrays: list[np.ndarray]) -> float:
+    """The tiny MLP (dense relu, dense) on the held-out blobs, in NumPy."""
+    from tiny_models import blobs
+
+    data = blobs()
+    h = np.maximum(data.x_test @ arrays[0] + arrays[1], 0.0)
+    logits = h @ arrays[2] + arrays[3]
+    return float(np.mean(np.argmax(logits, axis=1) == data.y_test))
+
+
+class Probe:
+    """Hand-made pushes and pulls: chosen senders, base versions and gradient values."""
+
+    def __init__(self, server: Service) -> None:
+        self.server = server
+        self.ctx = make_context()
+        self.req = ReqClient(self.ctx, server.rep, timeout_s=10, retries=0)
+        reply = self.req.request(Message(protocol.PULL, "probe"))
+        self.names = list(reply.tensors)
+        self.shapes = [np.shape(a) for a in reply.tensors.values()]
+        self.push_sock = self.ctx.socket(zmq.PUSH)
+        self.push_sock.setsockopt(zmq.LINGER, 0)
+        self.push_sock.connect(f"tcp://127.0.0.1:{server.info['push_port']}")
+        self.seqs: dict[str, int] = {}
+        self.sent = 0
+
+    def push(self, sender: str, base_version: int, value: float) -> None:
+        """One gradient list filled with ``value``, computed (it says) from ``base_version``."""
+        self.seqs[sender] = self.seqs.get(sender, 0) + 1
+        shapes = zip(self.names, self.shapes, strict=True)
+        tensors = {n: np.full(s, value, np.float32) for n, s in shapes}
+        msg = Message(
+            protocol.PUSH, sender, seq=self.seqs[sender], base_version=base_version, tensors=tensors
+        )
+        self.push_sock.send_multipart(protocol.encode(msg))
+        self.sent += 1
+
+    def settled(self) -> dict[str, Any]:
+        """The status once the server has taken every push this probe sent (each sender's
+        last sequence number accepted)."""
+
+        def done() -> dict[str, Any] | None:
+            doc = fetch_status(self.server.status)
+            workers = doc["workers"]
+            for sender, seq in self.seqs.items():
+                if sender not in workers or workers[sender]["last_seq"] < seq:
+                    return None
+            return doc
+
+        return wait_until(done, 30, f"the server to take the probe's {self.sent} pushes")
+
+    def pull(self, sender: str) -> Message:
+        """A pull as ``sender`` (its reply body tells it about dropped stale gradients)."""
+        return self.req.request(Message(protocol.PULL, sender))
+
+    def close(self) -> None:
+        self.req.close()
+        self.push_sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def probe_of() -> Iterator[Any]:
+    probes: list[Probe] = []
+
+    def make(server: Service) -> Probe:
+        probes.append(Probe(server))
+        return probes[-1]
+
+    yield make
+    for p in probes:
+        p.close()
+
+
+def fresh(probe: Probe, n: int, sender: str = "z") -> None:
+    """``n`` zero gradients computed from the current version: SGD moves nothing, version += n."""
+    for _ in range(n):
+        probe.push(sender, fetch_status(probe.server.status)["version"], 0.0)
+        probe.settled()
+
+
+def train(
+    cluster: Cluster, server: Service, workers: int, steps: int, *args: str
+) -> list[dict[str, Any]]:
+    """``workers`` real workers train ``steps`` steps each; their summaries."""
+    procs = [
+        cluster.worker(server.info["port"], "--steps", str(steps), *args, worker_id=f"w{i}")
+        for i in range(workers)
+    ]
+    for w in procs:
+        assert w.wait(timeout=120) == 0, w.log_text()
+    return [summary(w) for w in procs]
+
+
+def test_apply_step_scales_the_learning_rate_and_is_traced_once() -> None:
+    """The state's lr input: an SGD step is ``lr * lr_scale * g``, Adam's first step
+    ``lr * lr_scale * sign(g)`` (scaling the gradient would not change it); one trace."""
+    from tiny_models import tiny
+
+    from services.server.state import ParameterState
+
+    sgd = ParameterState(tiny(), "sgd", 0.01)
+    for scale in (1.0, 0.25, 1.0, 0.125):
+        before = sgd.weights()[1]
+        sgd.apply([np.full(np.shape(a), 0.5, np.float32) for a in before], lr_scale=scale)
+        np.testing.assert_allclose(before[0] - sgd.weights()[1][0], 0.01 * scale * 0.5, rtol=1e-4)
+    assert sgd.apply_traces == 1
+
+    adam = ParameterState(tiny(), "adam", 0.01)
+    before = adam.weights()[1]
+    adam.apply([np.full(np.shape(a), 0.5, np.float32) for a in before], lr_scale=0.25)
+    np.testing.assert_allclose(before[0] - adam.weights()[1][0], 0.01 * 0.25, rtol=1e-4)
+    assert adam.apply_traces == 1
+
+
+def test_async_applies_every_gradient_at_full_rate(cluster: Cluster, probe_of: Any) -> None:
+    server = cluster.server("--policy", "async", *SGD)
+    probe = probe_of(server)
+    fresh(probe, 4)
+    w0 = pull_weights(server.rep)[1]
+    probe.push("a", 0, 0.5)  # staleness 4, applied as it is
+    doc = probe.settled()
+    w1 = pull_weights(server.rep)[1]
+    np.testing.assert_allclose(w0[0] - w1[0], LR * 0.5, rtol=1e-5)
+    assert doc["version"] == 5 and doc["staleness"]["max"] == 4
+    assert doc["policy"]["policy"] == "async"
+    assert doc["policy"]["counters"]["updates"] == doc["policy"]["counters"]["applied"] == 5
+
+    sums = train(cluster, server, 2, 40)
+    doc = fetch_status(server.status)
+    assert doc["version"] == 5 + 80  # every push applied
+    assert doc["policy"]["counters"]["offered"] == 85
+    assert all(doc["workers"][s["worker"]]["applied"] == 40 for s in sums)
+    assert all(doc["workers"][s["worker"]]["dropped"] == 0 for s in sums)
+    assert doc["apply_traces"] == 1 and doc["rejected_total"] == 0
+    assert held_out_accuracy(pull_weights(server.rep)[1]) > 0.8
+
+
+def test_staleness_aware_divides_the_learning_rate_by_staleness(
+    cluster: Cluster, probe_of: Any
+) -> None:
+    server = cluster.server("--policy", "staleness-aware", *SGD)
+    probe = probe_of(server)
+    fresh(probe, 4)
+    w0 = pull_weights(server.rep)[1]
+    probe.push("a", 0, 0.5)  # staleness 4: lr / 4
+    probe.settled()
+    w1 = pull_weights(server.rep)[1]
+    np.testing.assert_allclose(w0[0] - w1[0], LR * 0.5 / 4, rtol=1e-5)
+    probe.push("a", 4, 0.5)  # staleness 1: lr / max(1, 1) = lr
+    doc = probe.settled()
+    w2 = pull_weights(server.rep)[1]
+    np.testing.assert_allclose(w1[0] - w2[0], LR * 0.5, rtol=1e-5)
+    assert doc["policy"]["counters"]["scaled"] == 1 and doc["version"] == 6
+
+    train(cluster, server, 2, 40)
+    doc = fetch_status(server.status)
+    c = doc["policy"]["counters"]
+    assert doc["version"] == c["updates"] == c["applied"] == 6 + 80
+    # every update with staleness >= 2 (and no other) had its rate divided
+    buckets = dict((str(b), n) for b, n in doc["staleness"]["buckets"])
+    assert c["scaled"] == doc["staleness"]["count"] - buckets["0"] - buckets["1"]
+    assert doc["apply_traces"] == 1
+    assert held_out_accuracy(pull_weights(server.rep)[1]) > 0.8
+
+
+def test_bounded_drops_stale_gradients_and_tells_the_worker(
+    cluster: Cluster, probe_of: Any
+) -> None:
+    server = cluster.server("--policy", "bounded:0", *SGD)  # only gradients from current weights
+    probe = probe_of(server)
+    fresh(probe, 1)
+    w0 = pull_weights(server.rep)[1]
+    probe.push("a", 0, 0.5)  # staleness 1 > 0: dropped, weights untouched
+    doc = probe.settled()
+    np.testing.assert_array_equal(pull_weights(server.rep)[1][0], w0[0])
+    assert doc["version"] == 1 and doc["rejected_total"] == 0  # a drop is not an error
+    assert doc["policy"]["counters"]["dropped_stale"] == 1
+    assert doc["workers"]["a"]["dropped"] == 1 and doc["workers"]["a"]["last_seq"] == 1
+    assert probe.pull("a").body["dropped_stale"] == 1  # told once, at its next pull
+    assert "dropped_stale" not in probe.pull("a").body
+    probe.push("a", 1, 0.5)  # staleness 0: applied
+    doc = probe.settled()
+    assert doc["version"] == 2 and doc["workers"]["a"]["applied"] == 1
+    np.testing.assert_allclose(w0[0] - pull_weights(server.rep)[1][0], LR * 0.5, rtol=1e-5)
+
+    # two real workers: some of their gradients are a version old, and dropped
+    sums = train(cluster, server, 2, 60)
+    doc = fetch_status(server.status)
+    c = doc["policy"]["counters"]
+    dropped = sum(doc["workers"][s["worker"]]["dropped"] for s in sums)
+    assert c["offered"] == 3 + 120 and c["dropped_stale"] == 1 + dropped and dropped > 0
+    assert doc["version"] == c["updates"] == 2 + 120 - dropped
+    assert doc["staleness"]["max"] == 0  # nothing older than the current weights applied
+    told = sum(s["dropped_stale"] for s in sums)
+    assert 0 < told <= dropped  # drops after a worker's last pull are never told
+    assert sum(s["stale_refreshes"] for s in sums) > 0
+    assert held_out_accuracy(pull_weights(server.rep)[1]) > 0.8
+
+
+def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
+    cluster: Cluster, probe_of: Any
+) -> None:
+    server = cluster.server("--policy", "sync:2/3", *SGD)
+    probe = probe_of(server)
+    w0 = pull_weights(server.rep)[1]
+    probe.push("a", 0, 0.2)  # held
+    probe.push("a", 0, 0.2)  # the same worker again in this round: dropped
+    doc = probe.settled()
+    assert doc["version"] == 0 and doc["policy"]["pending"] == 1
+    probe.push("b", 0, 0.6)  # the second: the round applies the mean, 0.4
+    probe.push("c", 0, 5.0)  # computed from version 0, now 1: late
+    doc = probe.settled()
+    w1 = pull_weights(server.rep)[1]
+    np.testing.assert_allclose(w0[0] - w1[0], LR * 0.4, rtol=1e-5)
+    c = doc["policy"]["counters"]
+    assert doc["version"] == c["updates"] == 1 and c["applied"] == 2
+    assert c["duplicate"] == 1 and c["late"] == 1 and c["aggregated"] == 2
+    workers = doc["workers"]
+    assert (workers["a"]["held"], workers["a"]["applied"], workers["a"]["dropped"]) == (1, 1, 1)
+    assert (workers["b"]["applied"], workers["c"]["dropped"]) == (1, 1)
+
+    sums = train(cluster, server, 3, 40, "--sync-wait", "8")  # covers start-up skew
+    doc = fetch_status(server.status)
+    c = doc["policy"]["counters"]
+    assert c["offered"] == 4 + 120
+    assert doc["version"] == c["updates"] and c["applied"] == 2 * c["updates"]  # 1 per 2
+    assert c["aggregated"] == c["applied"] + c["discarded"] + doc["policy"]["pending"]
+    assert c["offered"] == c["aggregated"] + c["late"] + c["duplicate"]
+    assert c["late"] > 1  # the third worker's gradient of a round comes too late
+    assert doc["version"] > 10
+    assert doc["staleness"]["max"] == 0  # only gradients from the current weights applied
+    assert sum(s["dropped_stale"] for s in sums) > 0  # late ones are told, like stale ones
+    assert held_out_accuracy(pull_weights(server.rep)[1]) > 0.8
+
+    # a partial round is applied when the server stops
+    for _ in range(2):  # a worker's gradient may be pending: then this completes its round
+        probe.push("a", fetch_status(server.status)["version"], 0.0)
+        if probe.settled()["policy"]["pending"] == 1:
+            break
+    doc = probe.settled()
+    assert doc["policy"]["pending"] == 1, doc["policy"]
+    server.proc.terminate()
+    assert server.wait(timeout=60) == 0
+    assert "applying a partial sync:2/3 round of 1 gradients" in server.log_text(), doc["policy"]
+
+
+def test_bad_policy_is_refused_at_start() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "server", "--policy", "bounded:-1"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "bounded:K needs K >= 0" in out.stderr

@@ -1,0 +1,124 @@
+"""The seed's TF1 graph (``--graph tf1``): one ``sess.run`` per batch, the same function as the
+Keras model, and training through the same server beside a TF2 worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import Cluster, summary
+
+from services.status import fetch_status
+from services.worker.tf1 import Tf1Step
+from shared.models import build_model, fingerprint, load_spec
+
+MODEL = "shared.models:deep_mnist"
+
+
+class CountingRun:
+    """Wraps ``Session.run``: counts calls and remembers what each fetched."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.fetches: list[Any] = []
+
+    def __call__(self, fetches: Any, *args: Any, **kwargs: Any) -> Any:
+        self.fetches.append(fetches)
+        return self.run(fetches, *args, **kwargs)
+
+
+def test_one_sess_run_per_batch_gives_the_keras_models_loss_and_gradients() -> None:
+    spec = load_spec(MODEL)
+    model = build_model(spec)
+    data = spec.load_data(None)
+    step = Tf1Step(spec, model)
+    variables = model.trainable_variables
+    # same names, shapes, dtypes and order as the Keras model: the server's fingerprint
+    assert step.names == [v.path for v in variables]
+    assert step.fingerprint == fingerprint(variables)
+
+    counter = CountingRun(step.sess.run)
+    step.sess.run = counter  # type: ignore[method-assign]
+    step.set_weights([v.numpy() for v in variables])  # the Keras model's initial weights
+    assert len(counter.fetches) == 1  # all 8 variables assigned by one run
+    np.testing.assert_array_equal(step.get_weights()[4], variables[4].numpy())
+    counter.fetches.clear()
+
+    x, y = data.x_train[:50], data.y_train[:50]
+    loss, grads = step(x, y)  # training: dropout on
+    assert len(counter.fetches) == 1, "loss and gradients must come from ONE sess.run"
+    assert len(counter.fetches[0]) == 1 + len(variables)  # the loss and every gradient
+    assert len(grads) == len(variables) == 8
+    assert [g.shape for g in grads] == [tuple(v.shape) for v in variables]
+    assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in grads)
+    assert np.isfinite(loss)
+
+    # without dropout the TF1 graph and the Keras model are the same function
+    counter.fetches.clear()
+    loss, grads = step(x, y, training=False)
+    assert len(counter.fetches) == 1
+    with tf.GradientTape() as tape:
+        ref_loss = spec.loss(y, model(x, training=False))
+    ref = tape.gradient(ref_loss, variables)
+    assert abs(loss - float(ref_loss)) < 1e-5
+    for v, g, r in zip(variables, grads, ref, strict=True):
+        r = r.numpy()
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * np.abs(r).max(), err_msg=v.path)
+
+    # the graph is finalized: steps and weight loads add no ops
+    with pytest.raises(RuntimeError), step.g.graph.as_default():
+        tf.constant(1.0)
+    n_ops = len(step.g.graph.get_operations())
+    step.set_weights([v.numpy() for v in variables])
+    step(x, y)
+    assert len(step.g.graph.get_operations()) == n_ops
+    step.close()
+
+
+def test_a_model_without_a_matching_tf1_graph_is_refused_clearly() -> None:
+    spec = load_spec("tiny_models:tiny")
+    model = build_model(spec)
+    with pytest.raises(ValueError, match="has no TF1 graph.*tf1_graph"):
+        Tf1Step(spec, model)
+    deep = load_spec(MODEL)
+    wrong = dataclasses.replace(spec, tf1_graph=deep.tf1_graph)
+    with pytest.raises(ValueError, match="TF1 graph's variables differ from the Keras model's"):
+        Tf1Step(wrong, model)
+
+
+def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> None:
+    from services.local import Evaluator
+
+    steps = 60
+    t0 = time.monotonic()
+    server = cluster.server(model=MODEL)
+    port = server.info["port"]
+    tf1 = cluster.worker(
+        port, "--steps", str(steps), "--graph", "tf1", model=MODEL, worker_id="tf1"
+    )
+    tf2 = cluster.worker(port, "--steps", str(steps), model=MODEL, worker_id="tf2")
+    evaluator = Evaluator(MODEL, None)  # loads TF while the workers train
+    for w in (tf1, tf2):
+        assert w.wait(timeout=240) == 0, w.log_text()
+    sums = {name: summary(w) for name, w in (("tf1", tf1), ("tf2", tf2))}
+    for s in sums.values():
+        # trained: the last batch's loss is well below the untrained ln(10) = 2.30
+        assert s["steps"] == steps and s["pushes"] == steps and s["loss"] < 2.0
+    assert "TF1 graph of model deep_mnist: one sess.run per batch" in tf1.log_text()
+    assert "TF1 graph" not in tf2.log_text()
+
+    doc = fetch_status(server.status)
+    assert doc["version"] == doc["updates_applied"] == 2 * steps  # every push of both applied
+    assert doc["rejected_total"] == 0  # the TF1 worker's fingerprint was accepted
+    assert {k: w["applied"] for k, w in doc["workers"].items()} == {"tf1": steps, "tf2": steps}
+
+    version, acc = evaluator.score("127.0.0.1", port)
+    assert version == 2 * steps
+    assert acc > 0.7, f"held-out accuracy {acc} is not well above chance (0.1)"
+    losses = {k: round(s["loss"], 3) for k, s in sums.items()}
+    took = time.monotonic() - t0
+    print(f"{2 * steps} updates, accuracy {acc:.3f}, last losses {losses}, {took:.0f} s")
