@@ -10,7 +10,7 @@ WORKERS ?= 2
 SHARDS  ?= 1
 ARGS   ?=
 
-.PHONY: run-local test test-slow test-faults lint bench clean venv deploy-tools
+.PHONY: run-local test test-slow test-faults lint bench study clean venv deploy-tools
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,13 @@ lint: $(VENV)/.stamp-test
 # Side-by-side performance run; writes bench-results.json. QUICK=1: < 3 min, else < 15 min.
 bench: $(VENV)/.stamp-test
 	$(PY) tests/bench/bench.py $(if $(filter 1,$(QUICK)),--quick) --out bench-results.json
+
+# Convergence study of the staleness policies and gradient compression (README, Staleness
+# policies and compression): study-results.json, study.md and PNG curves in OUT (runs/study).
+# Up to 30 min on 2 cores; QUICK=1: 1 and 8 workers, a few minutes.
+OUT ?= runs/study
+study: $(VENV)/.stamp-test
+	$(PY) tests/bench/study.py $(if $(filter 1,$(QUICK)),--quick) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache

@@ -161,6 +161,9 @@ def table(r: dict[str, Any]) -> str:
         f"| shards | 2 shards (the slower one; each "
         f"{_fmt_list(r['shards']['two_shards_per_shard_applies_per_s'])}) | "
         f"{r['shards']['two_shards_applies_per_s']:.1f} updates/s |",
+        f"| shards | each shard of the pair alone (as on its own machine; the slower) | "
+        f"{r['shards']['two_shards_each_alone_applies_per_s']:.1f} updates/s "
+        f"({r['shards']['ratio_each_alone_vs_one']:.2f}x 1 shard) |",
         f"| shards | **2 shards / 1 shard** | **{r['shards']['ratio_two_vs_one']:.2f}x** "
         f"(server CPU {r['shards']['server_cpu_cores_one']:.2f} / "
         f"{r['shards']['server_cpu_cores_two']:.2f} cores) |",

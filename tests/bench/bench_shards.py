@@ -10,6 +10,10 @@ applied, so the 2-shard capacity is the *slower* shard's applies/s.
 Rounds alternate: a window on the single shard (the pair idle), then a window on the pair
 (the single idle), so both see the same machine. On a 2-core machine two shards plus their
 pushers share two cores: 2 is the largest shard count this machine can show honestly.
+
+Each round then also runs each shard of the pair *alone* (the other idle): what a shard
+would sustain on a machine of its own, as deployed; the pair's capacity on two such machines
+is the slower of the two. That figure is reported beside, not instead of, the co-located one.
 """
 
 from __future__ import annotations
@@ -74,17 +78,21 @@ def run(
             ],
         ),
     }
+    for i in range(2):  # each shard of the pair alone: the same endpoint and pusher
+        setups[f"alone{i}"] = (setups["two"][0][i : i + 1], setups["two"][1][i : i + 1])
     pids = {"one": [one_proc.pid], "two": [p.pid for p, _ in pair]}
-    rates: dict[str, list[float]] = {"one": [], "two": []}
+    pids.update({f"alone{i}": [pair[i][0].pid] for i in range(2)})
+    rates: dict[str, list[float]] = {k: [] for k in setups}
     per_shard: list[list[float]] = []
-    cpu = {"one": 0.0, "two": 0.0}
-    wall = {"one": 0.0, "two": 0.0}
-    for _, floods in setups.values():
-        for fl in floods:
+    cpu = dict.fromkeys(setups, 0.0)
+    wall = dict.fromkeys(setups, 0.0)
+    for key in ("one", "two"):
+        for fl in setups[key][1]:
             fl.start()
             fl.pause()
     try:
-        for key, (eps, floods) in setups.items():  # warm-up: the first applies compile
+        for key in ("one", "two"):  # warm-up: the first applies compile
+            eps, floods = setups[key]
             for fl in floods:
                 fl.resume()
             for ep, fl in zip(eps, floods, strict=True):
@@ -120,17 +128,22 @@ def run(
             log(
                 f"shards: round {r + 1}/{plan.flood_windows}: 1 shard "
                 f"{rates['one'][-1]:.1f}/s, 2 shards {rates['two'][-1]:.1f}/s "
-                f"({', '.join(f'{x:.1f}' for x in per_shard[-1])})"
+                f"({', '.join(f'{x:.1f}' for x in per_shard[-1])}), each alone "
+                f"{rates['alone0'][-1]:.1f}/s and {rates['alone1'][-1]:.1f}/s"
             )
     finally:
-        for _, floods in setups.values():
-            for fl in floods:
+        for key in ("one", "two"):
+            for fl in setups[key][1]:
                 fl.stop()
         procs.stop(one_proc)
         for p, _ in pair:
             procs.stop(p)
     one, two = median(rates["one"]), median(rates["two"])
+    alone = [median(rates["alone0"]), median(rates["alone1"])]
     return {
+        "two_shards_each_alone_applies_per_s": min(alone),
+        "ratio_each_alone_vs_one": min(alone) / one,
+        "each_alone_per_shard_applies_per_s": alone,
         "one_shard_applies_per_s": one,
         "two_shards_applies_per_s": two,
         "ratio_two_vs_one": two / one,

