@@ -143,7 +143,7 @@ def test_a_shard_killed_and_restarted_resumes_while_the_other_keeps_serving(
     wargs = ("--steps", "150", "--request-timeout", "1", "--server-timeout", "90")
     workers = [cluster.worker([p[0] for p in ports], *wargs, worker_id=f"w{i}") for i in range(2)]
     wait_until(
-        lambda: fetch_status(servers[1].status, timeout_s=10)["version"] >= 40,
+        lambda: all(fetch_status(s.status, timeout_s=10)["version"] >= 40 for s in servers),
         120,
         "training under way on both shards",
     )
@@ -151,7 +151,7 @@ def test_a_shard_killed_and_restarted_resumes_while_the_other_keeps_serving(
     servers[1].wait(timeout=30)
     # the surviving shard still answers status and weight pulls
     before = fetch_status(servers[0].status, timeout_s=10)
-    assert before["shard"] == 0 and before["version"] >= 40
+    assert before["shard"] == 0 and before["version"] >= 40  # (each shard applies in its own time)
     version0, _ = pull_weights(servers[0].rep)
     assert version0 >= before["version"]
     for w in workers:

@@ -45,7 +45,6 @@ import math
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -498,75 +497,32 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
     """Real ``downpour server`` and ``downpour worker`` processes on 127.0.0.1: held-out
     accuracy (the server's ``--eval-every``) against applied updates until the target or
     ``plan.cross_check_updates`` updates."""
-    from services.local import wait_ready
+    from bench_util import Procs, start_server
+
     from services.status import fetch_status
 
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONUNBUFFERED="1",
-    )
-    logs = out / "cross-check-logs"
+    logs = out / "cross-check-logs" / f"{workers}w-{policy}"
     logs.mkdir(parents=True, exist_ok=True)
-    tag = f"{workers}w-{policy}"
-    ready = logs / f"{tag}.ready.json"
-    ready.unlink(missing_ok=True)
-    cli = [sys.executable, "-m", "services.cli"]
-    procs: list[subprocess.Popen] = []
-
-    def spawn(args: list[str], name: str) -> subprocess.Popen:
-        with open(logs / f"{tag}.{name}.log", "wb") as f:
-            p = subprocess.Popen(
-                [*cli, *args], stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=ROOT
-            )
-        procs.append(p)
-        return p
-
-    try:
-        server = spawn(
-            [
-                "server",
-                "--model",
-                MODEL_REF,
-                "--policy",
-                policy,
-                "--port",
-                "0",
-                "--push-port",
-                "0",
-                "--status-port",
-                "0",
-                "--ready-file",
-                str(ready),
-                "--eval-every",
-                str(plan.eval_every),
-            ],
+    with Procs(logs, stop_timeout_s=30.0) as procs:  # stops every process it started on exit
+        _server, info = start_server(
+            procs,
             "server",
+            extra=["--model", MODEL_REF, "--policy", policy, "--eval-every", str(plan.eval_every)],
         )
-        info = wait_ready(server, ready, 180.0, logs / f"{tag}.server.log")
         status = f"tcp://127.0.0.1:{info['status_port']}"
         steps = math.ceil(plan.cross_check_updates / workers) + plan.eval_every
         started = time.time()
-        for i in range(workers):
-            spawn(
+        workers_procs = [
+            procs.start(
                 [
-                    "worker",
-                    "--server",
-                    f"127.0.0.1:{info['port']}",
-                    "--model",
-                    MODEL_REF,
-                    "--id",
-                    f"w{i}",
-                    "--seed",
-                    str(100 + i),
-                    "--steps",
-                    str(steps),
-                    "--log-every",
-                    "0",
+                    "-m", "services.cli", "worker", "--server", f"127.0.0.1:{info['port']}",
+                    "--model", MODEL_REF, "--id", f"w{i}", "--seed", str(100 + i),
+                    "--steps", str(steps), "--log-every", "0",
                 ],
                 f"w{i}",
-            )
+            )[0]
+            for i in range(workers)
+        ]  # fmt: skip
         curve: list[list[float]] = []
         reached = None
         first_update: float | None = None
@@ -586,7 +542,7 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
                 if ev["accuracy"] >= plan.target:
                     reached = {"updates": ev["version"], "seconds": at}
                     break
-            finished = all(p.poll() is not None for p in procs[1:])
+            finished = all(p.poll() is not None for p in workers_procs)
             if done_at is None and (finished or doc["version"] >= plan.cross_check_updates):
                 done_at = time.monotonic()
             if done_at is not None and time.monotonic() - done_at > 30:
@@ -611,16 +567,6 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
             "policy_counters": (doc.get("policy") or {}).get("counters"),
             "curve": curve,
         }
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 # ---------------------------------------------------------------- report
