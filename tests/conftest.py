@@ -173,6 +173,36 @@ def summary(worker: Service) -> dict[str, Any]:
     raise AssertionError(f"no summary from worker; log:\n{worker.log_text()}")
 
 
+def run_script(
+    script: Path, *args: str, timeout_s: float, what: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python script args`` in its own process group, so a timeout stops its children
+    too (fails the test, with the script's stderr, if it does not finish in time)."""
+    import signal
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout_s:.0f} s:\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` TCP ports free on 127.0.0.1 right now (for a server restarted on the same ports)."""
     import socket

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tests" / "bench" / "bench.py"
@@ -44,35 +41,10 @@ REQUIRED = {
 }
 
 
-def _run_smoke(out: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run the bench in its own process group, so a timeout stops its children too."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, str(BENCH), "--smoke", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        pytest.fail(f"bench --smoke did not finish in {timeout_s:.0f} s:\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 @pytest.mark.timeout(420)
 def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "bench-results.json"
-    done = _run_smoke(out, timeout_s=360)
+    done = run_script(BENCH, "--smoke", "--out", str(out), timeout_s=360, what="bench --smoke")
     assert done.returncode == 0, f"bench failed:\n{done.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     assert isinstance(doc["date"], str) and doc["date"]

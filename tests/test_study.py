@@ -9,13 +9,10 @@ Only the shape of the result is checked, plus what holds by construction.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "tests" / "bench" / "study.py"
@@ -23,23 +20,8 @@ STUDY = ROOT / "tests" / "bench" / "study.py"
 
 @pytest.mark.timeout(180)
 def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, str(STUDY), "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"study --smoke did not finish in 150 s:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    done = run_script(STUDY, "--smoke", "--out", str(tmp_path), timeout_s=150, what="study --smoke")
+    assert done.returncode == 0, done.stderr[-4000:]
 
     doc = json.loads((tmp_path / "study-results.json").read_text())
     assert doc["plan"]["name"] == "smoke" and doc["machine"]["cores"] >= 1
