@@ -106,8 +106,10 @@ def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> Non
         assert w.wait(timeout=240) == 0, w.log_text()
     sums = {name: summary(w) for name, w in (("tf1", tf1), ("tf2", tf2))}
     for s in sums.values():
-        # trained: the last batch's loss is well below the untrained ln(10) = 2.30
-        assert s["steps"] == steps and s["pushes"] == steps and s["loss"] < 2.0
+        assert s["steps"] == steps and s["pushes"] == steps
+        # trained: the last 20 batches' mean loss is well below the untrained ln(10) = 2.30
+        # (one batch alone is noise under dropout: CI once saw a last batch at 2.43)
+        assert s["loss_recent"] < 2.0, s
     assert "TF1 graph of model deep_mnist: one sess.run per batch" in tf1.log_text()
     assert "TF1 graph" not in tf2.log_text()
 
@@ -120,6 +122,6 @@ def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> Non
     assert version == 2 * steps
     # 120 asynchronous updates from scratch: 0.58-0.89 seen across runs; chance is 0.1
     assert acc > 0.45, f"held-out accuracy {acc} is not well above chance (0.1)"
-    losses = {k: round(s["loss"], 3) for k, s in sums.items()}
+    losses = {k: round(s["loss_recent"], 3) for k, s in sums.items()}
     took = time.monotonic() - t0
-    print(f"{2 * steps} updates, accuracy {acc:.3f}, last losses {losses}, {took:.0f} s")
+    print(f"{2 * steps} updates, accuracy {acc:.3f}, recent losses {losses}, {took:.0f} s")

@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,8 @@ from shared.transport import (
 )
 
 log = logging.getLogger("downpour.worker")
+
+RECENT_LOSSES = 20  # the summary's loss_recent averages this many last batches (one is noise)
 
 
 class WorkerError(Exception):
@@ -600,6 +603,7 @@ class Worker:
         acc = Accumulator()
         started = time.monotonic()
         loss = float("nan")
+        recent: deque[float] = deque(maxlen=RECENT_LOSSES)  # finite batch losses, for the summary
         base_versions = [0] * len(self.links)
         step = 0
         nonfinite = False  # a step since the last push had a NaN/Inf loss
@@ -633,6 +637,7 @@ class Worker:
             self.stats["steps_per_s"] = round(self._step_rate.per_second(), 3)
             if math.isfinite(loss):
                 self.stats["loss"] = loss
+                recent.append(loss)
             else:
                 nonfinite = True
             if acc.count >= cfg.n_push:
@@ -659,6 +664,7 @@ class Worker:
             "seconds": round(elapsed, 2),
             "steps_per_s": round(step / max(elapsed, 1e-9), 3),
             "loss": loss,
+            "loss_recent": sum(recent) / len(recent) if recent else float("nan"),
             "version": self.version,
             "versions": [link.version for link in self.links],
             "pushes": int(self.stats["pushes"]),
