@@ -91,6 +91,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ("ratio_1w_vs_local", e["ratio_1w_vs_local"], ">=", 1.0),
         ("ratio_1w_vs_tf_pss", e["ratio_1w_vs_tf_pss"], ">=", 1.5),
         ("ratio_1w_curve_vs_plain", e["ratio_1w_curve_vs_plain"], ">=", 0.85),
+        # the same targets with the lever the issues name: --compress bf16 (lossy, not default)
+        ("wire ratio_to_memcpy, bf16", w["bf16_ratio_to_memcpy"], "<=", 3.0),
+        ("ratio_1w_vs_local, bf16", e["ratio_1w_bf16_vs_local"], ">=", 1.0),
+        ("ratio_1w_vs_tf_pss, bf16", e["ratio_1w_bf16_vs_tf_pss"], ">=", 1.5),
+        ("ratio_1w_curve_vs_plain, bf16", e["ratio_1w_curve_bf16_vs_plain"], ">=", 0.85),
         ("shards ratio_two_vs_one", r["shards"]["ratio_two_vs_one"], ">=", 1.6),
     ]
     out = []
@@ -102,6 +107,20 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _fmt_list(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def _bf16_rows(e: dict[str, Any]) -> list[str]:
+    """The end-to-end --compress bf16 rows (the full plan measures them)."""
+    if "downpour_1w_bf16_steps_per_s" not in e:
+        return []
+    return [
+        f"| e2e | downpour 1 worker + server, --compress bf16 | "
+        f"{e['downpour_1w_bf16_steps_per_s']:.2f} steps/s ({e['ratio_1w_bf16_vs_local']:.2f}x "
+        f"local, {e['ratio_1w_bf16_vs_tf_pss']:.2f}x TF PSS) |",
+        f"| e2e | downpour 1 worker + server, CURVE and --compress bf16 | "
+        f"{e['downpour_1w_curve_bf16_steps_per_s']:.2f} steps/s "
+        f"({e['ratio_1w_curve_bf16_vs_plain']:.2f}x plaintext uncompressed) |",
+    ]
 
 
 def table(r: dict[str, Any]) -> str:
@@ -121,6 +140,10 @@ def table(r: dict[str, Any]) -> str:
         f"{r['wire_curve']['push_decode_ms']:.2f} ms "
         f"({r['wire_curve']['ratio_to_memcpy']:.2f}x memcpy, "
         f"{r['wire_curve']['ratio_to_plain']:.2f}x plaintext) |",
+        f"| wire | same push with --compress bf16 (rounding and widening timed) | "
+        f"{w['bf16_push_decode_ms']:.2f} ms ({w['bf16_ratio_to_memcpy']:.2f}x memcpy) |",
+        f"| wire | CURVE with --compress bf16 | {r['wire_curve']['bf16_push_decode_ms']:.2f} ms "
+        f"({r['wire_curve']['bf16_ratio_to_plain']:.2f}x plaintext uncompressed) |",
         f"| wire | encode + ZMQ ipc:// + decode (comparison) | {w['ipc_push_decode_ms']:.2f} ms "
         f"({w['ipc_ratio_to_memcpy']:.2f}x memcpy) |",
         f"| seed | one compiled evaluation per variable ({s['variables']} calls) "
@@ -149,6 +172,7 @@ def table(r: dict[str, Any]) -> str:
         f"| e2e | downpour 1 worker + server, CURVE on every socket | "
         f"{e['downpour_1w_curve_steps_per_s']:.2f} steps/s "
         f"({e['ratio_1w_curve_vs_plain']:.2f}x plaintext) |",
+        *_bf16_rows(e),
         f"| e2e | CPU busy: local / downpour 1w / 2w (workers + server) | "
         f"{e['local_cpu_cores']:.2f} / {e['downpour_1w_cpu_cores']:.2f} / "
         f"{e['downpour_2w_cpu_cores']:.2f} cores |",
@@ -217,6 +241,8 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
             "push_decode_ms": w["curve_push_decode_ms"],
             "ratio_to_memcpy": w["curve_push_decode_ms"] / w["memcpy_ms"],
             "ratio_to_plain": w["curve_push_decode_ms"] / w["push_decode_ms"],
+            "bf16_push_decode_ms": w["curve_bf16_push_decode_ms"],
+            "bf16_ratio_to_plain": w["curve_bf16_push_decode_ms"] / w["push_decode_ms"],
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()

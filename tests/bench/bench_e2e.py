@@ -40,6 +40,8 @@ from shared.models import ModelSpec, build_model
 
 HERE = Path(__file__).resolve().parent
 SETUPS = ("local", "downpour_1w", "downpour_2w", "tf_pss_1w", "downpour_1w_curve")
+# the bf16 lever, measured by the full plan (Plan.e2e_bf16)
+BF16_SETUPS = ("downpour_1w_bf16", "downpour_1w_curve_bf16")
 
 
 def batches(data: Dataset, batch_size: int, seed: int) -> Any:
@@ -104,10 +106,13 @@ def _summary(out: Path) -> dict[str, Any] | None:
     return None
 
 
-def downpour(plan: Plan, procs: Procs, n_workers: int, curve: bool = False) -> dict[str, Any]:
+def downpour(
+    plan: Plan, procs: Procs, n_workers: int, curve: bool = False, compress: str = "none"
+) -> dict[str, Any]:
     """Aggregate steps/s of ``n_workers`` downpour workers against one server.
 
     ``curve``: keys generated for the run, every socket encrypted and authenticated.
+    ``compress``: the workers' ``--compress`` (``bf16`` halves the bytes of every push).
     """
     port = free_port()  # workers start with the server and retry until it answers
     ids = [f"bench-w{i}" for i in range(n_workers)]
@@ -121,12 +126,13 @@ def downpour(plan: Plan, procs: Procs, n_workers: int, curve: bool = False) -> d
             key_dir / security.CLIENTS_DIR / "bench-status.key_secret",
             key_dir / security.SERVER_PUBLIC,
         )
-    tag = f"server-{n_workers}w{'-curve' if curve else ''}"
+    tag = f"server-{n_workers}w" + ("-curve" if curve else "") + f"-{compress}"
     server, pending = start_server(procs, tag, port=port, wait=False, extra=server_extra)
     workers = []
     for wid in ids:
         args = ["-m", "services.cli", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
         args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
+        args += ["--compress", compress]
         if curve:
             args += ["--key", str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")]
             args += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
@@ -234,7 +240,8 @@ def run(plan: Plan, procs: Procs, spec: ModelSpec, data: Dataset) -> dict[str, A
 
     Each set-up's figure is the median over rounds of its per-round median window.
     """
-    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in SETUPS}
+    setups = SETUPS + (BF16_SETUPS if plan.e2e_bf16 else ())
+    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in setups}
     for r in range(plan.e2e_rounds):
         tag = f"e2e round {r + 1}/{plan.e2e_rounds}"
         log(f"{tag}: local training")
@@ -247,10 +254,29 @@ def run(plan: Plan, procs: Procs, spec: ModelSpec, data: Dataset) -> dict[str, A
         rounds["tf_pss_1w"].append(tf_parameter_server(plan, procs))
         log(f"{tag}: downpour, 1 worker, CURVE on every socket")
         rounds["downpour_1w_curve"].append(downpour(plan, procs, 1, curve=True))
+        if "downpour_1w_bf16" in rounds:
+            log(f"{tag}: downpour, 1 worker, --compress bf16")
+            rounds["downpour_1w_bf16"].append(downpour(plan, procs, 1, compress="bf16"))
+            log(f"{tag}: downpour, 1 worker, CURVE and --compress bf16")
+            rounds["downpour_1w_curve_bf16"].append(
+                downpour(plan, procs, 1, curve=True, compress="bf16")
+            )
     log("e2e: done")
     rate = {k: median([x["steps_per_s"] for x in v]) for k, v in rounds.items()}
     per_round = [{k: rounds[k][i]["steps_per_s"] for k in SETUPS} for i in range(plan.e2e_rounds)]
+    bf16: dict[str, float] = {}
+    if "downpour_1w_bf16" in rate:
+        bf16 = {
+            "downpour_1w_bf16_steps_per_s": rate["downpour_1w_bf16"],
+            "ratio_1w_bf16_vs_local": rate["downpour_1w_bf16"] / rate["local"],
+            "ratio_1w_bf16_vs_tf_pss": rate["downpour_1w_bf16"] / rate["tf_pss_1w"],
+            # the issue's lever for CURVE: half the bytes to encrypt, against plaintext
+            # uncompressed
+            "downpour_1w_curve_bf16_steps_per_s": rate["downpour_1w_curve_bf16"],
+            "ratio_1w_curve_bf16_vs_plain": rate["downpour_1w_curve_bf16"] / rate["downpour_1w"],
+        }
     return {
+        **bf16,
         "local_steps_per_s": rate["local"],
         "downpour_1w_steps_per_s": rate["downpour_1w"],
         "downpour_2w_steps_per_s": rate["downpour_2w"],

@@ -52,12 +52,13 @@ class Plan:
     pss_warmup_steps: int
     pss_window_steps: int
     e2e_rounds: int
+    e2e_bf16: bool = False  # also the --compress bf16 set-ups (full only: quick stays < 3 min)
 
 
 PLANS = {
     "smoke": Plan("smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1),
     "quick": Plan("quick", 30, 8, 18, 2.0, 3, 2.0, 60, 8, 3, 2.5, 25, 15, 25, 1),
-    "full": Plan("full", 200, 30, 100, 3.0, 5, 4.0, 300, 10, 4, 5.0, 50, 20, 50, 3),
+    "full": Plan("full", 200, 30, 100, 3.0, 5, 4.0, 300, 10, 4, 4.0, 50, 20, 50, 3, True),
 }
 
 

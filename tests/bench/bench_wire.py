@@ -4,7 +4,9 @@ The floor is ``np.copyto`` of every gradient into a pre-allocated array. The pus
 worker and the server do: ``protocol.encode``, a ZeroMQ PUSH sent with ``copy=False`` over
 tcp://127.0.0.1 to a PULL received with ``copy=False``, and ``protocol.decode`` back to arrays.
 For comparison it also times the same frames through raw pyzmq (no encode/decode: what the
-protocol costs) and the protocol over ipc:// (what the TCP loopback costs).
+protocol costs), the protocol over ipc:// (what the TCP loopback costs), over CURVE (what
+encryption costs), and with ``--compress bf16`` (the worker rounds to bfloat16, the server's
+decode widens back to float32: half the bytes on the wire, both conversions timed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import zmq
 from bench_util import median, percentile, time_ms
 
+from services.worker.compress import BF16Compression
 from shared import protocol
 from shared.protocol import Message
 from shared.transport import make_context
@@ -87,18 +90,23 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
     links = {"tcp": Loopback(), "ipc": Loopback(ipc=True), "curve": Loopback(curve=True)}
     seq = [0]
 
-    def push_decode(link: Loopback) -> None:
+    bf16 = BF16Compression()
+
+    def push_decode(link: Loopback, compress: bool = False) -> None:
         seq[0] += 1
+        tensors = bf16.compress(grads) if compress else grads
         msg = Message(
             protocol.PUSH,
             "bench",
             seq=seq[0],
             body={"loss": 0.0, "batch_size": 50, "steps": seq[0]},
-            tensors=dict(zip(names, grads, strict=True)),
+            tensors=dict(zip(names, tensors, strict=True)),
         )
         out = protocol.decode(link.roundtrip(protocol.encode(msg)), limits)
         if len(out.tensors) != len(grads):
             raise RuntimeError("decoded message lost tensors")
+        if out.tensors[names[0]].dtype != np.float32:
+            raise RuntimeError("decode did not hand back float32")
 
     def raw_tcp() -> None:
         links["tcp"].roundtrip(grads)
@@ -109,6 +117,8 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         "raw_tcp": raw_tcp,
         "ipc_push_decode": lambda: push_decode(links["ipc"]),
         "curve_push_decode": lambda: push_decode(links["curve"]),
+        "bf16_push_decode": lambda: push_decode(links["tcp"], compress=True),
+        "curve_bf16_push_decode": lambda: push_decode(links["curve"], compress=True),
     }
     samples: dict[str, list[float]] = {k: [] for k in variants}
     try:
@@ -135,5 +145,8 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         "ipc_push_decode_ms": m["ipc_push_decode"],
         "ipc_ratio_to_memcpy": m["ipc_push_decode"] / m["memcpy"],
         "curve_push_decode_ms": m["curve_push_decode"],
+        "bf16_push_decode_ms": m["bf16_push_decode"],
+        "bf16_ratio_to_memcpy": m["bf16_push_decode"] / m["memcpy"],
+        "curve_bf16_push_decode_ms": m["curve_bf16_push_decode"],
         "reps": reps,
     }
