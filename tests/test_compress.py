@@ -546,3 +546,21 @@ def test_topk_refuses_a_list_whose_shapes_changed() -> None:
     c.compress([np.ones(20, np.float32)])
     with pytest.raises(ValueError, match="residual"):
         c.compress([np.ones(21, np.float32)])
+
+
+def test_topk_sends_a_nonfinite_gradient_as_it_is_and_keeps_the_residual_clean() -> None:
+    """A NaN/Inf gradient goes out dense (the server refuses and counts it) and never enters
+    the residual: otherwise every later push would carry it and be refused too."""
+    c = TopKCompression(0.25)  # k = 1 of 4
+    (t1,) = c.compress([np.array([4, 1, 2, 3], np.float32)])
+    np.testing.assert_array_equal(t1.to_dense(), [4, 0, 0, 0])
+    before = c.residual(0).copy()
+    for bad in (np.nan, np.inf):
+        g = np.array([1, bad, 1, 1], np.float32)
+        (t,) = c.compress([g])
+        assert isinstance(t, np.ndarray) and t is g  # dense, as it is: refused by the server
+        np.testing.assert_array_equal(c.residual(0), before)  # untouched
+    (t3,) = c.compress([np.array([0, 0, 0, 1], np.float32)])  # v = [0, 1, 2, 4]
+    np.testing.assert_array_equal(t3.to_dense(), [0, 0, 0, 4])
+    np.testing.assert_array_equal(c.residual(0), [0, 1, 2, 0])
+    assert np.all(np.isfinite(c.residual(0)))

@@ -23,8 +23,9 @@ bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulativel
 Row-sparse gradients (``protocol.Sparse``, from ``tf.IndexedSlices``, e.g. embeddings) and
 non-float tensors are passed through unchanged by every compressor: they already carry only
 the touched rows, and densifying an embedding gradient to top-k it would cost far more than
-it saves. A NaN or Inf in a gradient would stay in a top-k residual (and every later push
-would be refused): call ``reset()`` after the server refuses one as ``nonfinite``.
+it saves. A gradient with a NaN or Inf never enters a top-k residual (it would stay there and
+every later push would be refused): it is sent dense as it is, for the server to refuse and
+count as ``nonfinite``, and the residual is left as it was.
 
 Residuals are kept by position in the list: give one compressor the same variables in the
 same order every push (with sharded servers, one compressor per shard, fed that shard's list
@@ -181,6 +182,8 @@ class TopKCompression(Compressor):
             r = self._residuals[i] = np.zeros(size, rdtype)
         elif r.size != size:
             raise ValueError(f"topk: gradient {i} has {size} elements, its residual {r.size}")
+        if not _all_finite(g):  # sent as it is (the server refuses it); the residual is kept
+            return g
         v = r  # v = r + g, in place: r holds v from here on
         np.add(v, g.reshape(-1), out=v, casting="same_kind")
         k = self.k(size)
@@ -198,6 +201,12 @@ class TopKCompression(Compressor):
         values = v[idx].astype(g.dtype, copy=False)  # fancy indexing copies
         v[idx] -= values  # 0, or what rounding to a narrower dtype lost
         return FlatSparse(idx.astype(index_dtype), values, tuple(g.shape))
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """No NaN/Inf in ``a``: one summing pass, a scan only when the sum overflows."""
+    with np.errstate(all="ignore"):
+        return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
 
 
 _TOPK = re.compile(r"topk:(.+)")

@@ -606,7 +606,6 @@ class Worker:
         recent: deque[float] = deque(maxlen=RECENT_LOSSES)  # finite batch losses, for the summary
         base_versions = [0] * len(self.links)
         step = 0
-        nonfinite = False  # a step since the last push had a NaN/Inf loss
         pushed_from: list[int] | None = None  # base versions of the last push
         set_log_context(worker=self.id, version=lambda: self.version)
         self.hello()
@@ -638,15 +637,9 @@ class Worker:
             if math.isfinite(loss):
                 self.stats["loss"] = loss
                 recent.append(loss)
-            else:
-                nonfinite = True
             if acc.count >= cfg.n_push:
                 self.push(acc.take(), base_versions, loss, step, self.spec.batch_size)
                 pushed_from = base_versions
-                if nonfinite:  # the server refuses a NaN/Inf gradient; keep none in a residual
-                    for comp in self.compressors:
-                        comp.reset()
-                    nonfinite = False
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(
                     "worker %s step %d/%d loss %.4f version %d",
