@@ -130,8 +130,17 @@ def test_kubernetes_objects_are_the_ones_the_readme_describes() -> None:
     workers = objects[("Deployment", "downpour-worker")]["spec"]["template"]["spec"]
     worker = workers["containers"][0]
     assert worker["resources"]["requests"]
+    # sharded: pod N serves shard N of replicas, and the workers list every shard in order
+    server_env = {e["name"]: e for e in server["env"]}
+    shards = int(server_env["DOWNPOUR_NUM_SHARDS"]["value"])
+    assert sts["replicas"] == shards
+    assert server_env["DOWNPOUR_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
     env = {e["name"]: e.get("value") for e in worker["env"]}
-    assert env["DOWNPOUR_SERVER"].startswith("downpour-server-0.downpour-server:")
+    assert env["DOWNPOUR_SERVER"].split(",") == [
+        f"downpour-server-{i}.downpour-server:5570" for i in range(shards)
+    ]
     assert env["DOWNPOUR_ID"] == "pool/$(POD_NAME)"  # one id per pod, one shared key
     kinds = {kind for kind, _ in objects}
     assert "Secret" in kinds
