@@ -166,6 +166,13 @@ SERVER_METRICS: tuple[MetricInfo, ...] = (
         "",
         "Weight pulls answered with 'unchanged' (no tensors sent).",
     ),
+    MetricInfo(
+        "pulls_bf16",
+        "downpour_pulls_bf16_total",
+        COUNTER,
+        "",
+        "Weight pulls answered in bfloat16 (workers with --pull-compress bf16).",
+    ),
     MetricInfo("hellos", "downpour_hellos_total", COUNTER, "", "Worker hellos answered."),
     MetricInfo("bytes_in", "downpour_received_bytes_total", COUNTER, "bytes", "Bytes received."),
     MetricInfo("bytes_out", "downpour_sent_bytes_total", COUNTER, "bytes", "Bytes sent."),

@@ -57,7 +57,9 @@ Message types (REQ/REP unless noted)::
                            Replies to hello and pull carry the server's "incarnation" (random
                            per start), so versions from before a restart are never confused.
                            A pull reply carries "dropped_stale": n when the server's policy
-                           dropped n of the sender's gradients as too old since its last pull
+                           dropped n of the sender's gradients as too old since its last pull.
+                           A pull body may carry "encoding": "bf16" (default "dense"): the
+                           weights then travel as bf16 tensors (half the bytes).
     push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps"}
     heartbeat -> heartbeat a worker that is otherwise silent says it is alive; body = its
                            figures; reply base_version = current version

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-from conftest import Cluster, pull_weights, summary
+from conftest import Cluster, pull_weights, summary, wait_until
 
 from services.status import fetch_status
 from shared import protocol
@@ -75,6 +75,61 @@ def test_bf16_halves_the_bytes_and_trains_on_two_shards(cluster: Cluster) -> Non
     assert received < 0.52 * s["bytes_raw"]
     version, acc = evaluator.score("127.0.0.1", ports)
     assert version == 30 and acc > 0.8
+
+
+def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
+    """``--pull-compress bf16``: the server rounds its float32 weights to bfloat16 for the
+    pull (once per version), the worker widens them back and computes there."""
+    import ml_dtypes
+
+    from shared.transport import RemoteError
+
+    server = cluster.server(model=WIDE)
+    w = cluster.worker(
+        server.info["port"],
+        "--steps", "30", "--compress", "bf16", "--pull-compress", "bf16",
+        model=WIDE,
+    )  # fmt: skip
+    assert w.wait(timeout=120) == 0, w.log_text()
+    s = summary(w)
+    assert s["pull_compress"] == "bf16" and s["pushes"] == 30
+    doc = fetch_status(server.status)
+    assert doc["version"] == 30 and doc["rejected_total"] == 0
+    # every pull that carried weights (all of them from this worker) went in bfloat16
+    assert doc["pulls_bf16"] >= 2 and doc["pulls_bf16"] == doc["pulls"] - doc["pulls_unchanged"]
+
+    def bytes_out_after(pulls: int) -> int:
+        """The server's bytes_out once its published status counts ``pulls`` pulls."""
+        return wait_until(
+            lambda: (d := fetch_status(server.status))["pulls"] >= pulls and d,
+            10,
+            f"the status to count {pulls} pulls",
+        )["bytes_out"]
+
+    pulls = doc["pulls"]
+    before = bytes_out_after(pulls)
+    version, dense = pull_weights(server.rep)
+    middle = bytes_out_after(pulls + 1)
+    version_bf16, rounded = pull_weights(server.rep, {"encoding": "bf16"})
+    after = bytes_out_after(pulls + 2)
+    assert version == version_bf16 == 30
+    assert after - middle < 0.51 * (middle - before)  # half the bytes of the float32 pull
+    for a, b in zip(dense, rounded, strict=True):
+        assert b.dtype == a.dtype == np.float32  # widened back on decode
+        np.testing.assert_array_equal(b, a.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert wide_accuracy(dense) > 0.8  # trained at bf16 weights as well as the others
+
+    # an encoding the server does not offer: a clear error, counted, nothing changed
+    with pytest.raises(RemoteError) as err:
+        pull_weights(server.rep, {"encoding": "fp8"})
+    assert err.value.code == protocol.R_HEADER and "fp8" in err.value.message
+    doc = wait_until(
+        lambda: (d := fetch_status(server.status))["rejected_total"] == 1 and d,
+        10,
+        "the refusal to be counted",
+    )
+    assert doc["rejected"] == {protocol.R_HEADER: 1} and doc["version"] == 30
+    np.testing.assert_array_equal(pull_weights(server.rep)[1][0], dense[0])
 
 
 @pytest.fixture

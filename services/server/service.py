@@ -50,6 +50,7 @@ from shared.models import ModelSpec
 from shared.protocol import Message, ProtocolError
 from shared.transport import bind, make_context
 
+PULL_ENCODINGS = frozenset({protocol.DENSE, protocol.BF16})  # what a pull may ask the weights in
 log = logging.getLogger("downpour.server")
 
 LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
@@ -164,12 +165,14 @@ class Server:
             "pushes_received": 0,
             "pulls": 0,
             "pulls_unchanged": 0,
+            "pulls_bf16": 0,
             "hellos": 0,
             "bytes_in": 0,
             "bytes_out": 0,
             "status_requests": 0,
             "status_rejected": 0,
         }
+        self._bf16: tuple[int, list[protocol.WireTensor]] | None = None  # version, rounded
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = threading.Event()
@@ -613,19 +616,44 @@ class Server:
             if rec.dropped_unreported:  # its gradients were too old: it should refresh now
                 body["dropped_stale"] = rec.dropped_unreported
                 rec.dropped_unreported = 0
+        encoding = msg.body.get("encoding", protocol.DENSE)
+        if encoding not in PULL_ENCODINGS:
+            raise ProtocolError(
+                protocol.R_HEADER,
+                f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, "
+                f"not {encoding!r}",
+            )
         version, arrays = self.state.weights()
         if msg.body.get("have") == version and msg.body.get("incarnation") == self.incarnation:
             self.counters["pulls_unchanged"] += 1
             return Message(
                 protocol.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
             )
+        tensors: list[protocol.WireTensor] = list(arrays)
+        if encoding == protocol.BF16:
+            self.counters["pulls_bf16"] += 1
+            tensors = self._bf16_weights(version, arrays)
         return Message(
             protocol.WEIGHTS,
             "server",
             base_version=version,
             body=body,
-            tensors=dict(zip(self.state.names, arrays, strict=True)),
+            tensors=dict(zip(self.state.names, tensors, strict=True)),
         )
+
+    def _bf16_weights(self, version: int, arrays: list[np.ndarray]) -> list[protocol.WireTensor]:
+        """The weights rounded to bfloat16 for pulls that ask for it (``--pull-compress bf16``):
+        half the bytes. Rounded once per version, shared by every worker pulling it; float16
+        and non-float variables go as they are. The server keeps and updates float32."""
+        if self._bf16 is None or self._bf16[0] != version:
+            rounded: list[protocol.WireTensor] = [
+                protocol.BFloat16.from_array(a)
+                if a.dtype.name in protocol.BF16_DTYPES and a.dtype != np.float16
+                else a
+                for a in arrays
+            ]
+            self._bf16 = (version, rounded)
+        return self._bf16[1]
 
     # ------------------------------------------------------------ status
 

@@ -52,6 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "RATIO of each gradient's entries, the rest carried to the next push: error feedback)",
     )
     p.add_argument(
+        "--pull-compress",
+        choices=["none", "bf16"],
+        default="none",
+        help="bf16: ask for the weights in bfloat16 (half the bytes of every pull; the server "
+        "keeps and updates float32, the worker computes at the rounded weights, as mixed "
+        "precision training does)",
+    )
+    p.add_argument(
         "--sync-wait",
         type=positive(),
         default=5.0,
@@ -187,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         log_every=args.log_every,
         keys=keys,
         compress=args.compress,
+        pull_compress=args.pull_compress,
         sync_wait_s=args.sync_wait,
         graph=args.graph,
     )

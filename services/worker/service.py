@@ -100,6 +100,7 @@ class WorkerConfig:
     log_every: int = 50
     keys: security.ClientKeys | None = None  # CURVE on every socket when set (--key)
     compress: str = "none"  # gradient compression (--compress; compress.parse_compression)
+    pull_compress: str = "none"  # weights in bfloat16 (--pull-compress bf16): half the bytes
     sync_wait_s: float = 5.0  # with a sync:K/N server: longest wait for the next version
     graph: str = "tf2"  # --graph: tf2 (compiled tf.function) or tf1 (the spec's TF1 graph)
 
@@ -405,7 +406,9 @@ class Worker:
 
     def pull_message(self, link: Link, have: int) -> Message:
         """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
-        body = {"have": have, "incarnation": link.incarnation} if have >= 0 else {}
+        body: dict[str, Any] = {"have": have, "incarnation": link.incarnation} if have >= 0 else {}
+        if self.config.pull_compress == "bf16":  # a server from before it sends float32: fine
+            body["encoding"] = protocol.BF16
         return Message(protocol.PULL, self.id, body=body)
 
     def install(self, replies: list[Message], started: float) -> None:
@@ -667,6 +670,7 @@ class Worker:
             "reconnects": int(self.stats["reconnects"]),
             "dropped": int(self.stats["dropped"]),
             "compress": self.compressors[0].spec,
+            "pull_compress": self.config.pull_compress,
             "bytes_raw": int(self.stats["bytes_raw"]),
             "bytes_sent": int(self.stats["bytes_sent"]),
             "dropped_stale": int(self.stats["dropped_stale"]),

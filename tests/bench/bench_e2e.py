@@ -107,12 +107,13 @@ def _summary(out: Path) -> dict[str, Any] | None:
 
 
 def downpour(
-    plan: Plan, procs: Procs, n_workers: int, curve: bool = False, compress: str = "none"
+    plan: Plan, procs: Procs, n_workers: int, curve: bool = False, bf16: bool = False
 ) -> dict[str, Any]:
     """Aggregate steps/s of ``n_workers`` downpour workers against one server.
 
     ``curve``: keys generated for the run, every socket encrypted and authenticated.
-    ``compress``: the workers' ``--compress`` (``bf16`` halves the bytes of every push).
+    ``bf16``: the workers run with ``--compress bf16 --pull-compress bf16`` (half the bytes of
+    every push and every pull).
     """
     port = free_port()  # workers start with the server and retry until it answers
     ids = [f"bench-w{i}" for i in range(n_workers)]
@@ -126,13 +127,14 @@ def downpour(
             key_dir / security.CLIENTS_DIR / "bench-status.key_secret",
             key_dir / security.SERVER_PUBLIC,
         )
-    tag = f"server-{n_workers}w" + ("-curve" if curve else "") + f"-{compress}"
+    tag = f"server-{n_workers}w" + ("-curve" if curve else "") + ("-bf16" if bf16 else "")
     server, pending = start_server(procs, tag, port=port, wait=False, extra=server_extra)
     workers = []
     for wid in ids:
         args = ["-m", "services.cli", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
         args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
-        args += ["--compress", compress]
+        if bf16:
+            args += ["--compress", "bf16", "--pull-compress", "bf16"]
         if curve:
             args += ["--key", str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")]
             args += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
@@ -255,12 +257,10 @@ def run(plan: Plan, procs: Procs, spec: ModelSpec, data: Dataset) -> dict[str, A
         log(f"{tag}: downpour, 1 worker, CURVE on every socket")
         rounds["downpour_1w_curve"].append(downpour(plan, procs, 1, curve=True))
         if "downpour_1w_bf16" in rounds:
-            log(f"{tag}: downpour, 1 worker, --compress bf16")
-            rounds["downpour_1w_bf16"].append(downpour(plan, procs, 1, compress="bf16"))
-            log(f"{tag}: downpour, 1 worker, CURVE and --compress bf16")
-            rounds["downpour_1w_curve_bf16"].append(
-                downpour(plan, procs, 1, curve=True, compress="bf16")
-            )
+            log(f"{tag}: downpour, 1 worker, bf16 pushes and pulls")
+            rounds["downpour_1w_bf16"].append(downpour(plan, procs, 1, bf16=True))
+            log(f"{tag}: downpour, 1 worker, CURVE, bf16 pushes and pulls")
+            rounds["downpour_1w_curve_bf16"].append(downpour(plan, procs, 1, curve=True, bf16=True))
     log("e2e: done")
     rate = {k: median([x["steps_per_s"] for x in v]) for k, v in rounds.items()}
     per_round = [{k: rounds[k][i]["steps_per_s"] for k in SETUPS} for i in range(plan.e2e_rounds)]
