@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.status import fetch_status
+from services.worker.main import compression_text
 from shared import security
 from shared.transport import Deadline, tcp
 
@@ -46,6 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--n-fetch", type=int, default=1)
     p.add_argument("--n-push", type=int, default=1)
+    p.add_argument(
+        "--compress",
+        type=compression_text,
+        default="none",
+        help="the workers' --compress (none, bf16, topk:RATIO)",
+    )
+    p.add_argument(
+        "--pull-compress", default="none", choices=["none", "bf16"], help="the workers' pulls"
+    )
+    p.add_argument("--graph", default="tf2", choices=["tf2", "tf1"], help="the workers' --graph")
     p.add_argument("--run-dir", help="where logs, history and plots go (default runs/<time>)")
     p.add_argument(
         "--eval-every", type=float, default=10.0, help="seconds between held-out evaluations"
@@ -225,6 +236,12 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             str(args.n_push),
             "--log-every",
             "0",
+            "--compress",
+            args.compress,
+            "--pull-compress",
+            args.pull_compress,
+            "--graph",
+            args.graph,
         ]
         wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
         if args.data_dir:

@@ -66,12 +66,14 @@ def test_run_local_writes_history_status_tensorboard_and_plots(tmp_path: Path) -
 
 def test_run_local_with_two_shards_reaches_the_one_shard_bar(tmp_path: Path) -> None:
     """``--shards 2`` (``make run-local SHARDS=2``): two shard processes, the workers list
-    both, and the evaluator scores the joined weights."""
+    both, and the evaluator scores the joined weights. The workers' options pass through:
+    bf16 both ways here, which must not cost the bar."""
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [
             sys.executable, "-m", "services.cli", "run-local", "--model", "tiny_models:tiny",
             "--workers", "2", "--shards", "2", "--steps", "150", "--no-progress",
+            "--compress", "bf16", "--pull-compress", "bf16",
             "--run-dir", str(run_dir),
         ],
         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240,
@@ -84,3 +86,9 @@ def test_run_local_with_two_shards_reaches_the_one_shard_bar(tmp_path: Path) -> 
     accuracy = float(lines[-1].removeprefix("held-out accuracy: "))
     assert accuracy > 0.9  # the bar tiny reaches with one server in the same 300 updates
     assert (run_dir / "server-0.json").exists() and (run_dir / "server-1.json").exists()
+    doc = json.loads((run_dir / "status.json").read_text())  # shard 0's status at the end
+    assert doc["pulls_bf16"] > 100  # the workers' pulls came in bfloat16
+    for w in ("worker-0", "worker-1"):
+        reported = doc["workers"][w]["reported"]
+        # bf16 pushes: half the payload; with tiny's small tensors the headers are the rest
+        assert reported["bytes_sent"] < 0.7 * reported["bytes_raw"], reported
