@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,18 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     assert doc["seed_gradients"]["traces_one_pass"] == 1
     assert set(doc["seed_gradients"]["traces_per_variable"]) == {1}
     assert "| wire |" in done.stdout  # the table was printed
+    assert "ratio_1w_vs_local, bf16" not in done.stdout  # the smoke plan skips those set-ups
+
+    # the full plan's extra end-to-end set-ups (bf16 both ways) reach the table and targets
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    e = doc["end_to_end"]
+    e["downpour_1w_bf16_steps_per_s"] = e["downpour_1w_curve_bf16_steps_per_s"] = 1.0
+    e["ratio_1w_bf16_vs_local"] = e["ratio_1w_bf16_vs_tf_pss"] = 1.0
+    e["ratio_1w_curve_bf16_vs_plain"] = 1.0
+    names = [t["target"] for t in bench.targets(doc)]
+    assert "ratio_1w_curve_vs_plain, bf16" in names and "ratio_1w_vs_local, bf16" in names
+    assert "CURVE, bf16 pushes and pulls" in bench.table({**doc, "targets": bench.targets(doc)})
