@@ -71,7 +71,7 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     e = doc["end_to_end"]
     e["downpour_1w_bf16_steps_per_s"] = e["downpour_1w_curve_bf16_steps_per_s"] = 1.0
     e["ratio_1w_bf16_vs_local"] = e["ratio_1w_bf16_vs_tf_pss"] = 1.0
-    e["ratio_1w_curve_bf16_vs_plain"] = 1.0
+    e["ratio_1w_curve_bf16_vs_plain"] = e["ratio_1w_curve_bf16_vs_bf16"] = 1.0
     names = [t["target"] for t in bench.targets(doc)]
     assert "ratio_1w_curve_vs_plain, bf16" in names and "ratio_1w_vs_local, bf16" in names
     assert "CURVE, bf16 pushes and pulls" in bench.table({**doc, "targets": bench.targets(doc)})

@@ -274,6 +274,9 @@ def run(plan: Plan, procs: Procs, spec: ModelSpec, data: Dataset) -> dict[str, A
             # uncompressed
             "downpour_1w_curve_bf16_steps_per_s": rate["downpour_1w_curve_bf16"],
             "ratio_1w_curve_bf16_vs_plain": rate["downpour_1w_curve_bf16"] / rate["downpour_1w"],
+            # what encryption alone costs when both sides move bf16
+            "ratio_1w_curve_bf16_vs_bf16": rate["downpour_1w_curve_bf16"]
+            / rate["downpour_1w_bf16"],
         }
     return {
         **bf16,
