@@ -257,6 +257,15 @@ Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
 WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may carry
 
 
+def as_bf16(a: np.ndarray) -> np.ndarray | BFloat16:
+    """``a`` to send in bfloat16 where that halves it (float32, float64); float16 (as many
+    bytes and more precise) and non-float arrays as they are. Gradients (``--compress bf16``)
+    and weights (``--pull-compress bf16``) follow this one rule."""
+    if a.dtype.name in BF16_DTYPES and a.dtype != np.float16:
+        return BFloat16.from_array(a)
+    return a
+
+
 def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:
     """Any tensor a message carries as a dense ndarray (``out``: reused by FlatSparse only).
 

@@ -646,13 +646,7 @@ class Server:
         half the bytes. Rounded once per version, shared by every worker pulling it; float16
         and non-float variables go as they are. The server keeps and updates float32."""
         if self._bf16 is None or self._bf16[0] != version:
-            rounded: list[protocol.WireTensor] = [
-                protocol.BFloat16.from_array(a)
-                if a.dtype.name in protocol.BF16_DTYPES and a.dtype != np.float16
-                else a
-                for a in arrays
-            ]
-            self._bf16 = (version, rounded)
+            self._bf16 = (version, [protocol.as_bf16(a) for a in arrays])
         return self._bf16[1]
 
     # ------------------------------------------------------------ status

@@ -141,9 +141,7 @@ class BF16Compression(Compressor):
         return "bf16"
 
     def _compress(self, i: int, g: np.ndarray) -> WireTensor:
-        if g.dtype == np.float16:  # as many bytes as bf16 and more precise: as it is
-            return g
-        return BFloat16.from_array(g)
+        return protocol.as_bf16(g)
 
 
 class TopKCompression(Compressor):
