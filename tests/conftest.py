@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,31 @@ def env() -> dict[str, str]:
 
 @dataclass
 class Service:
-    """A started process, its log, and (for servers) its bound ports."""
+    """A started process, its log, and (for servers) its bound ports.
+
+    A server started with ``early=True`` is not waited for: ``port`` is known at once (chosen
+    before the start), and the first use of ``info`` (``rep``, ``status`` ...) waits for it."""
 
     proc: subprocess.Popen
     log: Path
-    info: dict[str, Any]
+    known: dict[str, Any]
+    pending: Callable[[], dict[str, Any]] | None = None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The server's ready file (its ports, shard, partition); waits the first time."""
+        if self.pending is not None:
+            self.known, self.pending = self.pending(), None
+        return self.known
+
+    @info.setter
+    def info(self, value: dict[str, Any]) -> None:
+        self.known, self.pending = value, None
+
+    @property
+    def port(self) -> int:
+        """The REP port, without waiting for an ``early`` server to be ready."""
+        return int(self.known["port"]) if "port" in self.known else int(self.info["port"])
 
     @property
     def rep(self) -> str:
@@ -83,13 +103,19 @@ class Cluster:
         port: int = 0,
         wait: bool = True,
         prefix: list[str] | None = None,
+        early: bool = False,
     ) -> Service:
         """Start ``downpour server`` on free ports; wait until it serves.
 
         ``prefix`` runs it elsewhere, e.g. ``ip netns exec NS`` (then pass --host and
-        --insecure in ``args``)."""
+        --insecure in ``args``). ``early``: return at once with the REP port chosen up front
+        (``Service.port``), so that workers start (and import TensorFlow) while the server
+        does; they retry until it answers. Only for workers with the default --server-timeout.
+        """
         from services.local import wait_ready
 
+        if early and not port:
+            port = free_ports(1)[0]
         ready = self.tmp / f"ready-{self.n + 1}.json"
         proc, log = self._spawn(
             [
@@ -109,6 +135,8 @@ class Cluster:
             "server",
             prefix=prefix,
         )
+        if early:
+            return Service(proc, log, {"port": port}, lambda: wait_ready(proc, ready, 120.0, log))
         info = wait_ready(proc, ready, 120.0, log) if wait else {}
         return Service(proc, log, info)
 

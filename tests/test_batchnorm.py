@@ -18,10 +18,10 @@ def test_server_weights_with_recalibrated_statistics_reach_the_workers_accuracy(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     server = cluster.server(
-        "--state-dir", str(tmp_path / "state"), "--eval-every", "100", model=MODEL
+        "--state-dir", str(tmp_path / "state"), "--eval-every", "100", model=MODEL, early=True
     )
     workers = [
-        cluster.worker(server.info["port"], "--steps", "150", model=MODEL, worker_id=f"w{i}")
+        cluster.worker(server.port, "--steps", "150", model=MODEL, worker_id=f"w{i}")
         for i in range(2)
     ]
     for w in workers:

@@ -40,9 +40,9 @@ def test_wine_trains_through_server_and_worker_and_exports(
     state = tmp_path / "state"
     server = cluster.server(
         "--lr", "0.01", "--state-dir", str(state), "--checkpoint-every", "0",
-        "--checkpoint-secs", "0", model=WINE,
+        "--checkpoint-secs", "0", model=WINE, early=True,
     )  # fmt: skip
-    w = cluster.worker(server.info["port"], "--epochs", "40", model=WINE)  # 40 x 8 batches
+    w = cluster.worker(server.port, "--epochs", "40", model=WINE)  # 40 x 8 batches
     assert w.wait(timeout=120) == 0, w.log_text()
     version, weights = pull_weights(server.rep)
     assert version == 320

@@ -38,8 +38,8 @@ def wide_accuracy(arrays: list[np.ndarray]) -> float:
 
 
 def test_topk_sends_over_40x_fewer_bytes_and_trains(cluster: Cluster) -> None:
-    server = cluster.server(model=WIDE)
-    w = cluster.worker(server.info["port"], "--steps", "30", "--compress", "topk:0.01", model=WIDE)
+    server = cluster.server(model=WIDE, early=True)
+    w = cluster.worker(server.port, "--steps", "30", "--compress", "topk:0.01", model=WIDE)
     assert w.wait(timeout=120) == 0, w.log_text()
     s = summary(w)
     assert s["compress"] == "topk:0.01" and s["pushes"] == 30
@@ -84,9 +84,9 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
 
     from shared.transport import RemoteError
 
-    server = cluster.server(model=WIDE)
+    server = cluster.server(model=WIDE, early=True)
     w = cluster.worker(
-        server.info["port"],
+        server.port,
         "--steps", "30", "--compress", "bf16", "--pull-compress", "bf16",
         model=WIDE,
     )  # fmt: skip

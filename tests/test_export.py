@@ -46,9 +46,9 @@ def test_export_of_a_trained_server_loads_in_plain_tensorflow(
     state = tmp_path / "state"
     server = cluster.server(
         "--state-dir", str(state), "--checkpoint-every", "0", "--checkpoint-secs", "0",
-        "--lr", "0.01",
+        "--lr", "0.01", early=True,
     )  # fmt: skip
-    w = cluster.worker(server.info["port"], "--steps", "60")
+    w = cluster.worker(server.port, "--steps", "60")
     assert w.wait(timeout=120) == 0, w.log_text()
     server.proc.send_signal(signal.SIGTERM)  # the final checkpoint
     assert server.wait(timeout=60) == 0, server.log_text()

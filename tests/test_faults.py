@@ -82,10 +82,8 @@ def test_sigterm_applies_what_was_received_and_checkpoints(
 ) -> None:
     state_dir = tmp_path / "state"
     args = ("--state-dir", str(state_dir), "--checkpoint-every", "0", "--checkpoint-secs", "0")
-    server = cluster.server(*args)
-    workers = [
-        cluster.worker(server.info["port"], "--steps", "25", worker_id=f"w{i}") for i in range(2)
-    ]
+    server = cluster.server(*args, early=True)
+    workers = [cluster.worker(server.port, "--steps", "25", worker_id=f"w{i}") for i in range(2)]
     for w in workers:
         assert w.wait(timeout=120) == 0, w.log_text()
     pushed = sum(summary(w)["pushes"] for w in workers)
@@ -122,8 +120,8 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
         "--keep-checkpoints",
         "2",
     )
-    server = cluster.server(*args)
-    cluster.worker(server.info["port"], "--steps", "100000", worker_id="w0")
+    server = cluster.server(*args, early=True)
+    cluster.worker(server.port, "--steps", "100000", worker_id="w0")
     store = CheckpointStore(state_dir)
     wait_until(lambda: len(store.list()) >= 1, 120, "a first complete checkpoint")
     complete = {v for v, _ in store.list()}
@@ -148,8 +146,10 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
 
 
 def test_killed_worker_shows_missing_others_unaffected_and_it_rejoins(cluster: Cluster) -> None:
-    server = cluster.server("--missing-after", "1", "--gone-after", "30", model="tiny_models:wide")
-    port = server.info["port"]
+    server = cluster.server(
+        "--missing-after", "1", "--gone-after", "30", model="tiny_models:wide", early=True
+    )
+    port = server.port
     wargs = ("--steps", "100000", "--heartbeat", "0.3")
     victim = cluster.worker(port, *wargs, model="tiny_models:wide", worker_id="victim")
     cluster.worker(port, *wargs, model="tiny_models:wide", worker_id="honest")
@@ -234,9 +234,9 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_stopped_server_gives_backpressure_then_training_resumes(cluster: Cluster) -> None:
-    server = cluster.server(model="tiny_models:wide")
+    server = cluster.server(model="tiny_models:wide", early=True)
     w = cluster.worker(
-        server.info["port"],
+        server.port,
         "--steps",
         "100000",
         "--push-timeout",

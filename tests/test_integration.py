@@ -18,10 +18,10 @@ from services.status import fetch_status
 def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> None:
     from services.local import Evaluator
 
-    server = cluster.server(model="shared.models:deep_mnist")
+    server = cluster.server(model="shared.models:deep_mnist", early=True)
     workers = [
         cluster.worker(
-            server.info["port"],
+            server.port,
             "--steps",
             "40",
             model="shared.models:deep_mnist",
@@ -76,8 +76,8 @@ def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> Non
 
 
 def test_worker_with_another_model_is_refused(cluster: Cluster) -> None:
-    server = cluster.server(model="tiny_models:tiny")
-    w = cluster.worker(server.info["port"], "--steps", "5", model="tiny_models:tiny_other")
+    server = cluster.server(model="tiny_models:tiny", early=True)
+    w = cluster.worker(server.port, "--steps", "5", model="tiny_models:tiny_other")
     assert w.wait(timeout=120) == 3
     log = w.log_text()
     assert "fingerprint" in log and "--model" in log
@@ -118,8 +118,8 @@ def test_worker_gives_up_when_the_server_never_answers(cluster: Cluster) -> None
 
 
 def test_sigterm_stops_server_and_worker_cleanly(cluster: Cluster) -> None:
-    server = cluster.server()
-    w = cluster.worker(server.info["port"], "--steps", "100000")
+    server = cluster.server(early=True)
+    w = cluster.worker(server.port, "--steps", "100000")
     wait_until(lambda: fetch_status(server.status)["version"] > 3, 120, "the worker to push")
     w.proc.send_signal(signal.SIGTERM)
     assert w.wait(timeout=60) == 0

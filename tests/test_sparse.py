@@ -40,8 +40,8 @@ def test_sparse_apply_touches_only_its_rows_and_equals_the_dense_apply(optimizer
 
 def test_a_large_table_pushes_bytes_in_proportion_to_rows_touched(cluster: Cluster) -> None:
     model = "tiny_models:big_embedding"
-    server = cluster.server("--optimizer", "adagrad", "--lr", "0.5", model=model)
-    w = cluster.worker(server.info["port"], "--steps", "60", model=model, worker_id="w0")
+    server = cluster.server("--optimizer", "adagrad", "--lr", "0.5", model=model, early=True)
+    w = cluster.worker(server.port, "--steps", "60", model=model, worker_id="w0")
     assert w.wait(timeout=180) == 0, w.log_text()
     s = summary(w)
     doc = fetch_status(server.status)

@@ -95,8 +95,8 @@ def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> Non
 
     steps = 60
     t0 = time.monotonic()
-    server = cluster.server(model=MODEL)
-    port = server.info["port"]
+    server = cluster.server(model=MODEL, early=True)
+    port = server.port
     tf1 = cluster.worker(
         port, "--steps", str(steps), "--graph", "tf1", model=MODEL, worker_id="tf1"
     )

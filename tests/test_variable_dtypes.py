@@ -42,8 +42,8 @@ def test_float16_float64_and_int_state_pass_the_check() -> None:
 
 def test_float16_and_float64_variables_train_through_server_and_worker(cluster: Cluster) -> None:
     ref = "dtype_models:mixed"
-    server = cluster.server("--lr", "0.01", model=ref)
-    w = cluster.worker(server.info["port"], "--steps", "80", model=ref)
+    server = cluster.server("--lr", "0.01", model=ref, early=True)
+    w = cluster.worker(server.port, "--steps", "80", model=ref)
     assert w.wait(timeout=120) == 0, w.log_text()
     version, weights = pull_weights(server.rep)
     assert version == 80
