@@ -59,8 +59,11 @@ def test_topk_sends_over_40x_fewer_bytes_and_trains(cluster: Cluster) -> None:
 def test_bf16_halves_the_bytes_and_trains_on_two_shards(cluster: Cluster) -> None:
     from services.local import Evaluator
 
-    shards = [cluster.server("--num-shards", "2", "--shard", str(i), model=WIDE) for i in range(2)]
-    ports = [sh.info["port"] for sh in shards]
+    shards = [
+        cluster.server("--num-shards", "2", "--shard", str(i), model=WIDE, early=True)
+        for i in range(2)
+    ]
+    ports = [sh.port for sh in shards]
     w = cluster.worker(ports, "--steps", "30", "--compress", "bf16", model=WIDE)
     evaluator = Evaluator(WIDE, None)  # builds the model while the worker trains
     assert w.wait(timeout=120) == 0, w.log_text()

@@ -80,10 +80,10 @@ def test_instance_names_belong_to_their_key_only() -> None:
 def test_replicas_sharing_a_key_train_under_their_own_ids(cluster: Cluster, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     security.generate_keys(keys, ["pool", "poolx"], ["status"])
-    server = cluster.server("--keys", str(keys))
+    server = cluster.server("--keys", str(keys), early=True)
     pool_key = keys / "clients" / "pool.key_secret"
     w = cluster.worker(
-        server.info["port"],
+        server.port,
         "--steps", "5", "--key", str(pool_key), "--server-key", str(keys / "server.key"),
         "--id", "pool/a",
     )  # fmt: skip

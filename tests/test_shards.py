@@ -42,9 +42,9 @@ def test_sharded_apply_is_the_same_arithmetic_as_one_server() -> None:
 def start_shards(
     cluster: Cluster, n: int, *args: str, model: str = "tiny_models:tiny"
 ) -> list[Service]:
-    """``n`` shard servers of one model, each on its own ports."""
+    """``n`` shard servers of one model, each on its own ports, starting side by side."""
     return [
-        cluster.server("--shard", str(i), "--num-shards", str(n), *args, model=model)
+        cluster.server("--shard", str(i), "--num-shards", str(n), *args, model=model, early=True)
         for i in range(n)
     ]
 
@@ -64,7 +64,7 @@ def held_out_accuracy(
 
 def test_two_shards_two_workers_train_and_show_one_cluster(cluster: Cluster) -> None:
     servers = start_shards(cluster, 2)
-    ports = [s.info["port"] for s in servers]
+    ports = [s.port for s in servers]
     assert servers[0].info["partition"] == servers[1].info["partition"]
     workers = [cluster.worker(ports, "--steps", "60", worker_id=f"w{i}") for i in range(2)]
     for w in workers:
@@ -101,7 +101,7 @@ def test_two_shards_two_workers_train_and_show_one_cluster(cluster: Cluster) -> 
 
 def test_worker_with_another_partition_is_refused(cluster: Cluster) -> None:
     servers = start_shards(cluster, 2)
-    ports = [s.info["port"] for s in servers]
+    ports = [s.port for s in servers]
     swapped = cluster.worker(ports[::-1], "--steps", "5", worker_id="swapped")
     only_one = cluster.worker(ports[:1], "--steps", "5", worker_id="one")
     for w in (swapped, only_one):
