@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.status import fetch_status
-from services.worker.main import compression_text
+from services.worker.main import GRAPHS, PULL_COMPRESSIONS, compression_text
 from shared import security
 from shared.transport import Deadline, tcp
 
@@ -54,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the workers' --compress (none, bf16, topk:RATIO)",
     )
     p.add_argument(
-        "--pull-compress", default="none", choices=["none", "bf16"], help="the workers' pulls"
+        "--pull-compress", default="none", choices=PULL_COMPRESSIONS, help="the workers' pulls"
     )
-    p.add_argument("--graph", default="tf2", choices=["tf2", "tf1"], help="the workers' --graph")
+    p.add_argument("--graph", default="tf2", choices=GRAPHS, help="the workers' --graph")
     p.add_argument("--run-dir", help="where logs, history and plots go (default runs/<time>)")
     p.add_argument(
         "--eval-every", type=float, default=10.0, help="seconds between held-out evaluations"

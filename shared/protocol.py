@@ -257,6 +257,17 @@ Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
 WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may carry
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """True if no NaN/Inf; a sum catches both in one pass, overflow falls back to a scan.
+    The server checks every gradient with it; a top-k worker keeps bad ones out of residuals."""
+    if a.dtype.kind not in "fc" or a.size == 0:
+        return True
+    with np.errstate(all="ignore"):
+        if np.isfinite(a.sum()):
+            return True
+    return bool(np.isfinite(a).all())
+
+
 def as_bf16(a: np.ndarray) -> np.ndarray | BFloat16:
     """``a`` to send in bfloat16 where that halves it (float32, float64); float16 (as many
     bytes and more precise) and non-float arrays as they are. Gradients (``--compress bf16``)

@@ -22,7 +22,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,16 +110,6 @@ class WorkerRecord:
     loss: float | None = None
     staleness: int | None = None
     reported: dict[str, Any] = field(default_factory=dict)
-
-
-def all_finite(a: np.ndarray) -> bool:
-    """True if no NaN/Inf; a sum catches both in one pass, overflow falls back to a scan."""
-    if a.dtype.kind not in "fc" or a.size == 0:
-        return True
-    with np.errstate(all="ignore"):
-        if np.isfinite(a.sum()):
-            return True
-    return bool(np.isfinite(a).all())
 
 
 class Server:
@@ -466,7 +456,7 @@ class Server:
             grads = self._gradients(msg)
             if not self.config.allow_nonfinite:
                 for name, g in zip(self.state.names, grads, strict=True):
-                    if not all_finite(g.values if isinstance(g, protocol.Sparse) else g):
+                    if not protocol.all_finite(g.values if isinstance(g, protocol.Sparse) else g):
                         raise ProtocolError(protocol.R_NONFINITE, f"{name!r} has NaN or Inf")
         except ProtocolError as exc:
             self._reject(exc.code, exc.message, sender)
@@ -629,7 +619,7 @@ class Server:
             return Message(
                 protocol.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
             )
-        tensors: list[protocol.WireTensor] = list(arrays)
+        tensors: Sequence[protocol.WireTensor] = arrays
         if encoding == protocol.BF16:
             self.counters["pulls_bf16"] += 1
             tensors = self._bf16_weights(version, arrays)

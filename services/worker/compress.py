@@ -180,7 +180,7 @@ class TopKCompression(Compressor):
             r = self._residuals[i] = np.zeros(size, rdtype)
         elif r.size != size:
             raise ValueError(f"topk: gradient {i} has {size} elements, its residual {r.size}")
-        if not _all_finite(g):  # sent as it is (the server refuses it); the residual is kept
+        if not protocol.all_finite(g):  # sent as it is (the server refuses it); residual kept
             return g
         v = r  # v = r + g, in place: r holds v from here on
         np.add(v, g.reshape(-1), out=v, casting="same_kind")
@@ -199,12 +199,6 @@ class TopKCompression(Compressor):
         values = v[idx].astype(g.dtype, copy=False)  # fancy indexing copies
         v[idx] -= values  # 0, or what rounding to a narrower dtype lost
         return FlatSparse(idx.astype(index_dtype), values, tuple(g.shape))
-
-
-def _all_finite(a: np.ndarray) -> bool:
-    """No NaN/Inf in ``a``: one summing pass, a scan only when the sum overflows."""
-    with np.errstate(all="ignore"):
-        return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
 
 
 _TOPK = re.compile(r"topk:(.+)")

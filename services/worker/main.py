@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--graph",
-        choices=["tf2", "tf1"],
+        choices=GRAPHS,
         default="tf2",
         help="tf2: a compiled tf.function; tf1: the model's tf.compat.v1 graph in a Session, "
         "loss and all gradients in one sess.run (the spec's tf1_graph)",
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pull-compress",
-        choices=["none", "bf16"],
+        choices=PULL_COMPRESSIONS,
         default="none",
         help="bf16: ask for the weights in bfloat16 (half the bytes of every pull; the server "
         "keeps and updates float32, the worker computes at the rounded weights, as mixed "
@@ -109,6 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=at_least(0), default=50, help="steps between log lines")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
+
+
+PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress
+GRAPHS = ("tf2", "tf1")  # --graph
 
 
 def compression_text(text: str) -> str:
