@@ -125,7 +125,7 @@ class Link:
     push_port: int | None = None
     incarnation: str | None = None
     version: int = -1  # this shard's weight version held locally; -1 = none yet
-    arrays: list[np.ndarray] = field(default_factory=list)  # its parts, as last pulled
+    arrays: list[Any] = field(default_factory=list)  # its parts, as last pulled (maybe tensors)
     fetcher: Fetcher | None = None
     last_contact: float = field(default_factory=time.monotonic)
 
@@ -193,7 +193,8 @@ class Fetcher:
             if have is None:
                 return
             try:
-                self._results.put(w.call(self.link, self.client, w.pull_message(self.link, have)))
+                reply = w.call(self.link, self.client, w.pull_message(self.link, have))
+                self._results.put(w.prepare(self.link, reply))
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
 
@@ -410,6 +411,19 @@ class Worker:
         if self.config.pull_compress == "bf16":  # a server from before it sends float32: fine
             body["encoding"] = protocol.BF16
         return Message(protocol.PULL, self.id, body=body)
+
+    def prepare(self, link: Link, reply: Message) -> Message:
+        """On the fetcher thread: a single shard's new weights converted for the step function
+        (``GradientStep.prepare``), off the training thread. Several shards' slices are joined
+        first, which needs every reply, so ``install`` converts those."""
+        if (
+            len(self.links) == 1
+            and not reply.body.get("unchanged")
+            and list(reply.tensors) == self.wire_names[link.index]
+        ):
+            prepared = self.step_fn.prepare(list(reply.tensors.values()))
+            reply.tensors = dict(zip(reply.tensors, prepared, strict=True))
+        return reply
 
     def install(self, replies: list[Message], started: float) -> None:
         """Load the weights of one pull reply per shard into the model, unless all are

@@ -83,6 +83,10 @@ class Tf1Step:
         loss, *grads = self.sess.run(self._fetches, feed_dict=feed)
         return float(loss), [_to_wire(g) for g in grads]
 
+    def prepare(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """As they are: ``sess.run`` feeds NumPy arrays."""
+        return arrays
+
     def set_weights(self, arrays: list[np.ndarray]) -> None:
         """Load pulled weights into the graph's variables: one ``sess.run`` for all."""
         feed = dict(zip(self.g.assign_inputs, arrays, strict=True))
