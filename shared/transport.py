@@ -146,13 +146,16 @@ class ReqClient:
 def backoff_delays(
     base_s: float = 0.1, cap_s: float = 5.0, seed: int | None = None
 ) -> Callable[[], float]:
-    """Capped exponential backoff with full jitter; returns a function giving the next delay."""
+    """Capped exponential backoff with full jitter; returns a function giving the next delay.
+
+    Unbounded in calls: the exponent stops growing at the cap (``base_s * 2**n`` as a float
+    overflows after about 1,000 doublings, which a long wait with a small base reaches)."""
     rng = random.Random(seed)
-    state = {"n": 0}
+    state = {"d": base_s}
 
     def next_delay() -> float:
-        d = min(cap_s, base_s * (2 ** state["n"]))
-        state["n"] += 1
+        d = min(cap_s, state["d"])
+        state["d"] = d * 2
         return rng.uniform(d / 2, d)
 
     return next_delay
