@@ -226,6 +226,38 @@ def test_server_killed_and_restarted_workers_reconnect_and_continue(
     assert all(summary(w)["steps"] == 60 for w in workers)
 
 
+def test_sync_round_dies_with_its_server_and_workers_push_again_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """sync:2/2, server killed -9 and restarted from a checkpoint some versions back: the
+    workers, waiting for a version the old server would have made, see the new incarnation
+    and compute from the restored weights at once. Waiting out --sync-wait (300 s here)
+    would overrun the bound below; no wait may time out."""
+    port, push_port, status_port = free_ports(3)
+    args = ("--policy", "sync:2/2", "--state-dir", str(tmp_path / "state"))
+    args += ("--checkpoint-every", "10", "--checkpoint-secs", "0")
+    args += ("--port", str(port), "--push-port", str(push_port), "--status-port", str(status_port))
+    server = cluster.server(*args)
+    wargs = ("--steps", "300", "--request-timeout", "1", "--server-timeout", "90")
+    wargs += ("--sync-wait", "300")
+    workers = [cluster.worker(port, *wargs, worker_id=f"w{i}") for i in range(2)]
+    wait_until(lambda: _applied_at_least(server, 14), 120, "sync rounds under way")
+    server.proc.kill()
+    server.wait(timeout=30)
+
+    again = cluster.server(*args)
+    restored = _status(again)["restored_from"]
+    assert restored is not None and restored >= 10
+    for w in workers:
+        assert w.wait(timeout=120) == 0, w.log_text()
+    sums = [summary(w) for w in workers]
+    assert [s["steps"] for s in sums] == [300, 300]
+    assert [s["sync_wait_timeouts"] for s in sums] == [0, 0]
+    doc = _status(again)
+    assert doc["version"] > restored + 100  # the restarted server's rounds went on
+    assert doc["staleness"]["max"] == 0  # sync: only gradients from the current weights
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -271,6 +271,7 @@ class Worker:
         self._refresh = False  # a shard dropped a stale gradient: pull fresh weights next step
         self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
         self._sync_stalled = False  # a sync wait timed out and no version moved since
+        self._pushed_incarnations: list[str | None] = []  # each shard's, at the last push
 
     @property
     def version(self) -> int:
@@ -498,7 +499,9 @@ class Worker:
         """With a sync:K/N server: pull until every shard has moved past the versions the last
         push was computed from (a gradient from those weights would be a duplicate), at most
         ``sync_wait_s``; a timeout means fewer than K workers are pushing, so stop waiting
-        until a version moves again."""
+        until a version moves again. A shard that restarted since the push (new incarnation)
+        ends the wait at once: the round it held died with it and it restarted from a
+        checkpoint, so its version would only move once the waiting workers push again."""
         if self._sync_stalled or all(
             lk.version > v for lk, v in zip(self.links, pushed_from, strict=True)
         ):
@@ -516,6 +519,9 @@ class Worker:
             in_flight = False
             if all(lk.version > v for lk, v in zip(self.links, pushed_from, strict=True)):
                 break
+            if self._restarted_since_push():
+                log.info("server restarted during a sync round: computing from its weights")
+                break
             if deadline.expired():
                 self.stats["sync_wait_timeouts"] += 1
                 self._sync_stalled = True
@@ -531,6 +537,13 @@ class Worker:
                 assert link.fetcher is not None
                 link.fetcher.request(link.version)
         self.stats["sync_wait_ms"] = 1e3 * (time.perf_counter() - t0)
+
+    def _restarted_since_push(self) -> bool:
+        """Some shard has another incarnation than when the last push was sent to it."""
+        return any(
+            lk.incarnation != inc
+            for lk, inc in zip(self.links, self._pushed_incarnations, strict=False)
+        )
 
     def push(
         self,
@@ -567,6 +580,7 @@ class Worker:
             n = sum(memoryview(f).nbytes for f in frames)
             sent += n
             raw += n - (comp.sent_bytes - sent0) + (comp.raw_bytes - raw0)
+        self._pushed_incarnations = [link.incarnation for link in self.links]
         self.stats["pushes"] += 1
         self.stats["bytes_sent"] += sent
         self.stats["bytes_raw"] += raw
