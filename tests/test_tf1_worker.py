@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import Cluster, summary
+from conftest import Cluster, pull_weights, summary
 
 from services.status import fetch_status
 from services.worker.tf1 import Tf1Step
-from shared.models import build_model, fingerprint, load_spec
+from shared.models import build_model, evaluate, fingerprint, load_spec
+from shared.protocol import Sparse
 
 MODEL = "shared.models:deep_mnist"
 
@@ -125,3 +126,50 @@ def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> Non
     losses = {k: round(s["loss_recent"], 3) for k, s in sums.items()}
     took = time.monotonic() - t0
     print(f"{2 * steps} updates, accuracy {acc:.3f}, recent losses {losses}, {took:.0f} s")
+
+
+def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(cluster: Cluster) -> None:
+    """A row-sparse variable in a TF1 graph: ``embedding_lookup``'s gradient comes out of the
+    one ``sess.run`` as an IndexedSlicesValue, travels as rows (``Sparse``), equals the Keras
+    model's gradient, and a TF1 worker trains a server that applies it as rows."""
+    ref_model = "tiny_models:embedding"
+    spec = load_spec(ref_model)
+    model = build_model(spec)
+    variables = model.trainable_variables
+    data = spec.load_data(None)
+    step = Tf1Step(spec, model)
+    step.set_weights([v.numpy() for v in variables])
+    x, y = data.x_train[:20], data.y_train[:20]
+    loss, grads = step(x, y)
+    table = grads[0]
+    assert isinstance(table, Sparse), type(table)
+    assert table.dense_shape == tuple(variables[0].shape)
+    assert len(table.indices) == x.size  # one row per token looked up, not the 5000-row table
+    with tf.GradientTape() as tape:
+        ref_loss = spec.loss(y, model(x, training=True))
+    ref = tape.gradient(ref_loss, variables)
+    assert isinstance(ref[0], tf.IndexedSlices)
+    assert abs(loss - float(ref_loss)) < 1e-6
+    dense = np.zeros(table.dense_shape, np.float32)
+    np.add.at(dense, table.indices, table.values)
+    np.testing.assert_allclose(dense, tf.convert_to_tensor(ref[0]).numpy(), rtol=1e-5, atol=1e-8)
+    for g, r in zip(grads[1:], ref[1:], strict=True):
+        np.testing.assert_allclose(g, r.numpy(), rtol=1e-5, atol=1e-7)
+    step.close()
+
+    server = cluster.server("--optimizer", "adagrad", "--lr", "0.5", model=ref_model, early=True)
+    steps = 100
+    w = cluster.worker(
+        server.port, "--steps", str(steps), "--graph", "tf1", model=ref_model, worker_id="tf1"
+    )
+    assert w.wait(timeout=180) == 0, w.log_text()
+    s = summary(w)
+    assert s["steps"] == s["pushes"] == steps
+    doc = fetch_status(server.status)
+    assert doc["version"] == steps and doc["rejected_total"] == 0
+    # 120 rows of 32 bytes and their indices, the dense layer: far below the 160 kB table
+    assert s["bytes_sent"] / steps < 0.1 * variables[0].numpy().nbytes
+    _, arrays = pull_weights(server.rep)
+    for v, a in zip(variables, arrays, strict=True):
+        v.assign(a)
+    assert evaluate(spec, model, data.x_test, data.y_test) > 0.9

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from shared.data import Dataset
 from shared.models import ModelSpec
+from shared.models_tf1 import Tf1Graph, finish
 
 
 def blobs(seed: int = 7, n: int = 1200, dim: int = 16, classes: int = 4) -> Dataset:
@@ -68,9 +70,35 @@ def counting() -> ModelSpec:
     return ModelSpec(name="counting", build=build, load_data=lambda _d: blobs(), batch_size=32)
 
 
+EMBED_VOCAB = 5000
+
+
+def embedding_tf1_graph() -> Tf1Graph:
+    """``embedding``'s function as a TF1 graph: ``embedding_lookup`` on a ``get_variable``
+    table (its gradient is an IndexedSlices, as the Keras Embedding's), mean over tokens,
+    dense logits; the variable scopes give the Keras paths."""
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.int32, [None, 6], name="tokens")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        with v1.variable_scope("embed"):
+            init = v1.random_uniform_initializer(-0.05, 0.05)
+            table = v1.get_variable("embeddings", [EMBED_VOCAB, 8], tf.float32, init)
+        h = tf.reduce_mean(tf.nn.embedding_lookup(table, x), axis=1)
+        with v1.variable_scope("logits"):
+            w = v1.get_variable("kernel", [8, 4], tf.float32, v1.glorot_uniform_initializer())
+            b = v1.get_variable("bias", [4], tf.float32, v1.zeros_initializer())
+        logits = tf.matmul(h, w) + b
+        loss = tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        )
+        return finish(graph, x, y, logits, loss, [table, w, b])
+
+
 def embedding() -> ModelSpec:
     """A bag-of-tokens classifier whose Embedding gradient is row-sparse (IndexedSlices)."""
-    vocab = 5000
+    vocab = EMBED_VOCAB
 
     def build() -> keras.Model:
         inp = keras.Input((6,), dtype="int32", name="tokens")
@@ -85,7 +113,13 @@ def embedding() -> ModelSpec:
         x = (rng.integers(0, 50, (600, 6)) + 50 * y[:, None]).astype(np.int32)
         return Dataset(x[:500], y[:500], x[500:], y[500:])
 
-    return ModelSpec(name="embedding", build=build, load_data=data, batch_size=20)
+    return ModelSpec(
+        name="embedding",
+        build=build,
+        load_data=data,
+        batch_size=20,
+        tf1_graph=embedding_tf1_graph,
+    )
 
 
 def wide() -> ModelSpec:
