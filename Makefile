@@ -10,7 +10,7 @@ WORKERS ?= 2
 SHARDS  ?= 1
 ARGS   ?=
 
-.PHONY: run-local test test-slow test-faults lint bench study clean venv deploy-tools
+.PHONY: run-local test test-slow test-faults lint bench bench-curve study clean venv deploy-tools
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ lint: $(VENV)/.stamp-test
 # Side-by-side performance run; writes bench-results.json. QUICK=1: < 3 min, else < 15 min.
 bench: $(VENV)/.stamp-test
 	$(PY) tests/bench/bench.py $(if $(filter 1,$(QUICK)),--quick) --out bench-results.json
+
+# What CURVE costs 1 worker end to end, ROUNDS rounds of plaintext / CURVE / CURVE + bf16
+# (the full bench has three; the ratio moves from round to round): curve-cost.json, ~9 min.
+ROUNDS ?= 6
+bench-curve: $(VENV)/.stamp-test
+	$(PY) tests/bench/curve_cost.py --rounds $(ROUNDS) --out curve-cost.json
 
 # Convergence study of the staleness policies and gradient compression (README, Staleness
 # policies and compression): study-results.json, study.md and PNG curves in OUT (runs/study).
