@@ -19,11 +19,21 @@ is the slower of the two. That figure is reported beside, not instead of, the co
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from bench_server import Flood, rate_window, sample, wait_for
-from bench_util import Plan, Procs, cpu_seconds, log, median, start_server, status_endpoint
+from bench_util import (
+    Plan,
+    Procs,
+    cpu_seconds,
+    log,
+    median,
+    server_ready,
+    start_server,
+    status_endpoint,
+)
 
 from shared.partition import make_partition
 
@@ -57,11 +67,15 @@ def run(
     part = make_partition(names, [g.shape for g in grads], [g.dtype for g in grads], 2, "bench")
     slices = part.split(grads)
     wire_names = [[p.wire_name for p in parts] for parts in part.shards]
-    one_proc, one_info = start_server(procs, "shards-1of1")
-    pair = [
-        start_server(procs, f"shards-{i}of2", extra=["--shard", str(i), "--num-shards", "2"])
+    # the three servers start side by side (each imports TensorFlow), then are waited for
+    started = [start_server(procs, "shards-1of1", wait=False)] + [
+        start_server(
+            procs, f"shards-{i}of2", wait=False, extra=["--shard", str(i), "--num-shards", "2"]
+        )
         for i in range(2)
     ]
+    servers = [(p, server_ready(procs, p, Path(pending["ready_file"]))) for p, pending in started]
+    (one_proc, one_info), pair = servers[0], servers[1:]
     if pair[0][1]["partition"] != pair[1][1]["partition"]:
         raise RuntimeError("the two shards computed different partitions")
     in_flight = 32  # the status the pushers pace on is published every 0.2 s
@@ -106,7 +120,7 @@ def run(
                 fl.pause()
                 wait_for(ep, fl, fl.sent, 60.0)
             log(f"shards: {key} warmed up")
-        for r in range(plan.flood_windows):
+        for r in range(plan.shards_rounds):
             for key, (eps, floods) in setups.items():
                 for fl in floods:
                     fl.resume()
@@ -126,7 +140,7 @@ def run(
                 if any(d.get("rejected_total") for d in docs):
                     raise RuntimeError(f"{key}: server rejected flood messages")
             log(
-                f"shards: round {r + 1}/{plan.flood_windows}: 1 shard "
+                f"shards: round {r + 1}/{plan.shards_rounds}: 1 shard "
                 f"{rates['one'][-1]:.1f}/s, 2 shards {rates['two'][-1]:.1f}/s "
                 f"({', '.join(f'{x:.1f}' for x in per_shard[-1])}), each alone "
                 f"{rates['alone0'][-1]:.1f}/s and {rates['alone1'][-1]:.1f}/s"
