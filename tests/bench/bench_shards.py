@@ -120,7 +120,7 @@ def run(
                 fl.pause()
                 wait_for(ep, fl, fl.sent, 60.0)
             log(f"shards: {key} warmed up")
-        for r in range(plan.shards_rounds):
+        for r in range(plan.shard_rounds):
             for key, (eps, floods) in setups.items():
                 for fl in floods:
                     fl.resume()
@@ -140,7 +140,7 @@ def run(
                 if any(d.get("rejected_total") for d in docs):
                     raise RuntimeError(f"{key}: server rejected flood messages")
             log(
-                f"shards: round {r + 1}/{plan.shards_rounds}: 1 shard "
+                f"shards: round {r + 1}/{plan.shard_rounds}: 1 shard "
                 f"{rates['one'][-1]:.1f}/s, 2 shards {rates['two'][-1]:.1f}/s "
                 f"({', '.join(f'{x:.1f}' for x in per_shard[-1])}), each alone "
                 f"{rates['alone0'][-1]:.1f}/s and {rates['alone1'][-1]:.1f}/s"

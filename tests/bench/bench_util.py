@@ -53,19 +53,14 @@ class Plan:
     pss_window_steps: int
     e2e_rounds: int
     e2e_bf16: bool = False  # also the --compress bf16 set-ups (full only: quick stays < 3 min)
-    shard_rounds: int = 0  # rounds of the shards section (0: flood_windows)
-
-    @property
-    def shards_rounds(self) -> int:
-        """Rounds of the shards section: its own count, else the server flood's."""
-        return self.shard_rounds or self.flood_windows
+    shard_rounds: int = 1  # rounds of the shards section
 
 
 PLANS = {
     "smoke": Plan("smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1),
     # quick: one shards round and 2 s e2e windows keep it under 3 minutes (197 s before)
     "quick": Plan("quick", 30, 8, 18, 2.0, 3, 2.0, 60, 8, 3, 2.0, 25, 15, 25, 1, shard_rounds=1),
-    "full": Plan("full", 200, 30, 100, 3.0, 5, 4.0, 300, 10, 4, 4.0, 50, 20, 50, 3, True),
+    "full": Plan("full", 200, 30, 100, 3.0, 5, 4.0, 300, 10, 4, 4.0, 50, 20, 50, 3, True, 5),
 }
 
 
