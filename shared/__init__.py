@@ -1,4 +1,19 @@
-"""Code both services share: wire protocol, transport, metrics, models and data.
+"""downpour: an asynchronous, DistBelief-style ("Downpour SGD") parameter server for TensorFlow.
 
-Importing this package does not import TensorFlow; only ``shared.models`` does.
+The public API is what a model plugin writes against::
+
+    import downpour
+
+    def my_model() -> downpour.ModelSpec:
+        return downpour.ModelSpec(name="mine", build=build, load_data=load)
+
+``import downpour`` does not import TensorFlow; the modules that need it
+(``downpour.models``, ``downpour.server``, ``downpour.worker``) import it themselves.
 """
+
+from downpour.data import Dataset
+from downpour.spec import ModelSpec
+
+__version__ = "0.1.0"
+
+__all__ = ["Dataset", "ModelSpec", "__version__"]

@@ -1,72 +1,22 @@
-"""Model specs: what the server and the workers must build identically.
+"""Model helpers that need TensorFlow, and the built-in model ``downpour.models:deep_mnist``.
 
-A model is a plugin named ``module:function``; the function takes no arguments and returns a
-``ModelSpec``. Both services call it, so both get the same variables in the same order; the
-fingerprint (a hash of the trainable variables' names, shapes and dtypes) proves it at hello.
+The fingerprint (a hash of the trainable variables' names, shapes and dtypes) proves at hello
+that a worker built the same model as the server. Plugins declare their model with
+``downpour.ModelSpec`` (``downpour.spec``), which does not import TensorFlow.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from shared.data import Dataset, load_mnist  # noqa: E402
-from shared.models_tf1 import Tf1Graph, deep_mnist_graph  # noqa: E402
-
-DEFAULT_MODEL = "shared.models:deep_mnist"
-
-
-def sparse_softmax_loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-    """Mean sparse softmax cross-entropy on logits."""
-    return tf.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-    )
-
-
-def accuracy(labels: np.ndarray, logits: np.ndarray) -> float:
-    """Fraction of rows whose arg-max logit is the label."""
-    return float(np.mean(np.argmax(logits, axis=-1) == labels))
-
-
-@dataclass
-class ModelSpec:
-    """Everything both services need to know about a model.
-
-    ``build`` must return a fresh, built Keras model (variables created) and be
-    deterministic in variable names and order. ``load_data`` gets the ``--data-dir`` value.
-    """
-
-    name: str
-    build: Callable[[], keras.Model]
-    load_data: Callable[[str | None], Dataset]
-    loss: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = sparse_softmax_loss
-    metric: Callable[[np.ndarray, np.ndarray], float] = accuracy
-    batch_size: int = 50
-    label_dtype: tf.DType = tf.int64
-    # the same model as a tf.compat.v1 graph (shared.models_tf1.Tf1Graph) for --graph tf1
-    tf1_graph: Callable[[], Tf1Graph] | None = None
-
-
-def load_spec(ref: str = DEFAULT_MODEL) -> ModelSpec:
-    """Import ``module:function`` and call it; the result must be a ModelSpec."""
-    module_name, sep, func_name = ref.partition(":")
-    if not sep or not module_name or not func_name:
-        raise ValueError(f"model must be 'module:function', got {ref!r}")
-    func = getattr(importlib.import_module(module_name), func_name)
-    spec = func()
-    if not isinstance(spec, ModelSpec):
-        raise TypeError(f"{ref} returned {type(spec).__name__}, not a ModelSpec")
-    return spec
+from downpour.data import load_mnist
+from downpour.models_tf1 import deep_mnist_graph
+from downpour.spec import ModelSpec
 
 
 def describe_variables(variables: Sequence[keras.Variable]) -> list[tuple[str, list[int], str]]:

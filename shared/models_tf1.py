@@ -5,7 +5,7 @@ placeholders, ``get_variable``, ``tf.nn.conv2d``/``max_pool``/``matmul``, softma
 cross-entropy, and ``AdamOptimizer.compute_gradients`` split off from ``apply_gradients``
 (the server applies). A worker started with ``--graph tf1`` runs it in a
 ``tf.compat.v1.Session`` and fetches the loss and the *whole* gradient list of a batch with one
-``sess.run`` (``services.worker.tf1``), which is the answer to the question.
+``sess.run`` (``downpour.worker.tf1``), which is the answer to the question.
 
 A model's TF1 graph is a plugin like its Keras model: ``ModelSpec.tf1_graph`` is a
 function of no arguments returning a ``Tf1Graph``, built in a fresh ``tf.Graph`` so that
@@ -88,7 +88,7 @@ def finish(
 
 
 def deep_mnist_graph() -> Tf1Graph:
-    """The seed's Deep-MNIST CNN, the same function as ``shared.models:deep_mnist``.
+    """The seed's Deep-MNIST CNN, the same function as ``downpour.models:deep_mnist``.
 
     As in the tutorial: ``x`` is ``[None, 784]`` (the worker feeds the loader's 28x28x1
     images flattened), reshaped to 28x28x1; conv 5x5x32 + ReLU + 2x2 max-pool, conv 5x5x64 +

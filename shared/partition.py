@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.protocol import Sparse, Tensor
+from downpour.wire import Sparse, Tensor
 
 
 @dataclass(frozen=True)

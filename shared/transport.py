@@ -15,8 +15,8 @@ from typing import Any
 
 import zmq
 
-from shared import protocol
-from shared.protocol import Message
+from downpour import wire
+from downpour.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,13 @@ class ReqClient:
     def request(
         self,
         msg: Message,
-        limits: protocol.Limits = protocol.DEFAULT_LIMITS,
+        limits: wire.Limits = wire.DEFAULT_LIMITS,
         timeout_s: float | None = None,
         retries: int | None = None,
     ) -> Message:
         """Encode, send, decode the reply; ERROR replies raise RemoteError."""
-        reply = protocol.decode(
-            self.request_frames(protocol.encode(msg), timeout_s, retries), limits
-        )
-        if reply.type == protocol.ERROR:
+        reply = wire.decode(self.request_frames(wire.encode(msg), timeout_s, retries), limits)
+        if reply.type == wire.ERROR:
             raise RemoteError(str(reply.body.get("code")), str(reply.body.get("message")))
         return reply
 

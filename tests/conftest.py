@@ -87,7 +87,7 @@ class Cluster:
         log = self.tmp / f"{self.n:02d}-{name}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
-                [*(prefix or []), sys.executable, "-m", "services.cli", *args],
+                [*(prefix or []), sys.executable, "-m", "downpour", *args],
                 stdout=stdout if stdout is not None else subprocess.DEVNULL,
                 stderr=err,
                 env=env(),
@@ -112,7 +112,7 @@ class Cluster:
         (``Service.port``), so that workers start (and import TensorFlow) while the server
         does; they retry until it answers. Only for workers with the default --server-timeout.
         """
-        from services.local import wait_ready
+        from downpour.cli.local import wait_ready
 
         if early and not port:
             port = free_ports(1)[0]
@@ -265,13 +265,13 @@ def pull_weights(endpoint: str, body: dict[str, Any] | None = None) -> tuple[int
     pull request's, e.g. ``{"encoding": "bf16"}``)."""
     import numpy as np
 
-    from shared import protocol
-    from shared.transport import ReqClient, make_context
+    from downpour import wire
+    from downpour.transport import ReqClient, make_context
 
     ctx = make_context()
     client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
     try:
-        reply = client.request(protocol.Message(protocol.PULL, "test-probe", body=body or {}))
+        reply = client.request(wire.Message(wire.PULL, "test-probe", body=body or {}))
         return reply.base_version, [np.array(a) for a in reply.tensors.values()]
     finally:
         client.close()

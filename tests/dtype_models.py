@@ -8,7 +8,7 @@ from __future__ import annotations
 import keras
 from tiny_models import blobs
 
-from shared.models import ModelSpec
+from downpour import ModelSpec
 
 
 class StepCounter(keras.layers.Layer):

@@ -1,7 +1,7 @@
 """Load exported models in a fresh interpreter that imports only TensorFlow, Keras and NumPy.
 
 ``python -I`` (no PYTHONPATH, no script or working directory on sys.path), run from a scratch
-directory; the script reports any downpour (``services``, ``shared``) or test module that got
+directory; the script reports any downpour or test module that got
 imported anyway, so a test can assert that the export needs none of them.
 """
 
@@ -36,7 +36,7 @@ for job in jobs:
     out[job["path"]] = float(np.mean(np.argmax(logits, axis=-1) == y))
 ours = sorted(
     m for m in sys.modules
-    if m.split(".")[0] in ("services", "shared", "tiny_models", "dtype_models", "conftest")
+    if m.split(".")[0] in ("downpour", "tiny_models", "dtype_models", "conftest")
 )
 print(json.dumps({"accuracy": out, "downpour_modules": ours}))
 """

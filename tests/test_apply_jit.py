@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.server.state import ALIGN_BYTES, ParameterState, aligned_empty
-from shared.models import load_spec
+from downpour.server.state import ALIGN_BYTES, ParameterState, aligned_empty
+from downpour.spec import load_spec
 
 
 def _grads(state: ParameterState, seed: int) -> list[np.ndarray]:

@@ -11,18 +11,18 @@ import numpy as np
 import zmq
 from conftest import Cluster, pull_weights, wait_until
 
-from services.status import fetch_status
-from shared import protocol
-from shared.protocol import Message
-from shared.transport import ReqClient, make_context
+from downpour import wire
+from downpour.cli.status import fetch_status
+from downpour.transport import ReqClient, make_context
+from downpour.wire import Message
 
 NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]
 
 
 def push(tensors: list[np.ndarray], seq: int, names: list[str] = NAMES) -> list[Any]:
     """Frames of a push from "attacker" with these tensors."""
-    return protocol.encode(
-        Message(protocol.PUSH, "attacker", seq=seq, tensors=dict(zip(names, tensors, strict=True)))
+    return wire.encode(
+        Message(wire.PUSH, "attacker", seq=seq, tensors=dict(zip(names, tensors, strict=True)))
     )
 
 
@@ -118,13 +118,13 @@ def test_bad_requests_get_an_error_reply_and_a_counter(cluster: Cluster) -> None
         cases = {
             "bad_header": [b"\xc1"],
             "version": edit_header(
-                protocol.encode(Message(protocol.PULL, "x")), lambda h: h.update(version=0)
+                wire.encode(Message(wire.PULL, "x")), lambda h: h.update(version=0)
             ),
-            "wrong_socket": protocol.encode(Message(protocol.STATUS, "x")),
+            "wrong_socket": wire.encode(Message(wire.STATUS, "x")),
         }
         for code, frames in cases.items():
-            reply = protocol.decode(client.request_frames(frames))
-            assert reply.type == protocol.ERROR and reply.body["code"] == code
+            reply = wire.decode(client.request_frames(frames))
+            assert reply.type == wire.ERROR and reply.body["code"] == code
             assert reply.body["message"]
         doc = wait_until(
             lambda: (d := fetch_status(server.status))["rejected_total"] >= 3 and d, 10, "counters"

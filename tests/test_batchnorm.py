@@ -7,9 +7,10 @@ from pathlib import Path
 
 from conftest import Cluster, pull_weights, summary
 
-from services.export import export
-from services.status import fetch_status
-from shared.models import build_model, evaluate, load_spec, recalibrate_batchnorm
+from downpour.cli.export import export
+from downpour.cli.status import fetch_status
+from downpour.models import build_model, evaluate, recalibrate_batchnorm
+from downpour.spec import load_spec
 
 MODEL = "tiny_models:batchnorm"
 

@@ -11,10 +11,11 @@ import pytest
 from conftest import Cluster, pull_weights
 from plain_tf import plain_tf_accuracy, save_eval_data
 
-from services import cli
-from shared.models import build_model, evaluate, load_spec
+from downpour import cli
+from downpour.models import build_model, evaluate
+from downpour.spec import load_spec
 
-WINE = "shared.examples.wine:spec"
+WINE = "downpour.examples.wine:spec"
 
 
 def test_wine_data_and_model_are_deterministic_and_fingerprint_only_dense_layers() -> None:

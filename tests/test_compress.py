@@ -1,5 +1,5 @@
 """Gradient compression: the worker's compressors (``services/worker/compress.py``) and the
-``bf16`` / ``topk`` encodings of the wire protocol (``shared/protocol.py``).
+``bf16`` / ``topk`` encodings of the wire protocol (``shared/wire.py``).
 
 Frames are turned into plain ``bytes`` before decoding, which is what a peer receives.
 """
@@ -17,14 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from services.worker.compress import (
-    BF16Compression,
-    NoCompression,
-    TopKCompression,
-    parse_compression,
-    payload_bytes,
-)
-from shared.protocol import (
+from downpour.wire import (
     BF16,
     DEFAULT_LIMITS,
     PUSH,
@@ -44,6 +37,13 @@ from shared.protocol import (
     densify,
     encode,
 )
+from downpour.worker.compress import (
+    BF16Compression,
+    NoCompression,
+    TopKCompression,
+    parse_compression,
+    payload_bytes,
+)
 
 # The Deep-MNIST CNN's trainable variables: 3,274,634 float32 parameters, 13.1 MB.
 DEEP_MNIST_SHAPES = [
@@ -58,7 +58,7 @@ DEEP_MNIST_SHAPES = [
 ]
 
 
-def wire(frames: list[Any]) -> list[bytes]:
+def as_bytes(frames: list[Any]) -> list[bytes]:
     """What the peer receives: every frame as the raw bytes ZeroMQ would carry."""
     return [
         np.ascontiguousarray(f).tobytes() if isinstance(f, np.ndarray) else bytes(f) for f in frames
@@ -66,7 +66,7 @@ def wire(frames: list[Any]) -> list[bytes]:
 
 
 def frames_bytes(frames: list[Any]) -> int:
-    return sum(len(b) for b in wire(frames))
+    return sum(len(b) for b in as_bytes(frames))
 
 
 def push(tensors: list[Any]) -> Message:
@@ -74,7 +74,7 @@ def push(tensors: list[Any]) -> Message:
 
 
 def roundtrip(tensors: list[Any], limits: Limits = DEFAULT_LIMITS) -> list[Any]:
-    return list(decode(wire(encode(push(tensors))), limits).tensors.values())
+    return list(decode(as_bytes(encode(push(tensors))), limits).tensors.values())
 
 
 def unpack(frame: bytes) -> Any:
@@ -109,7 +109,7 @@ def rng_grads(shapes: list[tuple[int, ...]], seed: int = 0) -> list[np.ndarray]:
 @pytest.mark.parametrize("shape", [(), (0,), (7,), (2, 3, 4)])
 def test_bf16_roundtrip_and_descriptor(shape: tuple[int, ...]) -> None:
     a = (np.arange(math.prod(shape), dtype=np.float32) * 0.37 - 1.1).reshape(shape)
-    frames = wire(encode(push([BFloat16.from_array(a)])))
+    frames = as_bytes(encode(push([BFloat16.from_array(a)])))
     assert len(frames) == 2
     (desc,) = unpack(frames[0])["tensors"]
     n = math.prod(shape)
@@ -153,7 +153,7 @@ def test_bf16_rejects_non_float_arrays() -> None:
 
 
 def test_bf16_malformed_frames() -> None:
-    good = wire(encode(push([BFloat16.from_array(np.ones((4, 5), np.float32))])))
+    good = as_bytes(encode(push([BFloat16.from_array(np.ones((4, 5), np.float32))])))
     rejects([good[0], good[1][:-2]], R_TRUNCATED)
     rejects([good[0], good[1] + b"\0\0"], R_TRUNCATED)
     rejects([good[0]], R_TRUNCATED)
@@ -164,7 +164,7 @@ def test_bf16_malformed_frames() -> None:
 
 def test_bf16_counts_its_decoded_size_against_the_limit() -> None:
     """Decode makes a float32 array of twice the wire size: that is what the limit bounds."""
-    frames = wire(encode(push([BFloat16.from_array(np.ones(1000, np.float32))])))
+    frames = as_bytes(encode(push([BFloat16.from_array(np.ones(1000, np.float32))])))
     assert len(decode(frames, Limits(max_total_bytes=4000)).tensors) == 1
     rejects(frames, R_TOO_LARGE, Limits(max_total_bytes=3999))
 
@@ -176,7 +176,7 @@ def test_bf16_counts_its_decoded_size_against_the_limit() -> None:
 def test_topk_roundtrip_and_descriptor(index_dtype: str) -> None:
     idx = np.array([0, 5, 11, 23], dtype=index_dtype)
     vals = np.array([1.5, -2.0, 3.25, 4.0], np.float32)
-    frames = wire(encode(push([FlatSparse(idx, vals, (2, 3, 4))])))
+    frames = as_bytes(encode(push([FlatSparse(idx, vals, (2, 3, 4))])))
     assert len(frames) == 3
     (desc,) = unpack(frames[0])["tensors"]
     assert desc == {
@@ -230,7 +230,7 @@ def _topk_frames(
     idx: list[int] | np.ndarray, n: int = 10, index_dtype: str = "int32"
 ) -> list[bytes]:
     i = np.asarray(idx, dtype=index_dtype)
-    return wire(encode(push([FlatSparse(i, np.ones(i.size, np.float32), (n,))])))
+    return as_bytes(encode(push([FlatSparse(i, np.ones(i.size, np.float32), (n,))])))
 
 
 def test_topk_out_of_range_indices_are_rejected() -> None:
@@ -313,7 +313,7 @@ def test_fuzz_compressed_frames_decode_or_protocol_error(
         tensors.append(FlatSparse(np.array([0, 3, 5], np.int32), np.ones(3, np.float32), (2, 3)))
     if base in ("bf16", "both"):
         tensors.append(BFloat16.from_array(np.ones((3, 2), np.float32)))
-    frames = wire(encode(push(tensors)))
+    frames = as_bytes(encode(push(tensors)))
     header = unpack(frames[0])
     for i, key, value in changes:
         header["tensors"][i % len(header["tensors"])][key] = value
@@ -390,7 +390,7 @@ def test_bf16_halves_the_bytes_within_bf16_precision() -> None:
     frames = encode(push(out))
     dense_frames = encode(push(g))
     assert frames_bytes(frames[1:]) == frames_bytes(dense_frames[1:]) // 2
-    decoded = list(decode(wire(frames)).tensors.values())
+    decoded = list(decode(as_bytes(frames)).tensors.values())
     for a, d in zip(g, decoded, strict=True):
         assert d.dtype == np.float32 and d.shape == a.shape
         rel = np.abs(d - a) / np.abs(a)
@@ -531,7 +531,7 @@ def test_topk_001_sends_40x_fewer_bytes_on_the_deep_mnist_gradients() -> None:
     assert sum(t.values.size for t in tensors) == k_total
     assert c.sent_bytes == sum(payload_bytes(t) for t in tensors) == 8 * k_total  # int32 + f32
     # the server's side: decode and densify give the sent entries and zeros elsewhere
-    decoded = decode(wire(frames), DEFAULT_LIMITS.for_payload(13_098_536)).tensors
+    decoded = decode(as_bytes(frames), DEFAULT_LIMITS.for_payload(13_098_536)).tensors
     for a, t in zip(g, decoded.values(), strict=True):
         dense = densify(t)
         assert dense.shape == a.shape

@@ -17,9 +17,9 @@ import pytest
 import zmq
 from conftest import Cluster, pull_weights, summary, wait_until
 
-from services.status import fetch_status
-from shared import protocol
-from shared.protocol import Message
+from downpour import wire
+from downpour.cli.status import fetch_status
+from downpour.wire import Message
 
 WIDE = "tiny_models:wide"
 
@@ -57,7 +57,7 @@ def test_topk_sends_over_40x_fewer_bytes_and_trains(cluster: Cluster) -> None:
 
 
 def test_bf16_halves_the_bytes_and_trains_on_two_shards(cluster: Cluster) -> None:
-    from services.local import Evaluator
+    from downpour.cli.local import Evaluator
 
     shards = [
         cluster.server("--num-shards", "2", "--shard", str(i), model=WIDE, early=True)
@@ -85,7 +85,7 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
     pull (once per version), the worker widens them back and computes there."""
     import ml_dtypes
 
-    from shared.transport import RemoteError
+    from downpour.transport import RemoteError
 
     server = cluster.server(model=WIDE, early=True)
     w = cluster.worker(
@@ -125,13 +125,13 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
     # an encoding the server does not offer: a clear error, counted, nothing changed
     with pytest.raises(RemoteError) as err:
         pull_weights(server.rep, {"encoding": "fp8"})
-    assert err.value.code == protocol.R_HEADER and "fp8" in err.value.message
+    assert err.value.code == wire.R_HEADER and "fp8" in err.value.message
     doc = wait_until(
         lambda: (d := fetch_status(server.status))["rejected_total"] == 1 and d,
         10,
         "the refusal to be counted",
     )
-    assert doc["rejected"] == {protocol.R_HEADER: 1} and doc["version"] == 30
+    assert doc["rejected"] == {wire.R_HEADER: 1} and doc["version"] == 30
     np.testing.assert_array_equal(pull_weights(server.rep)[1][0], dense[0])
 
 
@@ -148,9 +148,9 @@ def old_server() -> Iterator[int]:
         while not stop.is_set():
             if not rep.poll(100):
                 continue
-            msg = protocol.decode(rep.recv_multipart())
+            msg = wire.decode(rep.recv_multipart())
             body = {"push_port": 1, "incarnation": "old", "last_seq": 0}
-            rep.send_multipart(protocol.encode(Message(msg.type, "server", body=body)))
+            rep.send_multipart(wire.encode(Message(msg.type, "server", body=body)))
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()

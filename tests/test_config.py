@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, env
 
-from services.server import main as server_main
-from services.worker import main as worker_main
-from shared import config
+from downpour import config
+from downpour.server import main as server_main
+from downpour.worker import main as worker_main
 
 SECTIONS = ("server", "worker")
 
@@ -33,7 +33,7 @@ def downpour(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.
     """Run ``downpour ARGS`` in a clean DOWNPOUR_* environment; bounded."""
     clean = {k: v for k, v in env().items() if not k.startswith("DOWNPOUR_")}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "downpour", *args],
         env={**clean, **(extra_env or {})},
         cwd=ROOT,
         capture_output=True,

@@ -18,9 +18,9 @@ import pytest
 import zmq
 from conftest import Cluster, summary, wait_until
 
-from services.status import fetch_status
-from shared import protocol, security
-from shared.protocol import Message
+from downpour import security, wire
+from downpour.cli.status import fetch_status
+from downpour.wire import Message
 
 ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 NO_ID = 0xFFFFFFFF
@@ -108,8 +108,8 @@ def test_replicas_sharing_a_key_train_under_their_own_ids(cluster: Cluster, tmp_
         names = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]
         tensors = {n: np.zeros(s, np.float32) for n, s in zip(names, shapes, strict=True)}
         for sender in ("pool/b", "poolx/a"):  # the second is another key's instance
-            msg = Message(protocol.PUSH, sender, seq=1, base_version=5, tensors=tensors)
-            push.send_multipart(protocol.encode(msg))
+            msg = Message(wire.PUSH, sender, seq=1, base_version=5, tensors=tensors)
+            push.send_multipart(wire.encode(msg))
         doc = wait_until(
             lambda: (d := status())["version"] == 6 and d["rejected"].get("identity") and d,
             30,

@@ -1,6 +1,6 @@
 """systemd deployment (issue 9): the notify protocol, and the unit files checked offline.
 
-- ``shared.systemd`` against real AF_UNIX datagram sockets (a path and an abstract name).
+- ``downpour.systemd`` against real AF_UNIX datagram sockets (a path and an abstract name).
 - A real server process with ``$NOTIFY_SOCKET`` and ``$WATCHDOG_USEC``: READY=1 arrives when
   its three ports already accept connections, WATCHDOG=1 while it serves, STOPPING=1 on
   SIGTERM, then exit 0.
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Cluster, summary
 
-from services.status import fetch_status
-from shared import systemd
+from downpour import systemd
+from downpour.cli.status import fetch_status
 
 UNITS = ROOT / "deploy" / "systemd"
 INSTALL_PREFIX = "/opt/downpour/venv"  # where the units expect the installed environment
@@ -249,7 +249,7 @@ MDWE_EXEC = (
 @pytest.mark.slow
 def test_worker_trains_under_memory_deny_write_execute(cluster: Cluster) -> None:
     """The worker unit sets MemoryDenyWriteExecute=yes: the real model's step must run."""
-    model = "shared.models:deep_mnist"  # convolutions: where a JIT would show up
+    model = "downpour.models:deep_mnist"  # convolutions: where a JIT would show up
     server = cluster.server(model=model)
     w = cluster.worker(
         server.info["port"], "--steps", "2", model=model, prefix=[sys.executable, "-c", MDWE_EXEC]

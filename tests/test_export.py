@@ -11,10 +11,11 @@ import pytest
 from conftest import Cluster
 from plain_tf import plain_tf_accuracy, save_eval_data
 
-from services import cli
-from services.export import ExportError, export
-from services.server.checkpoint import CheckpointStore
-from shared.models import build_model, evaluate, fingerprint, load_spec
+from downpour import cli
+from downpour.cli.export import ExportError, export
+from downpour.models import build_model, evaluate, fingerprint
+from downpour.server.checkpoint import CheckpointStore
+from downpour.spec import load_spec
 
 
 def _checkpoint_accuracy(ref: str, state_dir: Path) -> tuple[float, int]:
@@ -84,11 +85,11 @@ def test_default_model_is_named_by_the_checkpoint_and_loads_without_custom_objec
     """No --model: the checkpoint's "deep_mnist" resolves to the built-in Deep-MNIST CNN,
     whose .keras file plain Keras loads with no custom objects."""
     state = tmp_path / "state"
-    _synthetic_checkpoint(state, "shared.models:deep_mnist", model="deep_mnist")
+    _synthetic_checkpoint(state, "downpour.models:deep_mnist", model="deep_mnist")
     out = tmp_path / "mnist.keras"
     assert cli.main(["export", "--state-dir", str(state), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "model shared.models:deep_mnist" in printed and "needs these classes" not in printed
+    assert "model downpour.models:deep_mnist" in printed and "needs these classes" not in printed
     assert "non-trainable" not in printed  # Dropout's seed state is not worth a note
 
     spec = load_spec()
@@ -111,7 +112,7 @@ def test_refuses_a_checkpoint_of_another_model(
     # "tiny" does not resolve: the default model is tried, and its fingerprint differs
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert "written for model 'tiny'" in err and "shared.models:deep_mnist" in err
+    assert "written for model 'tiny'" in err and "downpour.models:deep_mnist" in err
     assert "--model" in err
     assert cli.main([*args, "--model", "tiny_models:tiny_other"]) == 2
     assert "tiny_models:tiny_other" in capsys.readouterr().err
@@ -160,8 +161,8 @@ def test_a_sharded_servers_checkpoints_are_joined_from_one_state_dir_per_shard(
 ) -> None:
     """Two shard states (hidden/kernel split by rows) checkpointed as a shard server does:
     export with both --state-dir gives the unsharded model's weights; one is not enough."""
-    from services.server.checkpoint import capture
-    from services.server.state import ParameterState
+    from downpour.server.checkpoint import capture
+    from downpour.server.state import ParameterState
 
     spec = load_spec("tiny_models:tiny")
     whole = ParameterState(spec, "sgd", 0.1, seed=5, jit=False)

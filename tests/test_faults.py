@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from conftest import Cluster, Service, free_ports, summary, wait_until
 
-from services.server.checkpoint import CheckpointStore, capture, restore
-from services.server.state import ParameterState
-from services.status import fetch_status
-from shared.models import load_spec
+from downpour.cli.status import fetch_status
+from downpour.server.checkpoint import CheckpointStore, capture, restore
+from downpour.server.state import ParameterState
+from downpour.spec import load_spec
 
 # ---------------------------------------------------------------- checkpoints, in-process
 

@@ -12,24 +12,24 @@ import pytest
 import zmq
 from conftest import ROOT, Cluster, env, summary, wait_until
 
-from services.status import fetch_status
+from downpour.cli.status import fetch_status
 
 
 def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> None:
-    from services.local import Evaluator
+    from downpour.cli.local import Evaluator
 
-    server = cluster.server(model="shared.models:deep_mnist", early=True)
+    server = cluster.server(model="downpour.models:deep_mnist", early=True)
     workers = [
         cluster.worker(
             server.port,
             "--steps",
             "40",
-            model="shared.models:deep_mnist",
+            model="downpour.models:deep_mnist",
             worker_id=f"w{i}",
         )
         for i in range(2)
     ]
-    evaluator = Evaluator("shared.models:deep_mnist", None)  # loads TF while the workers train
+    evaluator = Evaluator("downpour.models:deep_mnist", None)  # loads TF while the workers train
     for w in workers:
         assert w.wait(timeout=300) == 0, w.log_text()
     sums = [summary(w) for w in workers]
@@ -51,7 +51,7 @@ def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> Non
     assert acc > 0.45, f"held-out accuracy {acc} is not well above chance (0.1)"
 
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "status", "--json", server.status],
+        [sys.executable, "-m", "downpour", "status", "--json", server.status],
         capture_output=True,
         env=env(),
         cwd=ROOT,

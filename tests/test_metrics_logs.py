@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from services.status import merge_workers, render, render_cluster
-from shared import logs, metrics
-from shared.metrics import STALENESS_BOUNDS, Histogram
+from downpour import logs, metrics
+from downpour.cli.status import merge_workers, render, render_cluster
+from downpour.metrics import STALENESS_BOUNDS, Histogram
 
 
 def _doc(model: str = "tiny", workers: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
 def test_collector_turns_a_status_document_into_metric_families() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from services.server.prometheus import render_text
+    from downpour.server.prometheus import render_text
 
     text = render_text(_doc)
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -183,7 +183,7 @@ def test_collector_turns_a_status_document_into_metric_families() -> None:
 def test_metrics_exporter_serves_http_on_loopback() -> None:
     import urllib.request
 
-    from services.server.prometheus import MetricsExporter
+    from downpour.server.prometheus import MetricsExporter
 
     exporter = MetricsExporter(_doc, "127.0.0.1", 0)
     try:
@@ -328,7 +328,7 @@ def test_single_server_table_has_a_row_per_worker() -> None:
 def test_plot_writes_the_three_pngs(tmp_path: Path) -> None:
     from matplotlib.image import imread
 
-    from services.plot import main as plot_main
+    from downpour.cli.plot import main as plot_main
 
     (tmp_path / "history.csv").write_text(
         "t,version,loss,staleness_mean,updates_per_s,accuracy,eval_version,eval_accuracy\n"

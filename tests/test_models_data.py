@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.data import load_mnist_5k, load_mnist_idx, read_idx
-from shared.models import build_model, deep_mnist, fingerprint, load_spec
+from downpour.data import load_mnist_5k, load_mnist_idx, read_idx
+from downpour.models import build_model, deep_mnist, fingerprint
+from downpour.spec import load_spec
 
 
 def test_deep_mnist_has_the_tutorial_architecture() -> None:
@@ -41,7 +42,7 @@ def test_load_spec_rejects_bad_references() -> None:
     with pytest.raises(ValueError, match="module:function"):
         load_spec("no_colon")
     with pytest.raises(TypeError, match="not a ModelSpec"):
-        load_spec("shared.data:load_mnist_5k")
+        load_spec("downpour.data:load_mnist_5k")
 
 
 def test_mnist_5k_is_shuffled_split_and_scaled() -> None:

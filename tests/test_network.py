@@ -34,7 +34,7 @@ def ns_status(host: netns.Host, server: Service) -> dict[str, Any]:
             *host.exec_args(),
             sys.executable,
             "-m",
-            "services.cli",
+            "downpour",
             "status",
             "--json",
             "--timeout",

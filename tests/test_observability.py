@@ -27,11 +27,11 @@ import pytest
 import zmq
 from conftest import ROOT, Cluster, Service, env, wait_until
 
-from services.local import wait_ready
-from services.status import fetch_status
-from shared import protocol
-from shared.protocol import Message
-from shared.transport import ReqClient, make_context
+from downpour import wire
+from downpour.cli.local import wait_ready
+from downpour.cli.status import fetch_status
+from downpour.transport import ReqClient, make_context
+from downpour.wire import Message
 
 FOREVER = "1000000"  # steps: the workers train until the fixture stops them
 
@@ -113,7 +113,7 @@ def _version(endpoint: str) -> int:
     client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
     try:
         body = {"have": -2, "incarnation": ""}  # never matches: the reply carries the version
-        return client.request(Message(protocol.PULL, "probe", body=body)).base_version
+        return client.request(Message(wire.PULL, "probe", body=body)).base_version
     finally:
         client.close()
         ctx.term()
@@ -128,7 +128,7 @@ def _time_for_updates(endpoint: str, n: int, timeout: float) -> float:
 
 def test_status_flood_and_unread_replies_do_not_stop_training(obs: Obs) -> None:
     status_ep, rep_ep = obs.a.status, obs.a.rep
-    request = protocol.encode(Message(protocol.STATUS, "abuser"))
+    request = wire.encode(Message(wire.STATUS, "abuser"))
     before = _time_for_updates(rep_ep, 200, 60)
     ctx = zmq.Context()
     stop = threading.Event()
@@ -337,7 +337,7 @@ def test_json_logs_carry_service_worker_and_version(obs: Obs) -> None:
 
 def _status_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "status", *args],
+        [sys.executable, "-m", "downpour", "status", *args],
         capture_output=True,
         text=True,
         env=env(),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.partition import make_partition
-from shared.protocol import Sparse
+from downpour.partition import make_partition
+from downpour.wire import Sparse
 
-# The Deep-MNIST CNN's trainable variables (shared.models:deep_mnist), without building it.
+# The Deep-MNIST CNN's trainable variables (downpour.models:deep_mnist), without building it.
 DEEP_MNIST = [
     ("conv1/kernel", (5, 5, 1, 32)),
     ("conv1/bias", (32,)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.server.policies import (
+from downpour.server.policies import (
     APPLY,
     DROP,
     HOLD,

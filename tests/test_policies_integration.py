@@ -19,10 +19,10 @@ import pytest
 import zmq
 from conftest import ROOT, Cluster, Service, env, pull_weights, summary, wait_until
 
-from services.status import fetch_status
-from shared import protocol
-from shared.protocol import Message
-from shared.transport import ReqClient, make_context
+from downpour import wire
+from downpour.cli.status import fetch_status
+from downpour.transport import ReqClient, make_context
+from downpour.wire import Message
 
 LR = 0.1
 SGD = ("--optimizer", "sgd", "--lr", str(LR))
@@ -45,7 +45,7 @@ class Probe:
         self.server = server
         self.ctx = make_context()
         self.req = ReqClient(self.ctx, server.rep, timeout_s=10, retries=0)
-        reply = self.req.request(Message(protocol.PULL, "probe"))
+        reply = self.req.request(Message(wire.PULL, "probe"))
         self.names = list(reply.tensors)
         self.shapes = [np.shape(a) for a in reply.tensors.values()]
         self.push_sock = self.ctx.socket(zmq.PUSH)
@@ -60,9 +60,9 @@ class Probe:
         shapes = zip(self.names, self.shapes, strict=True)
         tensors = {n: np.full(s, value, np.float32) for n, s in shapes}
         msg = Message(
-            protocol.PUSH, sender, seq=self.seqs[sender], base_version=base_version, tensors=tensors
+            wire.PUSH, sender, seq=self.seqs[sender], base_version=base_version, tensors=tensors
         )
-        self.push_sock.send_multipart(protocol.encode(msg))
+        self.push_sock.send_multipart(wire.encode(msg))
         self.sent += 1
 
     def settled(self) -> dict[str, Any]:
@@ -81,7 +81,7 @@ class Probe:
 
     def pull(self, sender: str) -> Message:
         """A pull as ``sender`` (its reply body tells it about dropped stale gradients)."""
-        return self.req.request(Message(protocol.PULL, sender))
+        return self.req.request(Message(wire.PULL, sender))
 
     def close(self) -> None:
         self.req.close()
@@ -127,7 +127,7 @@ def test_apply_step_scales_the_learning_rate_and_is_traced_once() -> None:
     ``lr * lr_scale * sign(g)`` (scaling the gradient would not change it); one trace."""
     from tiny_models import tiny
 
-    from services.server.state import ParameterState
+    from downpour.server.state import ParameterState
 
     sgd = ParameterState(tiny(), "sgd", 0.01)
     for scale in (1.0, 0.25, 1.0, 0.125):
@@ -277,7 +277,7 @@ def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
 
 def test_bad_policy_is_refused_at_start() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "server", "--policy", "bounded:-1"],
+        [sys.executable, "-m", "downpour", "server", "--policy", "bounded:-1"],
         capture_output=True,
         text=True,
         env=env(),

@@ -8,7 +8,7 @@ import pytest
 from conftest import Cluster, summary, wait_until
 from relay import Faults, Relay
 
-from services.status import fetch_status
+from downpour.cli.status import fetch_status
 
 
 def _run(cluster: Cluster, steps: int, resets: int) -> None:

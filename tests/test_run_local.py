@@ -18,7 +18,7 @@ def test_run_local_writes_history_status_tensorboard_and_plots(tmp_path: Path) -
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "downpour",
             "run-local",
             "--model",
             "tiny_models:tiny",
@@ -71,7 +71,7 @@ def test_run_local_with_two_shards_reaches_the_one_shard_bar(tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [
-            sys.executable, "-m", "services.cli", "run-local", "--model", "tiny_models:tiny",
+            sys.executable, "-m", "downpour", "run-local", "--model", "tiny_models:tiny",
             "--workers", "2", "--shards", "2", "--steps", "150", "--no-progress",
             "--compress", "bf16", "--pull-compress", "bf16",
             "--run-dir", str(run_dir),

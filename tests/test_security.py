@@ -21,10 +21,10 @@ import zmq.auth
 from conftest import ROOT, Cluster, Service, env, summary, wait_until
 from relay import UP, Relay
 
-from services.status import fetch_status
-from shared import protocol, security
-from shared.protocol import Message
-from shared.transport import ReqClient, RequestTimeout
+from downpour import security, wire
+from downpour.cli.status import fetch_status
+from downpour.transport import ReqClient, RequestTimeout
+from downpour.wire import Message
 
 TINY_NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]
 # A distinctive float pattern (not anything a model would compute) to look for on the wire.
@@ -80,7 +80,7 @@ def pull(
     )
     sender = keys.keypair.name if keys is not None else "test-probe"  # CURVE binds the name
     try:
-        reply = client.request(Message(protocol.PULL, sender))
+        reply = client.request(Message(wire.PULL, sender))
         return reply.base_version, [np.array(a) for a in reply.tensors.values()]
     finally:
         client.close()
@@ -102,7 +102,7 @@ def gradients(sender: str, seq: int, fill: float = 0.01) -> list[Any]:
     arrays = [np.full(s, fill, np.float32) for s in shapes]
     arrays[0] = np.resize(PATTERN, shapes[0]).astype(np.float32)
     tensors = dict(zip(TINY_NAMES, arrays, strict=True))
-    return protocol.encode(Message(protocol.PUSH, sender, seq=seq, tensors=tensors))
+    return wire.encode(Message(wire.PUSH, sender, seq=seq, tensors=tensors))
 
 
 def refused(fn: Any) -> bool:
@@ -144,7 +144,7 @@ def test_keygen_writes_zmq_certificates_with_safe_modes(tmp_path: Path) -> None:
 
 def test_keygen_command(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "keygen", str(tmp_path / "k"), "--names", "x,y"],
+        [sys.executable, "-m", "downpour", "keygen", str(tmp_path / "k"), "--names", "x,y"],
         capture_output=True,
         env=env(),
         cwd=ROOT,
@@ -259,7 +259,7 @@ def test_null_clients_are_refused_on_all_three_sockets(
 ) -> None:
     server = cluster.server("--keys", str(keys))
     plain = ReqClient(ctx, server.rep, timeout_s=1, retries=0)
-    assert refused(lambda: plain.request(Message(protocol.HELLO, "w0", body={})))
+    assert refused(lambda: plain.request(Message(wire.HELLO, "w0", body={})))
     plain.close()
     push = push_socket(ctx, f"tcp://127.0.0.1:{server.info['push_port']}", None)
     push.send_multipart(gradients("w0", 1))
@@ -383,6 +383,6 @@ def test_curve_encrypts_gradients_on_the_wire(
         push = push_socket(ctx, relay.endpoint, client_keys(keys, "w0") if secure else None)
         push.send_multipart(gradients("w0", 1))
         wait_until(lambda: read()["version"] == 1, 30, "the relayed push to be applied")
-        wire = relay.recorded(UP)
-    assert len(wire) > 16 * 32 * 4  # the whole gradient list went through the relay
-    assert (needle in wire) is not secure
+        recorded = relay.recorded(UP)
+    assert len(recorded) > 16 * 32 * 4  # the whole gradient list went through the relay
+    assert (needle in recorded) is not secure

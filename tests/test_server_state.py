@@ -5,8 +5,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from services.server.state import ParameterState
-from shared.models import build_model, load_spec
+from downpour.models import build_model
+from downpour.server.state import ParameterState
+from downpour.spec import load_spec
 
 
 def _grads(state: ParameterState, seed: int) -> list[np.ndarray]:

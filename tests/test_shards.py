@@ -11,15 +11,16 @@ from pathlib import Path
 import numpy as np
 from conftest import ROOT, Cluster, Service, env, free_ports, pull_weights, summary, wait_until
 
-from services.cluster import partition_of, pull_full
-from services.server.checkpoint import CheckpointStore
-from services.status import fetch_status
-from shared.models import build_model, evaluate, load_spec
+from downpour.cli.status import fetch_status
+from downpour.cluster import partition_of, pull_full
+from downpour.models import build_model, evaluate
+from downpour.server.checkpoint import CheckpointStore
+from downpour.spec import load_spec
 
 
 def test_sharded_apply_is_the_same_arithmetic_as_one_server() -> None:
     """Two shard states fed the split gradients end where one unsharded state ends."""
-    from services.server.state import ParameterState
+    from downpour.server.state import ParameterState
 
     spec = load_spec("tiny_models:tiny")
     whole = ParameterState(spec, "adam", 1e-2, seed=5)
@@ -87,7 +88,7 @@ def test_two_shards_two_workers_train_and_show_one_cluster(cluster: Cluster) -> 
     assert acc > 0.9, f"held-out accuracy {acc} from the shards' joined weights"
 
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "status", *(s.status for s in servers)],
+        [sys.executable, "-m", "downpour", "status", *(s.status for s in servers)],
         capture_output=True,
         text=True,
         env=env(),
@@ -113,7 +114,7 @@ def test_worker_with_another_partition_is_refused(cluster: Cluster) -> None:
 
 def test_show_partition_prints_the_table() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "server", "--show-partition", "--num-shards", "2"],
+        [sys.executable, "-m", "downpour", "server", "--show-partition", "--num-shards", "2"],
         capture_output=True,
         text=True,
         env=env(),

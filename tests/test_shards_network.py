@@ -17,8 +17,8 @@ import netns
 import pytest
 from conftest import ROOT, Cluster, Service, env, free_ports, summary, wait_until
 
-from services.export import export
-from shared import security
+from downpour import security
+from downpour.cli.export import export
 
 REASON = netns.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -34,7 +34,7 @@ def status_in(host: netns.Host, server: Service, keys: Path) -> dict[str, Any]:
     """``downpour status --json`` over CURVE with the reader key, run inside ``host``."""
     out = subprocess.run(
         [
-            *host.exec_args(), sys.executable, "-m", "services.cli", "status", "--json",
+            *host.exec_args(), sys.executable, "-m", "downpour", "status", "--json",
             "--timeout", "5", "--key", str(keys / "clients" / "status.key_secret"),
             "--server-key", str(keys / security.SERVER_PUBLIC), server.status,
         ],

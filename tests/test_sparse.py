@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from conftest import Cluster, pull_weights, summary
 
-from services.server.state import ParameterState
-from services.status import fetch_status
-from shared.models import build_model, evaluate, load_spec
-from shared.protocol import Sparse
+from downpour.cli.status import fetch_status
+from downpour.models import build_model, evaluate
+from downpour.server.state import ParameterState
+from downpour.spec import load_spec
+from downpour.wire import Sparse
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])

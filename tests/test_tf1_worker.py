@@ -12,12 +12,13 @@ import pytest
 import tensorflow as tf
 from conftest import Cluster, pull_weights, summary
 
-from services.status import fetch_status
-from services.worker.tf1 import Tf1Step
-from shared.models import build_model, evaluate, fingerprint, load_spec
-from shared.protocol import Sparse
+from downpour.cli.status import fetch_status
+from downpour.models import build_model, evaluate, fingerprint
+from downpour.spec import load_spec
+from downpour.wire import Sparse
+from downpour.worker.tf1 import Tf1Step
 
-MODEL = "shared.models:deep_mnist"
+MODEL = "downpour.models:deep_mnist"
 
 
 class CountingRun:
@@ -92,7 +93,7 @@ def test_a_model_without_a_matching_tf1_graph_is_refused_clearly() -> None:
 
 
 def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> None:
-    from services.local import Evaluator
+    from downpour.cli.local import Evaluator
 
     steps = 60
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.transport import backoff_delays
+from downpour.transport import backoff_delays
 
 
 def test_backoff_doubles_to_its_cap_and_stays_there_for_any_number_of_calls() -> None:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import Cluster, pull_weights
 
-from shared.models import build_model, check_variables, evaluate, load_spec
+from downpour.models import build_model, check_variables, evaluate
+from downpour.spec import load_spec
 
 
 @pytest.mark.parametrize(

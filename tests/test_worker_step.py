@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from services.worker.step import Accumulator, GradientStep
-from shared.models import build_model, load_spec
-from shared.protocol import Sparse
+from downpour.models import build_model
+from downpour.spec import load_spec
+from downpour.wire import Sparse
+from downpour.worker.step import Accumulator, GradientStep
 
 
 def test_one_evaluation_returns_every_gradient_and_traces_once() -> None:

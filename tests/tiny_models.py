@@ -9,9 +9,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from shared.data import Dataset
-from shared.models import ModelSpec
-from shared.models_tf1 import Tf1Graph, finish
+from downpour import ModelSpec
+from downpour.data import Dataset
+from downpour.models_tf1 import Tf1Graph, finish
 
 
 def blobs(seed: int = 7, n: int = 1200, dim: int = 16, classes: int = 4) -> Dataset:

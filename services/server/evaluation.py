@@ -2,7 +2,7 @@
 
 The loop hands over a ``ParameterState.weights()`` snapshot (immutable arrays, shared with
 pulls of that version) every N updates; a separate thread loads it into a second copy of the
-model and scores the held-out set with ``shared.models.evaluate``. The loop never waits: while
+model and scores the held-out set with ``downpour.models.evaluate``. The loop never waits: while
 an evaluation runs, no new snapshot is taken, so evaluations happen every N updates or as often
 as they can finish, whichever is rarer.
 """
@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.models import ModelSpec, build_model, evaluate, recalibrate_batchnorm
+from downpour.models import build_model, evaluate, recalibrate_batchnorm
+from downpour.spec import ModelSpec
 
 log = logging.getLogger("downpour.server")
 

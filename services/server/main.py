@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from shared.config import PORT, at_least, non_negative, positive
-from shared.logs import setup_logging
+from downpour.config import PORT, at_least, non_negative, positive
+from downpour.logs import setup_logging
 
 log = logging.getLogger("downpour.server")
 
@@ -14,7 +14,9 @@ log = logging.getLogger("downpour.server")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``downpour server``."""
     p.add_argument(
-        "--model", default="shared.models:deep_mnist", help="module:function returning a ModelSpec"
+        "--model",
+        default="downpour.models:deep_mnist",
+        help="module:function returning a ModelSpec",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument(
@@ -136,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def policy_text(text: str) -> str:
     """argparse type of --policy: the canonical text of a valid policy, or a clear error."""
-    from services.server.policies import parse_policy  # pure Python: no TensorFlow import
+    from downpour.server.policies import parse_policy  # pure Python: no TensorFlow import
 
     try:
         return parse_policy(text).spec
@@ -146,8 +148,9 @@ def policy_text(text: str) -> str:
 
 def show_partition(model_ref: str, num_shards: int) -> int:
     """Print the partition of the model over ``num_shards`` shards (``--show-partition``)."""
-    from shared.models import build_model, fingerprint, load_spec
-    from shared.partition import make_partition
+    from downpour.models import build_model, fingerprint
+    from downpour.partition import make_partition
+    from downpour.spec import load_spec
 
     variables = build_model(load_spec(model_ref)).trainable_variables
     try:
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_shards > 1 and args.eval_every:
         log.error("--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it")
         return 2
-    from shared.security import SecurityError, load_server_keys
+    from downpour.security import SecurityError, load_server_keys
 
     keys = None
     if args.key and not args.keys:
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         except SecurityError as exc:
             log.error("refusing to start: %s", exc)
             return 2
-    from services.server.service import Server, ServerConfig, is_loopback
+    from downpour.server.service import Server, ServerConfig, is_loopback
 
     if keys is None and not is_loopback(args.host) and not args.insecure:
         log.error(
@@ -220,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             "the port can read worker names, losses and rates",
             args.metrics_host,
         )
-    from shared.models import load_spec
+    from downpour.spec import load_spec
 
     config = ServerConfig(
         host=args.host,

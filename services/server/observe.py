@@ -12,14 +12,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shared.models import ModelSpec
+from downpour.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from services.server.evaluation import HeldOutEvaluator
-    from services.server.prometheus import MetricsExporter
-    from services.server.service import ServerConfig
-    from services.server.state import ParameterState
-    from services.server.summaries import SummaryWriter
+    from downpour.server.evaluation import HeldOutEvaluator
+    from downpour.server.prometheus import MetricsExporter
+    from downpour.server.service import ServerConfig
+    from downpour.server.state import ParameterState
+    from downpour.server.summaries import SummaryWriter
 
 log = logging.getLogger("downpour.server")
 
@@ -35,17 +35,17 @@ class Observers:
         self.exporter: MetricsExporter | None = None
         self._closed = False
         if config.eval_every:
-            from services.server.evaluation import HeldOutEvaluator
+            from downpour.server.evaluation import HeldOutEvaluator
 
             self.evaluator = HeldOutEvaluator(spec, config.data_dir, config.eval_every)
         if config.logdir:
-            from services.server.summaries import SummaryWriter
+            from downpour.server.summaries import SummaryWriter
 
             self.summaries = SummaryWriter(config.logdir, get_doc, config.summary_interval_s)
             if self.evaluator is not None:
                 self.evaluator.on_result = self.summaries.record_eval
         if config.metrics_port is not None:  # binds now, so the ready file can name the port
-            from services.server.prometheus import MetricsExporter
+            from downpour.server.prometheus import MetricsExporter
 
             self.exporter = MetricsExporter(get_doc, config.metrics_host, config.metrics_port)
 

@@ -3,7 +3,7 @@
 A custom collector turns the *published* status document (the snapshot the loop swaps in a
 few times a second for the status thread) into metric families on each scrape, so a scrape
 never reads the loop's live state and never takes a lock the loop needs. Names and units come
-from the catalogue in ``shared.metrics``; per-worker series carry the label ``worker``.
+from the catalogue in ``downpour.metrics``; per-worker series carry the label ``worker``.
 
 The endpoint is plain HTTP without authentication; it binds loopback unless told otherwise.
 """
@@ -24,7 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from shared import metrics as m
+from downpour import metrics as m
 
 log = logging.getLogger("downpour.server")
 

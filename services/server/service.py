@@ -5,7 +5,7 @@ poll loop, so a weight reply is always a whole version and never races an apply.
 socket has its own thread and answers from a snapshot the loop publishes, so a slow or
 flooding status client never stalls training.
 
-Every valid push goes through the staleness policy (``--policy``, ``services.server.policies``):
+Every valid push goes through the staleness policy (``--policy``, ``downpour.server.policies``):
 it is applied (with the policy's learning-rate scale), dropped (counted, not an error: the
 sender hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
 aggregation; a partial round is applied when the server stops). With shards each shard runs
@@ -30,10 +30,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from services.server.checkpoint import CheckpointStore, CheckpointWriter, capture
-from services.server.checkpoint import restore as restore_checkpoint
-from services.server.observe import Observers
-from services.server.policies import (
+from downpour import security, systemd, wire
+from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
+from downpour.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter, clean_reported
+from downpour.server.checkpoint import CheckpointStore, CheckpointWriter, capture
+from downpour.server.checkpoint import restore as restore_checkpoint
+from downpour.server.observe import Observers
+from downpour.server.policies import (
     APPLY,
     DROP,
     REASON_LATE,
@@ -42,15 +45,12 @@ from services.server.policies import (
     SyncPolicy,
     parse_policy,
 )
-from services.server.state import ParameterState
-from shared import protocol, security, systemd
-from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
-from shared.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter, clean_reported
-from shared.models import ModelSpec
-from shared.protocol import Message, ProtocolError
-from shared.transport import bind, make_context
+from downpour.server.state import ParameterState
+from downpour.spec import ModelSpec
+from downpour.transport import bind, make_context
+from downpour.wire import Message, ProtocolError
 
-PULL_ENCODINGS = frozenset({protocol.DENSE, protocol.BF16})  # what a pull may ask the weights in
+PULL_ENCODINGS = frozenset({wire.DENSE, wire.BF16})  # what a pull may ask the weights in
 log = logging.getLogger("downpour.server")
 
 LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
@@ -89,7 +89,7 @@ class ServerConfig:
     shard: int = 0  # this server's index among num_shards (--shard)
     num_shards: int = 1  # servers the model is partitioned over (--num-shards)
     model_ref: str | None = None  # the --model reference, recorded in checkpoints for export
-    policy: str = "async"  # staleness policy (--policy; services.server.policies.parse_policy)
+    policy: str = "async"  # staleness policy (--policy; downpour.server.policies.parse_policy)
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Server:
                 config.checkpoint_secs,
             )
             self._restore()
-        self.limits = protocol.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
+        self.limits = wire.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
         self.workers: dict[str, WorkerRecord] = {}
         self.rejected = ReasonCounter()
         self.staleness = Histogram(STALENESS_BOUNDS)
@@ -162,7 +162,7 @@ class Server:
             "status_requests": 0,
             "status_rejected": 0,
         }
-        self._bf16: tuple[int, list[protocol.WireTensor]] | None = None  # version, rounded
+        self._bf16: tuple[int, list[wire.WireTensor]] | None = None  # version, rounded
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = threading.Event()
@@ -388,7 +388,7 @@ class Server:
             extra={"worker": sender},
         )
 
-    def _gradients(self, msg: Message) -> list[np.ndarray | protocol.Sparse]:
+    def _gradients(self, msg: Message) -> list[np.ndarray | wire.Sparse]:
         """Check a push's tensors against the model; return them in variable order. A row-sparse
         gradient of a variable the state applies sparsely stays sparse (unless the policy sums
         gradients, which it does densely)."""
@@ -396,26 +396,24 @@ class Server:
         keep_sparse = not isinstance(self.policy, SyncPolicy)
         if len(msg.tensors) != len(st.names):
             raise ProtocolError(
-                protocol.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(st.names)}"
+                wire.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(st.names)}"
             )
         grads = []
         for (name, t), want, shape, dtype, sparse in zip(
             msg.tensors.items(), st.names, st.shapes, st.dtypes, st.sparse, strict=True
         ):
             if name != want:
-                raise ProtocolError(protocol.R_NAME, f"tensor {name!r} where {want!r} was expected")
-            got_shape = protocol.logical_shape(t)
-            got_dtype = protocol.logical_dtype(t)
+                raise ProtocolError(wire.R_NAME, f"tensor {name!r} where {want!r} was expected")
+            got_shape = wire.logical_shape(t)
+            got_dtype = wire.logical_dtype(t)
             if tuple(got_shape) != shape:
-                raise ProtocolError(
-                    protocol.R_SHAPE, f"{name!r}: shape {tuple(got_shape)} != {shape}"
-                )
+                raise ProtocolError(wire.R_SHAPE, f"{name!r}: shape {tuple(got_shape)} != {shape}")
             if got_dtype != dtype:
-                raise ProtocolError(protocol.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
-            if sparse and keep_sparse and isinstance(t, protocol.Sparse):
+                raise ProtocolError(wire.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
+            if sparse and keep_sparse and isinstance(t, wire.Sparse):
                 grads.append(t)  # applied to the rows it touches only
             else:
-                grads.append(protocol.densify(t))
+                grads.append(wire.densify(t))
         return grads
 
     def _check_identity(self, user: str | None, claimed: str) -> None:
@@ -432,11 +430,11 @@ class Server:
         self.counters["bytes_in"] += sum(len(f) for f in frames)
         sender: str | None = None
         try:
-            msg = protocol.decode(frames, self.limits)
+            msg = wire.decode(frames, self.limits)
             sender = msg.sender
-            if msg.type != protocol.PUSH:
+            if msg.type != wire.PUSH:
                 raise ProtocolError(
-                    protocol.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket"
+                    wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket"
                 )
             if self.auth is not None:  # CURVE: count against the key's owner; bind the id
                 sender = security.user_id(frames[0])
@@ -446,18 +444,18 @@ class Server:
             # header-only checks first: a replay is refused before any sparse densify
             if msg.seq <= rec.last_seq:
                 raise ProtocolError(
-                    protocol.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}"
+                    wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}"
                 )
             if msg.base_version > self.state.version:
                 raise ProtocolError(
-                    protocol.R_FUTURE,
+                    wire.R_FUTURE,
                     f"base_version {msg.base_version} > server version {self.state.version}",
                 )
             grads = self._gradients(msg)
             if not self.config.allow_nonfinite:
                 for name, g in zip(self.state.names, grads, strict=True):
-                    if not protocol.all_finite(g.values if isinstance(g, protocol.Sparse) else g):
-                        raise ProtocolError(protocol.R_NONFINITE, f"{name!r} has NaN or Inf")
+                    if not wire.all_finite(g.values if isinstance(g, wire.Sparse) else g):
+                        raise ProtocolError(wire.R_NONFINITE, f"{name!r} has NaN or Inf")
         except ProtocolError as exc:
             self._reject(exc.code, exc.message, sender)
             return
@@ -515,39 +513,39 @@ class Server:
             reply = self._answer(frames)
         except ProtocolError as exc:
             self._reject(exc.code, exc.message, None)
-            reply = protocol.error_message(exc.code, exc.message)
+            reply = wire.error_message(exc.code, exc.message)
         except Exception as exc:  # never leave a REQ peer without an answer
             log.exception("internal error answering a request")
-            reply = protocol.error_message(protocol.R_INTERNAL, repr(exc))
-        out = protocol.encode(reply)
+            reply = wire.error_message(wire.R_INTERNAL, repr(exc))
+        out = wire.encode(reply)
         self.counters["bytes_out"] += sum(memoryview(f).nbytes for f in out)
         self.rep.send_multipart(out, copy=False)
 
     def _answer(self, frames: list[zmq.Frame]) -> Message:
-        msg = protocol.decode(frames, protocol.DEFAULT_LIMITS)
+        msg = wire.decode(frames, wire.DEFAULT_LIMITS)
         if self.auth is not None:  # CURVE: a request speaks only as its key's name
             self._check_identity(security.user_id(frames[0]), msg.sender)
-        if msg.type == protocol.HELLO:
+        if msg.type == wire.HELLO:
             return self._hello(msg)
-        if msg.type == protocol.PULL:
+        if msg.type == wire.PULL:
             return self._pull(msg)
-        if msg.type == protocol.HEARTBEAT:
+        if msg.type == wire.HEARTBEAT:
             return self._heartbeat(msg)
-        raise ProtocolError(protocol.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
+        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
 
     def _hello(self, msg: Message) -> Message:
         self.counters["hellos"] += 1
         theirs = msg.body.get("fingerprint")
         if theirs != self.state.fingerprint:
-            self.rejected[protocol.R_FINGERPRINT] += 1
+            self.rejected[wire.R_FINGERPRINT] += 1
             log.warning(
                 "refused worker %s: model fingerprint %s != %s",
                 msg.sender,
                 theirs,
                 self.state.fingerprint,
             )
-            return protocol.error_message(
-                protocol.R_FINGERPRINT,
+            return wire.error_message(
+                wire.R_FINGERPRINT,
                 f"worker model {msg.body.get('model')!r} (fingerprint {theirs}) differs from the "
                 f"server's {self.spec.name!r} (fingerprint {self.state.fingerprint}): start the "
                 f"worker with the same --model as the server",
@@ -557,10 +555,10 @@ class Server:
         # A client that sends no partition (a plain hello) is accepted by an unsharded server.
         unsharded_client = theirs_part["partition"] is None and self.config.num_shards == 1
         if theirs_part != mine and not unsharded_client:
-            self.rejected[protocol.R_PARTITION] += 1
+            self.rejected[wire.R_PARTITION] += 1
             log.warning("refused worker %s: partition %s != %s", msg.sender, theirs_part, mine)
-            return protocol.error_message(
-                protocol.R_PARTITION,
+            return wire.error_message(
+                wire.R_PARTITION,
                 f"worker expects shard {theirs_part['shard']} of {theirs_part['num_shards']} "
                 f"(partition {theirs_part['partition']}), this is shard {mine['shard']} of "
                 f"{mine['num_shards']} (partition {mine['partition']}): list every shard's "
@@ -568,7 +566,7 @@ class Server:
             )
         rec = self._worker(msg.sender)
         return Message(
-            protocol.HELLO,
+            wire.HELLO,
             sender="server",
             base_version=self.state.version,
             body={
@@ -579,7 +577,7 @@ class Server:
                 "last_seq": rec.last_seq,
                 "payload_bytes": self.state.payload_bytes,
                 "incarnation": self.incarnation,
-                "encodings": sorted(protocol.ENCODINGS),
+                "encodings": sorted(wire.ENCODINGS),
                 "policy": self.policy.spec,
                 **mine,
             },
@@ -590,7 +588,7 @@ class Server:
         if "stats" in msg.body:
             rec.reported = clean_reported(msg.body["stats"])
         return Message(
-            protocol.HEARTBEAT,
+            wire.HEARTBEAT,
             "server",
             base_version=self.state.version,
             body={"incarnation": self.incarnation},
@@ -606,10 +604,10 @@ class Server:
             if rec.dropped_unreported:  # its gradients were too old: it should refresh now
                 body["dropped_stale"] = rec.dropped_unreported
                 rec.dropped_unreported = 0
-        encoding = msg.body.get("encoding", protocol.DENSE)
+        encoding = msg.body.get("encoding", wire.DENSE)
         if encoding not in PULL_ENCODINGS:
             raise ProtocolError(
-                protocol.R_HEADER,
+                wire.R_HEADER,
                 f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, "
                 f"not {encoding!r}",
             )
@@ -617,26 +615,26 @@ class Server:
         if msg.body.get("have") == version and msg.body.get("incarnation") == self.incarnation:
             self.counters["pulls_unchanged"] += 1
             return Message(
-                protocol.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
+                wire.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
             )
-        tensors: Sequence[protocol.WireTensor] = arrays
-        if encoding == protocol.BF16:
+        tensors: Sequence[wire.WireTensor] = arrays
+        if encoding == wire.BF16:
             self.counters["pulls_bf16"] += 1
             tensors = self._bf16_weights(version, arrays)
         return Message(
-            protocol.WEIGHTS,
+            wire.WEIGHTS,
             "server",
             base_version=version,
             body=body,
             tensors=dict(zip(self.state.names, tensors, strict=True)),
         )
 
-    def _bf16_weights(self, version: int, arrays: list[np.ndarray]) -> list[protocol.WireTensor]:
+    def _bf16_weights(self, version: int, arrays: list[np.ndarray]) -> list[wire.WireTensor]:
         """The weights rounded to bfloat16 for pulls that ask for it (``--pull-compress bf16``):
         half the bytes. Rounded once per version, shared by every worker pulling it; float16
         and non-float variables go as they are. The server keeps and updates float32."""
         if self._bf16 is None or self._bf16[0] != version:
-            self._bf16 = (version, [protocol.as_bf16(a) for a in arrays])
+            self._bf16 = (version, [wire.as_bf16(a) for a in arrays])
         return self._bf16[1]
 
     # ------------------------------------------------------------ status
@@ -672,7 +670,7 @@ class Server:
         }
         return {
             "service": "server",
-            "protocol": protocol.PROTOCOL_VERSION,
+            "protocol": wire.PROTOCOL_VERSION,
             "model": self.spec.name,
             "fingerprint": self.state.fingerprint,
             **self.shard_fields(),
@@ -715,19 +713,19 @@ class Server:
                 continue
             frames = sock.recv_multipart(copy=False)
             try:
-                msg = protocol.decode(frames, protocol.DEFAULT_LIMITS)
-                if msg.type != protocol.STATUS:
+                msg = wire.decode(frames, wire.DEFAULT_LIMITS)
+                if msg.type != wire.STATUS:
                     raise ProtocolError(
-                        protocol.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket"
+                        wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket"
                     )
                 self.counters["status_requests"] += 1
                 doc = self._published
                 if encoded is None or encoded[0] is not doc:
-                    encoded = (doc, protocol.encode(Message(protocol.STATUS, "server", body=doc)))
+                    encoded = (doc, wire.encode(Message(wire.STATUS, "server", body=doc)))
                 out = encoded[1]
             except ProtocolError as exc:
                 self.counters["status_rejected"] += 1  # only this thread writes it
-                out = protocol.encode(protocol.error_message(exc.code, exc.message))
+                out = wire.encode(wire.error_message(exc.code, exc.message))
             sock.send_multipart(out)
             if gap:
                 next_at = max(next_at, time.monotonic() - 20 * gap) + gap

@@ -15,7 +15,7 @@ call and copies into it, about three times slower).
 
 The step's first input is the learning rate of that one update, a float32 scalar assigned to
 ``optimizer.learning_rate`` inside the step: a staleness policy scales it per update
-(``services.server.policies``; scaling the gradient would not scale an Adam step) without a
+(``downpour.server.policies``; scaling the gradient would not scale an Adam step) without a
 retrace or an eager assign. ``apply(grads)`` feeds the base rate, so unscaled updates are
 exactly what they were without the input.
 """
@@ -28,9 +28,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from shared.models import ModelSpec, build_model, describe_variables, evaluate, fingerprint
-from shared.partition import Partition, make_partition
-from shared.protocol import Sparse
+from downpour.models import build_model, describe_variables, evaluate, fingerprint
+from downpour.partition import Partition, make_partition
+from downpour.spec import ModelSpec
+from downpour.wire import Sparse
 
 OPTIMIZERS = {
     "adam": keras.optimizers.Adam,
@@ -70,7 +71,7 @@ def sparse_gradients(spec: ModelSpec, model: keras.Model) -> list[bool]:
             np.zeros((1, *(d or 1 for d in t.shape[1:])), dtype=np.dtype(t.dtype))
             for t in model.inputs
         ]
-        y = np.zeros((1,), spec.label_dtype.as_numpy_dtype)
+        y = np.zeros((1,), tf.as_dtype(spec.label_dtype).as_numpy_dtype)
         with tf.GradientTape() as tape:
             loss = spec.loss(y, model(xs if len(xs) > 1 else xs[0], training=False))
         grads = tape.gradient(loss, model.trainable_variables)
@@ -111,7 +112,7 @@ class ParameterState:
     applied to the rows a push touched only; ``sparse_apply=False`` applies them densely.
 
     With ``num_shards`` > 1 the state holds only shard ``shard``'s parts of the model
-    (``shared.partition``): one variable per part, initialised from the same seeded model
+    (``downpour.partition``): one variable per part, initialised from the same seeded model
     every shard builds, so the shards together start from exactly the unsharded weights.
     ``names`` are then the parts' wire names and ``model`` is None (a shard cannot evaluate).
     """

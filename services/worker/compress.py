@@ -1,7 +1,7 @@
 """Gradient compression for pushes (``downpour worker --compress none|bf16|topk:RATIO``).
 
 A compressor turns the gradient list of one push into the tensors of its ``Message``
-(``shared.protocol`` encodes them: ``bf16`` and ``topk`` encodings) and counts the payload
+(``downpour.wire`` encodes them: ``bf16`` and ``topk`` encodings) and counts the payload
 bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulatively.
 
 - ``none``: the gradients as they are.
@@ -20,7 +20,7 @@ bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulativel
   (RATIO >= 0.5 with int32 indices), the whole of ``v`` is sent dense and the residual is
   cleared: more information for no more bytes.
 
-Row-sparse gradients (``protocol.Sparse``, from ``tf.IndexedSlices``, e.g. embeddings) and
+Row-sparse gradients (``wire.Sparse``, from ``tf.IndexedSlices``, e.g. embeddings) and
 non-float tensors are passed through unchanged by every compressor: they already carry only
 the touched rows, and densifying an embedding gradient to top-k it would cost far more than
 it saves. A gradient with a NaN or Inf never enters a top-k residual (it would stay there and
@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from shared import protocol
-from shared.protocol import BFloat16, FlatSparse, Sparse, Tensor, WireTensor
+from downpour import wire
+from downpour.wire import BFloat16, FlatSparse, Sparse, Tensor, WireTensor
 
 COMPRESSION_FORMS = "none, bf16, topk:RATIO (0 < RATIO <= 1)"
 
@@ -55,7 +55,7 @@ def payload_bytes(t: WireTensor) -> int:
     """Bytes a tensor's frames take on the wire (indices and values; header not included)."""
     if isinstance(t, Sparse | FlatSparse):
         idx = np.asarray(t.indices)
-        isz = idx.dtype.itemsize if idx.dtype.name in protocol.INDEX_DTYPES else 8
+        isz = idx.dtype.itemsize if idx.dtype.name in wire.INDEX_DTYPES else 8
         return idx.size * isz + np.asarray(t.values).nbytes
     if isinstance(t, BFloat16):
         return t.values.size * 2
@@ -66,7 +66,7 @@ class Compressor(ABC):
     """Gradient list -> message tensors, with byte accounting (``raw_bytes``, ``sent_bytes``).
 
     ``encodings``: the wire encodings it sends beyond ``dense`` and ``sparse``, which the
-    server must decode (a server advertises its ``protocol.ENCODINGS`` in its hello reply).
+    server must decode (a server advertises its ``wire.ENCODINGS`` in its hello reply).
     """
 
     encodings: frozenset[str] = frozenset()
@@ -92,7 +92,7 @@ class Compressor(ABC):
                 t: WireTensor = g  # already row-sparse: passed through
             else:
                 a = np.asarray(g)
-                t = self._compress(i, a) if a.dtype.name in protocol.BF16_DTYPES else a
+                t = self._compress(i, a) if a.dtype.name in wire.BF16_DTYPES else a
             self.raw_bytes += payload_bytes(g)
             self.sent_bytes += payload_bytes(t)
             out.append(t)
@@ -134,20 +134,20 @@ class NoCompression(Compressor):
 class BF16Compression(Compressor):
     """Rounds float tensors to bfloat16 (nearest, ties to even): 2 bytes per element."""
 
-    encodings = frozenset({protocol.BF16})
+    encodings = frozenset({wire.BF16})
 
     @property
     def spec(self) -> str:
         return "bf16"
 
     def _compress(self, i: int, g: np.ndarray) -> WireTensor:
-        return protocol.as_bf16(g)
+        return wire.as_bf16(g)
 
 
 class TopKCompression(Compressor):
     """Top-k sparsification with error feedback (see the module docstring)."""
 
-    encodings = frozenset({protocol.TOPK})
+    encodings = frozenset({wire.TOPK})
 
     def __init__(self, ratio: float) -> None:
         super().__init__()
@@ -180,7 +180,7 @@ class TopKCompression(Compressor):
             r = self._residuals[i] = np.zeros(size, rdtype)
         elif r.size != size:
             raise ValueError(f"topk: gradient {i} has {size} elements, its residual {r.size}")
-        if not protocol.all_finite(g):  # sent as it is (the server refuses it); residual kept
+        if not wire.all_finite(g):  # sent as it is (the server refuses it); residual kept
             return g
         v = r  # v = r + g, in place: r holds v from here on
         np.add(v, g.reshape(-1), out=v, casting="same_kind")

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from shared.config import PORT, at_least, positive
-from shared.logs import setup_logging
+from downpour.config import PORT, at_least, positive
+from downpour.logs import setup_logging
 
 log = logging.getLogger("downpour.worker")
 
@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--id", default="", help="worker id (default hostname-pid)")
     p.add_argument(
-        "--model", default="shared.models:deep_mnist", help="module:function returning a ModelSpec"
+        "--model",
+        default="downpour.models:deep_mnist",
+        help="module:function returning a ModelSpec",
     )
     p.add_argument(
         "--graph",
@@ -117,7 +119,7 @@ GRAPHS = ("tf2", "tf1")  # --graph
 
 def compression_text(text: str) -> str:
     """argparse type of --compress: the canonical text of a valid mode, or a clear error."""
-    from services.worker.compress import parse_compression  # NumPy only: no TensorFlow
+    from downpour.worker.compress import parse_compression  # NumPy only: no TensorFlow
 
     try:
         return parse_compression(text).spec
@@ -160,7 +162,7 @@ def parse_servers(s: str) -> tuple[tuple[str, int], ...]:
 def run(args: argparse.Namespace) -> int:
     """Build the worker, train, print a one-line JSON summary on stdout."""
     setup_logging("worker", args.log_level, args.log_format)
-    from shared.security import SecurityError, client_keys_from_args, may_speak_as
+    from downpour.security import SecurityError, client_keys_from_args, may_speak_as
 
     try:  # before TensorFlow is imported: bad keys fail at once
         keys = client_keys_from_args(args.key, args.server_key)
@@ -176,8 +178,8 @@ def run(args: argparse.Namespace) -> int:
             args.id,
             keys.keypair.name,
         )
-    from services.worker.service import Worker, WorkerConfig, WorkerError
-    from shared.models import load_spec
+    from downpour.spec import load_spec
+    from downpour.worker.service import Worker, WorkerConfig, WorkerError
 
     servers = parse_servers(args.server)
     config = WorkerConfig(

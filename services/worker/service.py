@@ -9,12 +9,12 @@ send timeout, and a server that stays away longer than ``server_timeout_s`` ends
 with a clear error.
 
 With several server shards (``servers`` lists them in shard order) the worker computes the
-same partition as the shards (``shared.partition``), pushes each shard its slice of every
+same partition as the shards (``downpour.partition``), pushes each shard its slice of every
 gradient list under one sequence number, and pulls from all shards at once: one fetcher
 thread and REQ socket per shard. Each shard has its own weight version; a push carries the
 version of that shard's weights it was computed from, so each shard measures its own staleness.
 
-``compress`` (``none``, ``bf16``, ``topk:RATIO``; ``services.worker.compress``) encodes each
+``compress`` (``none``, ``bf16``, ``topk:RATIO``; ``downpour.worker.compress``) encodes each
 shard's slice with that shard's own compressor, so a top-k error-feedback residual belongs to
 one slice; the residuals are cleared after a step with a non-finite loss. When a pull reply
 says the server's policy dropped some of this worker's gradients as too stale
@@ -46,17 +46,14 @@ from typing import Any
 import numpy as np
 import zmq
 
-from services.worker.compress import Compressor, parse_compression
-from services.worker.step import Accumulator, GradientStep
-from services.worker.tf1 import Tf1Step
-from shared import protocol, security
-from shared.data import Dataset
-from shared.logs import RateLimitedLog, set_log_context, stop_on_signals
-from shared.metrics import Rate, new_worker_stats
-from shared.models import ModelSpec, build_model, evaluate, fingerprint
-from shared.partition import make_partition
-from shared.protocol import Message
-from shared.transport import (
+from downpour import security, wire
+from downpour.data import Dataset
+from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
+from downpour.metrics import Rate, new_worker_stats
+from downpour.models import build_model, evaluate, fingerprint
+from downpour.partition import make_partition
+from downpour.spec import ModelSpec
+from downpour.transport import (
     Deadline,
     RemoteError,
     ReqClient,
@@ -65,6 +62,10 @@ from shared.transport import (
     make_context,
     tcp,
 )
+from downpour.wire import Message
+from downpour.worker.compress import Compressor, parse_compression
+from downpour.worker.step import Accumulator, GradientStep
+from downpour.worker.tf1 import Tf1Step
 
 log = logging.getLogger("downpour.worker")
 
@@ -202,11 +203,11 @@ class Fetcher:
         w = self.worker
         if time.monotonic() - self.link.last_contact < w.config.heartbeat_s or w.stopping():
             return
-        msg = Message(protocol.HEARTBEAT, w.id, body={"stats": dict(w.stats)})
+        msg = Message(wire.HEARTBEAT, w.id, body={"stats": dict(w.stats)})
         try:
             self.client.request(msg, w.limits, retries=0)
             self.link.last_contact = time.monotonic()
-        except (RequestTimeout, RemoteError, protocol.ProtocolError) as exc:
+        except (RequestTimeout, RemoteError, wire.ProtocolError) as exc:
             log.debug("heartbeat failed: %s", exc)
 
     def close(self) -> bool:
@@ -241,7 +242,7 @@ class Worker:
         self.payload_bytes = sum(
             int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables
         )
-        self.limits = protocol.DEFAULT_LIMITS.for_payload(self.payload_bytes)
+        self.limits = wire.DEFAULT_LIMITS.for_payload(self.payload_bytes)
         endpoints = config.endpoints()
         if config.push_endpoint is not None and len(endpoints) > 1:
             raise WorkerError("--push-endpoint works with one server, not with shards")
@@ -256,7 +257,7 @@ class Worker:
         self.seq = 0
         self._stop = threading.Event()
         self._warn = RateLimitedLog(log)
-        # Sent with every push and heartbeat; names and units: shared.metrics.WORKER_REPORTED.
+        # Sent with every push and heartbeat; names and units: downpour.metrics.WORKER_REPORTED.
         self.stats: dict[str, float] = new_worker_stats()
         self._step_rate = Rate(10.0)
         self.ctx = make_context(config.io_threads)
@@ -349,7 +350,7 @@ class Worker:
 
     def _hello(self, link: Link) -> None:
         msg = Message(
-            protocol.HELLO,
+            wire.HELLO,
             self.id,
             body={
                 "fingerprint": self.fingerprint,
@@ -397,7 +398,7 @@ class Worker:
         comp = self.compressors[link.index]
         offered = reply.body.get("encodings")
         if not isinstance(offered, list):
-            offered = [protocol.DENSE, protocol.SPARSE]  # a server from before compression
+            offered = [wire.DENSE, wire.SPARSE]  # a server from before compression
         missing = sorted(comp.encodings - {str(e) for e in offered})
         if missing:
             raise WorkerError(
@@ -410,8 +411,8 @@ class Worker:
         """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
         body: dict[str, Any] = {"have": have, "incarnation": link.incarnation} if have >= 0 else {}
         if self.config.pull_compress == "bf16":  # a server from before it sends float32: fine
-            body["encoding"] = protocol.BF16
-        return Message(protocol.PULL, self.id, body=body)
+            body["encoding"] = wire.BF16
+        return Message(wire.PULL, self.id, body=body)
 
     def prepare(self, link: Link, reply: Message) -> Message:
         """On the fetcher thread: a single shard's new weights converted for the step function
@@ -547,7 +548,7 @@ class Worker:
 
     def push(
         self,
-        grads: list[protocol.Tensor],
+        grads: list[wire.Tensor],
         base_versions: list[int],
         loss: float,
         steps: int,
@@ -565,16 +566,16 @@ class Worker:
         for link, tensors in zip(self.links, per_shard, strict=True):
             comp = self.compressors[link.index]
             raw0, sent0 = comp.raw_bytes, comp.sent_bytes
-            wire = comp.compress(tensors)
+            encoded = comp.compress(tensors)
             msg = Message(
-                protocol.PUSH,
+                wire.PUSH,
                 self.id,
                 seq=self.seq,
                 base_version=base_versions[link.index],
                 body=body,
-                tensors=dict(zip(self.wire_names[link.index], wire, strict=True)),
+                tensors=dict(zip(self.wire_names[link.index], encoded, strict=True)),
             )
-            frames = protocol.encode(msg)
+            frames = wire.encode(msg)
             if not self._send(link, frames):
                 return
             n = sum(memoryview(f).nbytes for f in frames)

@@ -11,8 +11,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from shared.models import ModelSpec
-from shared.protocol import Sparse, Tensor
+from downpour.spec import ModelSpec
+from downpour.wire import Sparse, Tensor
 
 
 def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:

@@ -1,1 +1,1 @@
-"""Worked examples of model plugins (``--model shared.examples.<module>:spec``)."""
+"""Worked examples of model plugins (``--model downpour.examples.<module>:spec``)."""

@@ -3,8 +3,8 @@
 The UCI wine data (178 wines from three cultivars, 13 chemical measurements each, shipped by
 ``mlxtend``: nothing is downloaded) and a small Keras *functional* model. Train it with::
 
-    downpour server --model shared.examples.wine:spec --lr 1e-2 --state-dir state
-    downpour worker --model shared.examples.wine:spec --server 127.0.0.1:5570 --steps 400
+    downpour server --model downpour.examples.wine:spec --lr 1e-2 --state-dir state
+    downpour worker --model downpour.examples.wine:spec --server 127.0.0.1:5570 --steps 400
 
 A plugin is a function that returns a ``ModelSpec``; the server and every worker call it, so
 everything it builds must come out the same in every process:
@@ -12,7 +12,7 @@ everything it builds must come out the same in every process:
 - ``build`` makes a fresh model with deterministic layer names (variable paths such as
   ``hidden1/kernel`` name the tensors on the wire and in checkpoints). ``build_model`` seeds
   the initialisers, so do not seed anything yourself.
-- ``load_data`` returns a ``shared.data.Dataset``: float32 features, int64 labels, a fixed
+- ``load_data`` returns a ``downpour.data.Dataset``: float32 features, int64 labels, a fixed
   train / held-out split (the server scores the held-out part with ``--eval-every``).
 - Standardising the features is part of the model: a ``Normalization`` layer given the
   training split's mean and variance holds them as constants, not variables, so the
@@ -28,8 +28,8 @@ import functools
 import keras
 import numpy as np
 
-from shared.data import Dataset
-from shared.models import ModelSpec
+from downpour import ModelSpec
+from downpour.data import Dataset
 
 SEED = 20_240
 N_TRAIN = 134  # of 178; 44 held out
@@ -70,5 +70,5 @@ def build() -> keras.Model:
 
 
 def spec() -> ModelSpec:
-    """The plugin: ``--model shared.examples.wine:spec``."""
+    """The plugin: ``--model downpour.examples.wine:spec``."""
     return ModelSpec(name="wine", build=build, load_data=load_wine, batch_size=16)

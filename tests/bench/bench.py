@@ -45,8 +45,9 @@ import bench_shards  # noqa: E402
 import bench_wire  # noqa: E402
 from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
 
-from shared.data import load_mnist_5k  # noqa: E402
-from shared.models import build_model, load_spec  # noqa: E402
+from downpour.data import load_mnist_5k  # noqa: E402
+from downpour.models import build_model  # noqa: E402
+from downpour.spec import load_spec  # noqa: E402
 
 REQUIRED: dict[str, list[str]] = {
     "wire": ["memcpy_ms", "push_decode_ms", "ratio_to_memcpy"],
@@ -222,7 +223,7 @@ def check(r: dict[str, Any]) -> list[str]:
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     """All four sections under ``plan``; child process logs go to ``logdir``."""
     t_start = time.monotonic()
-    spec = load_spec("shared.models:deep_mnist")
+    spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
     model = build_model(spec, seed=0)
     names = [v.path for v in model.trainable_variables]

@@ -33,10 +33,11 @@ from bench_util import (
     status_endpoint,
 )
 
-from services.status import fetch_status
-from shared import security
-from shared.data import Dataset
-from shared.models import ModelSpec, build_model
+from downpour import security
+from downpour.cli.status import fetch_status
+from downpour.data import Dataset
+from downpour.models import build_model
+from downpour.spec import ModelSpec
 
 HERE = Path(__file__).resolve().parent
 SETUPS = ("local", "downpour_1w", "downpour_2w", "tf_pss_1w", "downpour_1w_curve")
@@ -131,7 +132,7 @@ def downpour(
     server, pending = start_server(procs, tag, port=port, wait=False, extra=server_extra)
     workers = []
     for wid in ids:
-        args = ["-m", "services.cli", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
+        args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
         args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
         if bf16:
             args += ["--compress", "bf16", "--pull-compress", "bf16"]

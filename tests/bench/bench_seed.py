@@ -15,9 +15,10 @@ import numpy as np
 import tensorflow as tf
 from bench_util import median, time_ms
 
-from services.worker.step import GradientStep
-from shared.data import Dataset
-from shared.models import ModelSpec, build_model
+from downpour.data import Dataset
+from downpour.models import build_model
+from downpour.spec import ModelSpec
+from downpour.worker.step import GradientStep
 
 
 class PerVariableGradients:

@@ -38,12 +38,12 @@ from bench_util import (
 )
 from bench_wire import Loopback
 
-from services.server.state import ParameterState
-from services.status import fetch_status
-from shared import protocol
-from shared.models import ModelSpec
-from shared.protocol import Message
-from shared.transport import ReqClient, make_context, tcp
+from downpour import wire
+from downpour.cli.status import fetch_status
+from downpour.server.state import ParameterState
+from downpour.spec import ModelSpec
+from downpour.transport import ReqClient, make_context, tcp
+from downpour.wire import Message
 
 ADAM_TRAFFIC = 7  # payloads read + written per Adam step: var, grad, m, v in; var, m, v out
 MEMCPY_TRAFFIC = 2  # payloads read + written per memcpy
@@ -53,9 +53,9 @@ def received_views(names: list[str], grads: list[np.ndarray]) -> tuple[list[np.n
     """The gradients as the server sees them: decoded views on received frames (and frames)."""
     link = Loopback()
     try:
-        msg = Message(protocol.PUSH, "bench", seq=1, tensors=dict(zip(names, grads, strict=True)))
-        frames = link.roundtrip(protocol.encode(msg))
-        decoded = protocol.decode(frames, protocol.DEFAULT_LIMITS)
+        msg = Message(wire.PUSH, "bench", seq=1, tensors=dict(zip(names, grads, strict=True)))
+        frames = link.roundtrip(wire.encode(msg))
+        decoded = wire.decode(frames, wire.DEFAULT_LIMITS)
     finally:
         link.close()  # received frames own their memory: the views stay valid
     return [np.asarray(t) for t in decoded.tensors.values()], frames
@@ -184,8 +184,8 @@ class Flood:
                         self._progress.wait(timeout=0.05)
                         continue
                 seq = self.sent + 1
-                frames = protocol.encode(
-                    Message(protocol.PUSH, "bench-flood", seq=seq, body=body, tensors=tensors)
+                frames = wire.encode(
+                    Message(wire.PUSH, "bench-flood", seq=seq, body=body, tensors=tensors)
                 )
                 try:
                     self.sock.send_multipart(frames, copy=False)
@@ -245,12 +245,12 @@ def pull_latencies(
     """``n`` full weight fetches (body {}) while the flood runs, each timed in ms."""
     ctx = make_context()
     client = ReqClient(ctx, tcp("127.0.0.1", rep_port), timeout_s=30.0, retries=0)
-    limits = protocol.DEFAULT_LIMITS.for_payload(sum(g.nbytes for g in grads))
+    limits = wire.DEFAULT_LIMITS.for_payload(sum(g.nbytes for g in grads))
     out = []
     try:
         for i in range(n):
             t0 = time.perf_counter()
-            reply = client.request(Message(protocol.PULL, "bench-puller", body={}), limits)
+            reply = client.request(Message(wire.PULL, "bench-puller", body={}), limits)
             out.append(1e3 * (time.perf_counter() - t0))
             if not reply.tensors:
                 raise RuntimeError("pull with body {} came back without weights")
@@ -356,13 +356,13 @@ def run(
     spec: ModelSpec,
     names: list[str],
     grads: list[np.ndarray],
-    wire: dict[str, Any],
+    wire_result: dict[str, Any],
 ) -> dict[str, Any]:
-    """The whole server section; ``wire`` is section 1's result (one transfer's time)."""
+    """The whole server section; ``wire_result`` is section 1's result (one transfer's time)."""
     views, frames = received_views(names, grads)
     out = server_flood(plan, procs, spec, names, grads, views)
     del views, frames
     out["ratio"] = out["server_apply_per_s"] / out["bare_apply_per_s"]
     out["apply_vs_floor"] = out["apply_ms"] / out["apply_floor_ms"]
-    out["pull_p99_bound_ms"] = 2 * (out["apply_ms"] + wire["push_decode_ms"])
+    out["pull_p99_bound_ms"] = 2 * (out["apply_ms"] + wire_result["push_decode_ms"])
     return out

@@ -232,7 +232,7 @@ def start_server(
     proc, _ = procs.start(
         [
             "-m",
-            "services.cli",
+            "downpour.cli",
             "server",
             "--host",
             "127.0.0.1",

@@ -1,8 +1,8 @@
 """Section 1, the wire: one push of the gradient list against the memcpy floor.
 
 The floor is ``np.copyto`` of every gradient into a pre-allocated array. The push is what a
-worker and the server do: ``protocol.encode``, a ZeroMQ PUSH sent with ``copy=False`` over
-tcp://127.0.0.1 to a PULL received with ``copy=False``, and ``protocol.decode`` back to arrays.
+worker and the server do: ``wire.encode``, a ZeroMQ PUSH sent with ``copy=False`` over
+tcp://127.0.0.1 to a PULL received with ``copy=False``, and ``wire.decode`` back to arrays.
 For comparison it also times the same frames through raw pyzmq (no encode/decode: what the
 protocol costs), the protocol over ipc:// (what the TCP loopback costs), over CURVE (what
 encryption costs), and with ``--compress bf16`` (the worker rounds to bfloat16, the server's
@@ -18,10 +18,10 @@ import numpy as np
 import zmq
 from bench_util import median, percentile, time_ms
 
-from services.worker.compress import BF16Compression
-from shared import protocol
-from shared.protocol import Message
-from shared.transport import make_context
+from downpour import wire
+from downpour.transport import make_context
+from downpour.wire import Message
+from downpour.worker.compress import BF16Compression
 
 RECV_TIMEOUT_MS = 10_000
 
@@ -80,7 +80,7 @@ class Loopback:
 def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
     """memcpy_ms, push_decode_ms (medians over ``reps``) and their ratio."""
     payload = sum(g.nbytes for g in grads)
-    limits = protocol.DEFAULT_LIMITS.for_payload(payload)
+    limits = wire.DEFAULT_LIMITS.for_payload(payload)
     dst = [np.empty_like(g) for g in grads]
 
     def memcpy() -> None:
@@ -96,13 +96,13 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         seq[0] += 1
         tensors = bf16.compress(grads) if compress else grads
         msg = Message(
-            protocol.PUSH,
+            wire.PUSH,
             "bench",
             seq=seq[0],
             body={"loss": 0.0, "batch_size": 50, "steps": seq[0]},
             tensors=dict(zip(names, tensors, strict=True)),
         )
-        out = protocol.decode(link.roundtrip(protocol.encode(msg)), limits)
+        out = wire.decode(link.roundtrip(wire.encode(msg)), limits)
         if len(out.tensors) != len(grads):
             raise RuntimeError("decoded message lost tensors")
         if out.tensors[names[0]].dtype != np.float32:

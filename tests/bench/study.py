@@ -3,7 +3,7 @@
 For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
 ``bounded:2``, ``sync:K/N`` with K = N - N//4) and every compression (``none``, ``bf16``,
 ``topk:0.01``): the applied updates, gradients and time to reach 96 % held-out accuracy on
-the fixed MNIST-5k split (4,000 train / 1,000 held out, ``shared.data.load_mnist_5k``), or
+the fixed MNIST-5k split (4,000 train / 1,000 held out, ``downpour.data.load_mnist_5k``), or
 the accuracy reached within a cap. Writes ``study-results.json``, ``study.md`` (the tables)
 and PNG curves into ``--out`` (default ``runs/study``).
 
@@ -11,8 +11,8 @@ How 8 workers run on 2 cores: a deterministic event simulation in one process pe
 built from the classes the real services use. The server is a real ``ParameterState``
 (Adam, the compiled XLA apply step, the learning-rate input) and a real ``Policy`` from
 ``parse_policy``; each simulated worker is a real ``GradientStep`` computation on its own
-data order (``services.worker.service.batches``, seed 100 + i), compressed by its own real
-``Compressor`` (error feedback kept per worker), encoded and decoded with ``shared.protocol``
+data order (``downpour.worker.service.batches``, seed 100 + i), compressed by its own real
+``Compressor`` (error feedback kept per worker), encoded and decoded with ``downpour.wire``
 exactly as on the wire and densified as the server does. What is simulated is only *time*:
 worker i needs ``speed_i * lognormal(0, 0.2)`` gradient-times per step (``speed_i`` uniform
 in [0.85, 1.15], all seeded), the server is a single queue that spends the measured
@@ -88,8 +88,8 @@ def _cnn() -> Any:
 def mnist_cnn() -> Any:
     """The study's model plugin: conv 5x5x16 + pool, conv 5x5x32 + pool, dense 128, dense 10
     (215,306 parameters, 0.86 MB) on MNIST-5k (or ``--data-dir``), batch 50."""
-    from shared.data import load_mnist
-    from shared.models import ModelSpec
+    from downpour.data import load_mnist
+    from downpour.spec import ModelSpec
 
     return ModelSpec(name="study_cnn", build=_cnn, load_data=load_mnist, batch_size=50)
 
@@ -208,8 +208,9 @@ class _Context:
     """Per process: the model spec, data and one compiled gradient step (reused by runs)."""
 
     def __init__(self) -> None:
-        from services.worker.step import GradientStep
-        from shared.models import build_model, load_spec
+        from downpour.models import build_model
+        from downpour.spec import load_spec
+        from downpour.worker.step import GradientStep
 
         self.spec = load_spec(MODEL_REF)
         self.data = self.spec.load_data(None)
@@ -239,7 +240,7 @@ def measure_costs(reps: int = 20) -> dict[str, float]:
     """Median seconds of one gradient (batch 50) and one Adam apply of the study model."""
     import numpy as np
 
-    from services.server.state import ParameterState
+    from downpour.server.state import ParameterState
 
     ctx = _context()
     state = ParameterState(ctx.spec, "adam", 1e-3, seed=0)
@@ -269,12 +270,12 @@ def simulate(job: Job) -> dict[str, Any]:
     """Run one simulated training (see the module docstring); the run's record."""
     import numpy as np
 
-    from services.server.policies import APPLY, HOLD, parse_policy
-    from services.server.state import ParameterState
-    from services.worker.compress import parse_compression
-    from services.worker.service import batches
-    from shared import protocol
-    from shared.protocol import Message
+    from downpour import wire
+    from downpour.server.policies import APPLY, HOLD, parse_policy
+    from downpour.server.state import ParameterState
+    from downpour.wire import Message
+    from downpour.worker.compress import parse_compression
+    from downpour.worker.service import batches
 
     started = time.monotonic()
     ctx = _context()
@@ -286,7 +287,7 @@ def simulate(job: Job) -> dict[str, Any]:
     streams = [batches(data, spec.batch_size, 100 + i) for i in range(w)]
     rng = np.random.default_rng(1000 + w)
     speed = rng.uniform(0.85, 1.15, w) if w > 1 else np.ones(1)
-    limits = protocol.DEFAULT_LIMITS.for_payload(state.payload_bytes)
+    limits = wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
     names = state.names
 
     heap: list[tuple[float, int, int, list[bytes]]] = []
@@ -305,16 +306,16 @@ def simulate(job: Job) -> dict[str, Any]:
         gradients += 1
         comp = compressors[i]
         raw0, sent0 = comp.raw_bytes, comp.sent_bytes
-        wire = comp.compress(grads)
+        encoded = comp.compress(grads)
         seqs[i] += 1
         msg = Message(
-            protocol.PUSH,
+            wire.PUSH,
             f"w{i}",
             seq=seqs[i],
             base_version=state.version,
-            tensors=dict(zip(names, wire, strict=True)),
+            tensors=dict(zip(names, encoded, strict=True)),
         )
-        frames = [bytes(memoryview(f).cast("B")) for f in protocol.encode(msg)]  # the network
+        frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]  # the network
         n = sum(len(f) for f in frames)
         sent_bytes += n
         raw_bytes += n - (comp.sent_bytes - sent0) + (comp.raw_bytes - raw0)
@@ -336,8 +337,8 @@ def simulate(job: Job) -> dict[str, Any]:
     reached: dict[str, Any] | None = None
     while True:
         t, _, i, frames = heapq.heappop(heap)
-        msg = protocol.decode(frames, limits)
-        grads = [protocol.densify(g) for g in msg.tensors.values()]
+        msg = wire.decode(frames, limits)
+        grads = [wire.densify(g) for g in msg.tensors.values()]
         begin = max(t, server_free)
         d = policy.offer(grads, msg.base_version, state.version, msg.sender)
         if d.action == APPLY:
@@ -499,7 +500,7 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
     ``plan.cross_check_updates`` updates."""
     from bench_util import Procs, start_server
 
-    from services.status import fetch_status
+    from downpour.cli.status import fetch_status
 
     logs = out / "cross-check-logs" / f"{workers}w-{policy}"
     logs.mkdir(parents=True, exist_ok=True)
@@ -515,7 +516,7 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
         workers_procs = [
             procs.start(
                 [
-                    "-m", "services.cli", "worker", "--server", f"127.0.0.1:{info['port']}",
+                    "-m", "downpour", "worker", "--server", f"127.0.0.1:{info['port']}",
                     "--model", MODEL_REF, "--id", f"w{i}", "--seed", str(100 + i),
                     "--steps", str(steps), "--log-every", "0",
                 ],

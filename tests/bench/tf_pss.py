@@ -37,10 +37,11 @@ def coordinate(cluster: dict[str, list[str]], warmup: int, window_steps: int, wi
     """Train through the strategy and print {"steps_per_s", "windows", "loss"} as JSON."""
     import keras
 
-    from shared.data import load_mnist_5k
-    from shared.models import build_model, load_spec
+    from downpour.data import load_mnist_5k
+    from downpour.models import build_model
+    from downpour.spec import load_spec
 
-    spec = load_spec("shared.models:deep_mnist")
+    spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"

@@ -11,9 +11,9 @@ import json
 import os
 import sys
 
-from services.server import main as server_main
-from services.worker import main as worker_main
-from shared import config
+from downpour import config
+from downpour.server import main as server_main
+from downpour.worker import main as worker_main
 
 # The configurable services: settings from defaults < --config FILE < DOWNPOUR_* < flags.
 SERVICES = {"server": server_main, "worker": worker_main}
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--readers", default="status", help="comma-separated status-reader names ('' = none)"
     )
 
-    from services import local
+    from downpour.cli import local
 
     local.add_arguments(
         sub.add_parser("run-local", help="demo: a server and workers on this machine")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG plots of a run directory (history.csv, status.json)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by run-local")
 
-    from services import export
+    from downpour.cli import export
 
     export.add_arguments(
         sub.add_parser(
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``downpour`` console script."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.command in SERVICES:  # the top-level parser has no options: argv[0] is the command
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         return config_show(args.service, args.flags, args.json)
     if args.command == "status":
-        from services import status
-        from shared.security import SecurityError, client_keys_from_args
+        from downpour.cli import status
+        from downpour.security import SecurityError, client_keys_from_args
 
         try:
             keys = client_keys_from_args(args.key, args.server_key)
@@ -104,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keygen":
         return keygen(args)
     if args.command == "run-local":
-        from services import local
+        from downpour.cli import local
 
         return local.run(args)
     if args.command == "plot":
-        from services.plot import main as plot_main
+        from downpour.cli.plot import main as plot_main
 
         return plot_main(args.run_dir)
     if args.command == "export":
-        from services import export
+        from downpour.cli import export
 
         return export.main(args)
     raise AssertionError(args.command)
@@ -141,7 +142,7 @@ def config_show(name: str, argv: list[str], as_json: bool) -> int:
 
 def keygen(args: argparse.Namespace) -> int:
     """``downpour keygen DIR``: print the files created, or why nothing was."""
-    from shared.security import SecurityError, generate_keys
+    from downpour.security import SecurityError, generate_keys
 
     workers = (
         [n.strip() for n in args.names.split(",") if n.strip()]
@@ -157,7 +158,3 @@ def keygen(args: argparse.Namespace) -> int:
     for path in created:
         print(path)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.status import fetch_status
-from services.worker.main import GRAPHS, PULL_COMPRESSIONS, compression_text
-from shared import security
-from shared.transport import Deadline, tcp
+from downpour import security
+from downpour.cli.status import fetch_status
+from downpour.transport import Deadline, tcp
+from downpour.worker.main import GRAPHS, PULL_COMPRESSIONS, compression_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--epochs", type=float, default=3.0, help="passes over the training set, per worker"
     )
     p.add_argument("--steps", type=int, help="steps per worker (overrides --epochs)")
-    p.add_argument("--model", default="shared.models:deep_mnist")
+    p.add_argument("--model", default="downpour.models:deep_mnist")
     p.add_argument("--data-dir", help="standard MNIST IDX files (default: embedded MNIST-5k)")
     p.add_argument("--optimizer", default="adam", choices=["adam", "adagrad", "sgd"])
     p.add_argument("--lr", type=float, default=1e-3)
@@ -91,7 +91,7 @@ def spawn(args: list[str], log_path: Path, stdout: int | None = None) -> subproc
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
     with open(log_path, "wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "downpour", *args],
             stdout=stdout if stdout is not None else subprocess.DEVNULL,
             stderr=err,
             env=env,
@@ -117,7 +117,8 @@ class Evaluator:
     """Holds a local copy of the model to score the server's weights on the held-out set."""
 
     def __init__(self, model_ref: str, data_dir: str | None) -> None:
-        from shared.models import build_model, load_spec
+        from downpour.models import build_model
+        from downpour.spec import load_spec
 
         self.spec = load_spec(model_ref)
         self.data = self.spec.load_data(data_dir)
@@ -129,8 +130,8 @@ class Evaluator:
     ) -> tuple[int, float]:
         """(server version, held-out metric) with the server's current weights; ``port`` is
         a list of the shards' ports in shard order for a sharded server (version: shard 0's)."""
-        from services.cluster import pull_full
-        from shared.models import evaluate, recalibrate_batchnorm
+        from downpour.cluster import pull_full
+        from downpour.models import evaluate, recalibrate_batchnorm
 
         ports = port if isinstance(port, list) else [port]
         versions, arrays = pull_full(
@@ -333,7 +334,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     _write_history(run_dir / "history.csv", history)
     if worker_rows:
         _write_history(run_dir / "workers.csv", worker_rows)
-    from services.plot import plot_run
+    from downpour.cli.plot import plot_run
 
     for png in plot_run(run_dir):
         print(f"plot: {png}")

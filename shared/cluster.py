@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from shared import protocol, security
-from shared.models import fingerprint
-from shared.partition import Partition, make_partition
-from shared.transport import ReqClient, make_context
+from downpour import security, wire
+from downpour.models import fingerprint
+from downpour.partition import Partition, make_partition
+from downpour.transport import ReqClient, make_context
 
 
 def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
@@ -42,7 +42,7 @@ def pull_full(
     part = partition_of(variables, len(endpoints))
     ctx = make_context()
 
-    def pull(i: int) -> protocol.Message:
+    def pull(i: int) -> wire.Message:
         client = ReqClient(
             ctx,
             endpoints[i],
@@ -51,7 +51,7 @@ def pull_full(
             configure=security.curve_client(keys),
         )
         try:
-            return client.request(protocol.Message(protocol.PULL, sender), protocol.DEFAULT_LIMITS)
+            return client.request(wire.Message(wire.PULL, sender), wire.DEFAULT_LIMITS)
         finally:
             client.close()
 

@@ -1,4 +1,4 @@
-"""Unit tests for the wire protocol, ``shared/protocol.py`` (its docstring is the spec).
+"""Unit tests for the wire protocol, ``shared/wire.py`` (its docstring is the spec).
 
 Frames are turned into plain ``bytes`` before decoding (``wire``), which is what a peer
 receives; the zero-copy tests go through real ZeroMQ sockets instead. Bad headers are made
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared.protocol import (
+from downpour.wire import (
     ALLOWED_DTYPES,
     DEFAULT_LIMITS,
     ERROR,

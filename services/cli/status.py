@@ -15,10 +15,10 @@ import sys
 import time
 from typing import Any
 
-from shared import protocol
-from shared.protocol import Message
-from shared.security import ClientKeys, curve_client
-from shared.transport import ReqClient, make_context
+from downpour import wire
+from downpour.security import ClientKeys, curve_client
+from downpour.transport import ReqClient, make_context
+from downpour.wire import Message
 
 
 def fetch_status(
@@ -32,7 +32,7 @@ def fetch_status(
     ctx = make_context()
     client = ReqClient(ctx, endpoint, timeout_s=timeout_s, retries=0, configure=curve_client(keys))
     try:
-        reply = client.request(Message(protocol.STATUS, "status-cli"))
+        reply = client.request(Message(wire.STATUS, "status-cli"))
         return reply.body
     finally:
         client.close()

@@ -15,7 +15,7 @@ the model's before export reports success.
 
 Sharded servers (one state directory per shard) store only their parts, a row range of a
 split variable as ``model/<path>[start:stop]``; ``--state-dir`` is then given once per shard,
-and the parts are joined by the partition every shard computes (``shared.partition``). A part
+and the parts are joined by the partition every shard computes (``downpour.partition``). A part
 no checkpoint holds is an error naming it.
 """
 
@@ -34,8 +34,8 @@ import numpy as np
 if TYPE_CHECKING:
     import keras
 
-    from services.server.checkpoint import Checkpoint
-    from shared.models import ModelSpec
+    from downpour.server.checkpoint import Checkpoint
+    from downpour.spec import ModelSpec
 
 log = logging.getLogger("downpour.export")
 
@@ -65,7 +65,7 @@ class ExportResult:
 
 def load_checkpoints(state_dirs: Sequence[str | Path]) -> list[Checkpoint]:
     """The newest loadable checkpoint of each state directory (one per shard)."""
-    from services.server.checkpoint import CheckpointStore
+    from downpour.server.checkpoint import CheckpointStore
 
     if not state_dirs:
         raise ExportError("give at least one --state-dir")
@@ -114,12 +114,12 @@ def gather_variables(
 ) -> list[np.ndarray]:
     """One array per variable, put together from the checkpoints' parts.
 
-    The parts are found by the partition every shard computes (``shared.partition``, the same
+    The parts are found by the partition every shard computes (``downpour.partition``, the same
     join the workers use), so a sharded model comes back exactly as the shards hold it.
     Optimizer entries are ignored; a missing part, an entry the model lacks, another
     partition, or a shape or dtype mismatch is an ExportError.
     """
-    from services.cluster import partition_of
+    from downpour.cluster import partition_of
 
     n = int(checkpoints[0].meta.get("num_shards", 1))
     part = partition_of(variables, n)
@@ -163,24 +163,24 @@ def model_candidates(meta: dict[str, Any]) -> list[str]:
     """Model references to try when --model is not given, most specific first.
 
     The checkpoint records the spec's *name* (``model``); it resolves when it is a
-    ``module:function`` reference or a built-in model of ``shared.models``. A ``model_ref``
+    ``module:function`` reference or a built-in model of ``downpour.models``. A ``model_ref``
     entry, if a server records one, comes first.
     """
-    from shared.models import DEFAULT_MODEL
+    from downpour.spec import DEFAULT_MODEL
 
     refs = []
     if isinstance(meta.get("model_ref"), str):
         refs.append(meta["model_ref"])
     name = meta.get("model")
     if isinstance(name, str) and name:
-        refs.append(name if ":" in name else f"shared.models:{name}")
+        refs.append(name if ":" in name else f"downpour.models:{name}")
     refs.append(DEFAULT_MODEL)
     return list(dict.fromkeys(refs))
 
 
 def resolve_spec(model_ref: str | None, meta: dict[str, Any]) -> tuple[str, ModelSpec]:
     """(reference, spec): ``--model`` if given, else the first candidate that loads."""
-    from shared.models import load_spec
+    from downpour.spec import load_spec
 
     if model_ref is not None:
         try:
@@ -259,7 +259,7 @@ def export(
     With ``verify`` the file is loaded back, its outputs compared with the in-memory model on
     (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
     """
-    from shared.models import batchnorm_layers, build_model, fingerprint, recalibrate_batchnorm
+    from downpour.models import batchnorm_layers, build_model, fingerprint, recalibrate_batchnorm
 
     out = Path(out)
     if out.exists():
@@ -367,7 +367,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="MODULE:FUNCTION",
         help="the server's --model (default: the model the checkpoint names, if it resolves, "
-        "else shared.models:deep_mnist)",
+        "else downpour.models:deep_mnist)",
     )
     p.add_argument("--data-dir", help="the model's --data-dir, for the check after writing")
     p.add_argument(
@@ -379,7 +379,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``downpour export``; 0 on success, 2 when refused."""
-    from shared.logs import setup_logging
+    from downpour.logs import setup_logging
 
     if not logging.getLogger().handlers:  # leave an embedding program's logging alone
         setup_logging("export", "INFO", "text")

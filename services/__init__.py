@@ -1,1 +1,0 @@
-"""downpour services: the parameter server, the worker, and the command line around them."""
