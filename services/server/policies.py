@@ -33,13 +33,12 @@ every call, so
     opt.learning_rate.assign(scaled_learning_rate(base_lr, decision.lr_scale))   # eager
 
 before ``state.apply(grads)`` takes effect on the next call of the already-traced,
-``jit_compile=True`` step, without retracing. Checked with Keras 3.15 / TF 2.21: for a
-constant gradient Adam's step is ``-lr * sign(g)`` up to epsilon, and it followed every value
-assigned eagerly, from inside another jit-compiled function, or with
-``opt.learning_rate = x``, while the step's trace count stayed 1. An eager assign costs about
-0.2 ms: assign only when the scale changed, or give the apply step one more input,
-``tf.TensorSpec((), tf.float32)``, and ``self.optimizer.learning_rate.assign(lr)`` inside it
-before ``apply_gradients`` (also checked: traced once, the step follows the input).
+``jit_compile=True`` step, without retracing: for a constant gradient Adam's step is
+``-lr * sign(g)`` up to epsilon, and it follows every value assigned eagerly, from inside
+another jit-compiled function, or with ``opt.learning_rate = x``, while the step's trace count
+stays 1. ``ParameterState`` avoids an eager assign per update: its apply step takes the rate
+as one more input, ``tf.TensorSpec((), tf.float32)``, and assigns it inside the step before
+``apply_gradients`` (still traced once; the step follows the input).
 """
 
 from __future__ import annotations
