@@ -1,6 +1,6 @@
 """The documentation: a short README whose links all resolve, and a site that builds strictly.
 
-Fast: README.md is at most 300 lines, and every relative link in README.md and docs/*.md
+Fast: README.md is at most 300 lines, and every relative link in README.md and docs/**/*.md
 points at a file that exists and, with a ``#anchor`` into a Markdown file, at a heading of
 that file (README links must work on GitHub and in the site, so the anchor must be the
 heading's slug in both). Slow: ``mkdocs build --strict`` succeeds into a temporary directory,
@@ -63,7 +63,7 @@ def links(path: Path) -> list[str]:
 
 
 def markdown_files() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    return [README, *sorted(DOCS.rglob("*.md"))]
 
 
 def anchor_ok(source: Path, target: Path, anchor: str) -> bool:
