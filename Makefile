@@ -10,7 +10,7 @@ WORKERS ?= 2
 SHARDS  ?= 1
 ARGS   ?=
 
-.PHONY: run-local test test-slow test-faults lint bench bench-curve study clean venv deploy-tools
+.PHONY: run-local test docs test-slow test-faults lint bench bench-curve study clean venv deploy-tools
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(VENV)/.stamp-base: pyproject.toml | $(VENV)/bin/python
 
 $(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
 	$(PIP) install -e '.[test]'
+	touch $@
+
+$(VENV)/.stamp-docs: pyproject.toml $(VENV)/.stamp-base
+	$(PIP) install -e '.[docs]'
 	touch $@
 
 venv: $(VENV)/.stamp-base
@@ -48,6 +52,11 @@ test-faults: $(VENV)/.stamp-test
 		tests/test_protocol.py tests/test_bad_input.py tests/test_faults.py tests/test_network.py \
 		tests/test_relay_faults.py
 
+# The MkDocs site (mkdocs.yml, docs/) into site/; --strict turns every warning (a broken link,
+# a docstring that does not render) into a failure.
+docs: $(VENV)/.stamp-docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check services shared tests
 	$(VENV)/bin/ruff format --check services shared tests
@@ -62,12 +71,11 @@ ROUNDS ?= 6
 bench-curve: $(VENV)/.stamp-test
 	$(PY) tests/bench/curve_cost.py --rounds $(ROUNDS) --out curve-cost.json
 
-# Convergence study of the staleness policies and gradient compression (README, Staleness
-# policies and compression): study-results.json, study.md and PNG curves in OUT (runs/study).
+# Convergence study of the staleness policies and gradient compression (docs/policies.md): study-results.json, study.md and PNG curves in OUT (runs/study).
 # Up to 30 min on 2 cores; QUICK=1: 1 and 8 workers, a few minutes.
 OUT ?= runs/study
 study: $(VENV)/.stamp-test
 	$(PY) tests/bench/study.py $(if $(filter 1,$(QUICK)),--quick) --out $(OUT)
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs build site *.egg-info .pytest_cache .ruff_cache

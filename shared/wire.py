@@ -66,8 +66,13 @@ Message types (REQ/REP unless noted)::
     status   -> status     body = metrics snapshot (status socket)
     any      -> error      body {"code": reason, "message": text}
 
-Decoding validates before it allocates: every size is checked against the header and the
-limits before any array is made, and dense payloads are zero-copy ``np.frombuffer`` views.
+Decoding validates before it allocates: dtype in ``ALLOWED_DTYPES``, ``nbytes`` against the
+shape, frame lengths, tensor counts and totals against ``Limits`` before any array is made;
+msgpack's own limits with ``strict_map_key``; no ext types; never pickle. Dense payloads are
+sent ``copy=False`` and decoded as zero-copy ``np.frombuffer`` views: no copy on either side.
+The server sizes its limits from the model (``Limits.for_payload``) and sets ZeroMQ's
+``MAXMSGSIZE`` on its gradient socket to the same total, so an oversized message is dropped
+by ZeroMQ before it is buffered. ``PROTOCOL_VERSION`` is checked on every message.
 """
 
 from __future__ import annotations

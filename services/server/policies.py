@@ -3,20 +3,31 @@
 A gradient pushed with ``base_version`` arrives when the server is at ``version``; its
 staleness is ``tau = version - base_version`` (0: computed from the current weights). The
 server's loop hands every valid, deduplicated push to ``policy.offer(...)`` and acts on the
-``Decision``:
+``Decision``::
 
-    ``apply``  apply ``decision.grads`` once (one version step) with the learning rate
-               multiplied by ``decision.lr_scale``
-    ``drop``   the push was well-formed but is not applied (``reason``: why); not an error
-    ``hold``   the policy kept a copy of the gradient (sync aggregation); nothing to apply yet
+    apply   apply decision.grads once (one version step) with the learning rate
+            multiplied by decision.lr_scale
+    drop    the push was well-formed but is not applied (reason: why); not an error
+    hold    the policy kept a copy of the gradient (sync aggregation); nothing to apply yet
 
-Policies (``parse_policy`` text, ``downpour server --policy``):
+Policies (``parse_policy`` text, ``downpour server --policy``), each rule exactly:
 
-    async              Downpour (Dean et al. 2012): every gradient, as it arrives, scale 1
-    staleness-aware    Zhang et al. 2016: every gradient, scale 1 / max(1, tau)
-    bounded:K          bounded staleness (Ho et al. 2013): drop tau > K, apply the rest, scale 1
-    sync:K/N           synchronous SGD with N - K backup workers (Chen et al. 2016): average
-                       the first K gradients computed from the current version, apply once
+- ``async`` (the default): apply every gradient as it arrives with learning rate ``lr``.
+  Downpour SGD: Dean et al., "Large Scale Distributed Deep Networks", NIPS 2012.
+- ``staleness-aware``: apply every gradient with learning rate ``lr / max(1, tau)`` (tau 0
+  and 1: ``lr``; tau 5: ``lr / 5``). Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for
+  Distributed Deep Learning", IJCAI 2016, eq. 4 (``alpha = alpha0 / tau``).
+- ``bounded:K``: drop a gradient with ``tau > K`` (reason ``stale``), apply the others with
+  ``lr``; ``bounded:0`` applies only gradients from the current weights. Bounded staleness:
+  Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
+  Server", NIPS 2013 (SSP makes a fast worker wait; a Downpour server cannot, so it enforces
+  the bound where gradients arrive).
+- ``sync:K/N``: hold gradients with ``tau = 0`` until K different workers have given one,
+  apply their mean once with ``lr``; drop a gradient with ``tau > 0`` (``late``) and a second
+  one from the same worker in a round (``duplicate``); N - K workers are backups, and N is
+  reported, not enforced. Synchronous SGD with backup workers: Chen, Pan, Monga, Bengio,
+  Jozefowicz, "Revisiting Distributed Synchronous SGD", 2016 (TensorFlow's
+  ``SyncReplicasOptimizer``).
 
 Pure Python and NumPy: no sockets, no TensorFlow. Not thread-safe (the loop is the caller).
 

@@ -647,7 +647,7 @@ class Server:
         return "missing" if idle <= self.config.gone_after_s else "gone"
 
     def snapshot(self) -> dict[str, Any]:
-        """The status document (see README "Status"): plain types, JSON-serialisable."""
+        """The status document (fields: docs/cli.md): plain types, JSON-serialisable."""
         now = time.monotonic()
         uptime = now - self.started
         workers = {
