@@ -5,6 +5,7 @@ names a user's project most likely has, which must not shadow or be shadowed by 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# a fresh venv installs TensorFlow (from pip's cache when warm): minutes, not seconds
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 USER_PACKAGE = (
     '"""A user\'s own package of this name: downpour must neither need nor break it."""\n'
@@ -21,14 +23,17 @@ USER_PACKAGE = (
 
 
 def run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` with a clean environment (no PYTHONPATH); fail with its output."""
+    """Run ``cmd`` outside this test run's environment (no PYTHONPATH, no active venv; pip's
+    own settings kept); fail with its output."""
+    drop = {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONSTARTUP"}
+    clean = {k: v for k, v in os.environ.items() if k not in drop}
     out = subprocess.run(
         cmd,
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "TF_CPP_MIN_LOG_LEVEL": "2"},
+        env=dict(clean, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     assert out.returncode == 0, (
         f"{cmd}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
