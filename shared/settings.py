@@ -32,6 +32,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from downpour.logs import LOG_FORMATS
+
 
 class ConfigError(Exception):
     """A setting has a value outside its range, settings contradict each other, or the config
@@ -301,5 +303,5 @@ LOG_FORMAT = Option(
     "text",
     "text: one line per event; json: one JSON object per line",
     "logging",
-    choices=("text", "json"),
+    choices=LOG_FORMATS,
 )
