@@ -30,9 +30,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from downpour.settings import ConfigError, Option, add_options
+from downpour.settings import ENV_PREFIX, ConfigError, Option, add_options
 
-ENV_PREFIX = "DOWNPOUR_"
 CONFIG_ENV = "DOWNPOUR_CONFIG"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -34,6 +34,8 @@ from typing import Any
 
 from downpour.logs import LOG_FORMATS
 
+ENV_PREFIX = "DOWNPOUR_"  # a setting NAME's environment variable is DOWNPOUR_<NAME>
+
 
 class ConfigError(Exception):
     """A setting has a value outside its range, settings contradict each other, or the config
@@ -158,7 +160,7 @@ class Option:
     @property
     def env_var(self) -> str:
         """The environment variable: ``DOWNPOUR_NAME``."""
-        return "DOWNPOUR_" + self.name.upper()
+        return ENV_PREFIX + self.name.upper()
 
     @property
     def field(self) -> str:

@@ -51,7 +51,7 @@ def start(values: Mapping[str, Any]) -> int:
     return run(ServerConfig.from_values(values))
 
 
-def run(cfg: ServerConfig) -> int:  # type: ignore[valid-type]
+def run(cfg: ServerConfig) -> int:
     """Check the settings, load keys, build the server, serve until SIGTERM/SIGINT."""
     setup_logging("server", cfg.log_level, cfg.log_format)
     try:

@@ -224,7 +224,7 @@ ServerConfig = config_class(
 )
 
 
-def validate_server(cfg: ServerConfig) -> None:  # type: ignore[valid-type]
+def validate_server(cfg: ServerConfig) -> None:
     """Refuse settings that contradict each other (ConfigError listing every problem).
 
     Ranges of single settings are their options' types; this holds the checks across

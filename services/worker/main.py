@@ -24,7 +24,7 @@ def start(values: Mapping[str, Any]) -> int:
     return run(WorkerConfig.from_values(values))
 
 
-def run(cfg: WorkerConfig) -> int:  # type: ignore[valid-type]
+def run(cfg: WorkerConfig) -> int:
     """Check the settings, load keys, build the worker, train, print a one-line JSON summary."""
     setup_logging("worker", cfg.log_level, cfg.log_format)
     try:

@@ -218,12 +218,12 @@ WORKER_INTERNAL: tuple[Internal, ...] = (
 )
 
 
-def _resolved_id(self: WorkerConfig) -> str:  # type: ignore[valid-type]
+def _resolved_id(self: WorkerConfig) -> str:
     """The configured id, or hostname-pid."""
     return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _endpoints(self: WorkerConfig) -> tuple[tuple[str, int], ...]:  # type: ignore[valid-type]
+def _endpoints(self: WorkerConfig) -> tuple[tuple[str, int], ...]:
     """The servers' REP endpoints, one per shard in shard order."""
     return self.servers
 
@@ -239,7 +239,7 @@ WorkerConfig = config_class(
 )
 
 
-def validate_worker(cfg: WorkerConfig) -> None:  # type: ignore[valid-type]
+def validate_worker(cfg: WorkerConfig) -> None:
     """Refuse settings that contradict each other (ConfigError listing every problem)."""
     problems: list[str] = []
     if bool(cfg.key_file) != bool(cfg.server_key_file):
