@@ -269,11 +269,6 @@ def config_class(
     return cls
 
 
-def options_of(config_type: type) -> list[Option]:
-    """The options a config class was derived from, in declaration order."""
-    return [f.metadata["option"] for f in dataclasses.fields(config_type) if "option" in f.metadata]
-
-
 # ------------------------------------------------------------ options shared by several commands
 
 MODEL = Option(
