@@ -1,13 +1,12 @@
-"""Configuration (issue 9): defaults < TOML file < DOWNPOUR_* environment < flags, per service.
+"""Configuration: defaults < TOML file < DOWNPOUR_* environment < flags, per service.
 
-Unit tests on the real option definitions of the server and the worker, and the command line
+Unit tests on the real option declarations of the server and the worker, and the command line
 (``downpour config show``, refusals at start) as real processes: these exit before TensorFlow
 is imported, so they take well under a second each.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -16,17 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, env
 
-from downpour import config
-from downpour.server import main as server_main
-from downpour.worker import main as worker_main
+from downpour import config, settings
+from downpour.server.settings import SERVER_OPTIONS
+from downpour.worker.settings import WORKER_OPTIONS
 
 SECTIONS = ("server", "worker")
 
 
 def load(service: str, argv: list[str], environ: dict[str, str]) -> config.Settings:
     """The settings of the real ``downpour SERVICE`` options."""
-    add = server_main.add_arguments if service == "server" else worker_main.add_arguments
-    return config.load(service, add, argv, environ, SECTIONS)
+    options = SERVER_OPTIONS if service == "server" else WORKER_OPTIONS
+    return config.load(service, options, argv, environ, SECTIONS)
 
 
 def downpour(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -61,9 +60,14 @@ def test_each_layer_overrides_the_one_below(tmp_path: Path) -> None:
     assert got("push_port") == (6001, f"file {f}")  # the [server] table, '-' spelling
     assert got("port") == (7000, "env DOWNPOUR_PORT")
     assert got("status_port") == (8002, "flag --status-port")
-    args = s.namespace()
-    assert (args.port, args.push_port, args.status_port, args.lr) == (7000, 6001, 8002, 0.01)
-    assert args.config == str(f) and s.config_source == "--config"
+    values = s.values()
+    assert [values[k] for k in ("port", "push_port", "status_port", "lr")] == [
+        7000,
+        6001,
+        8002,
+        0.01,
+    ]
+    assert s.config_file == str(f) and s.config_source == "--config"
     assert "n_fetch" not in s.items  # the [worker] table is the worker's
 
     w = load("worker", [], {"DOWNPOUR_CONFIG": str(f)})
@@ -133,16 +137,19 @@ def test_bad_flag_exits_2_with_name_and_range(capsys: pytest.CaptureFixture[str]
 
 
 def test_options_added_later_are_settings_without_declaring_them_again() -> None:
-    def add(p: argparse.ArgumentParser) -> None:
-        server_main.add_arguments(p)
-        p.add_argument("--brand-new", type=config.at_least(2), default=3)
-        p.add_argument("--feature", action="store_true")
-
-    s = config.load("server", add, ["--feature"], {"DOWNPOUR_BRAND_NEW": "5"}, SECTIONS)
+    table = (
+        *SERVER_OPTIONS,
+        settings.Option("brand_new", 3, "a new count", "new", type=settings.at_least(2)),
+        settings.Option("feature", False, "a new switch", "new", bool),
+    )
+    s = config.load("server", table, ["--feature"], {"DOWNPOUR_BRAND_NEW": "5"}, SECTIONS)
     assert s.items["brand_new"].value == 5 and s.items["brand_new"].source.startswith("env")
     assert s.items["feature"].value is True and s.items["feature"].source == "flag --feature"
     with pytest.raises(config.ConfigError, match=r"brand_new .*>= 2"):
-        config.load("server", add, [], {"DOWNPOUR_BRAND_NEW": "1"}, SECTIONS)
+        config.load("server", table, [], {"DOWNPOUR_BRAND_NEW": "1"}, SECTIONS)
+    derived = settings.config_class("Config", __name__, "a test config", table)
+    cfg = derived.from_values(s.values())
+    assert (cfg.brand_new, cfg.feature, cfg.learning_rate) == (5, True, 1e-3)
 
 
 def test_example_files_in_deploy_are_valid() -> None:

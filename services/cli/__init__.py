@@ -7,12 +7,14 @@ Heavy imports (TensorFlow) happen inside the subcommands that need them, so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from downpour import config
 from downpour.server import main as server_main
+from downpour.settings import KEY, SERVER_KEY, add_options
 from downpour.worker import main as worker_main
 
 # The configurable services: settings from defaults < --config FILE < DOWNPOUR_* < flags.
@@ -30,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("worker", "run a training worker"),
     ):
         p = sub.add_parser(name, help=help_text)
-        SERVICES[name].add_arguments(p)
+        add_options(p, SERVICES[name].OPTIONS)
         config.add_config_option(p)
 
     cfg = sub.add_parser("config", help="show a service's effective settings and their sources")
@@ -53,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
     st.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
     st.add_argument("--timeout", type=float, default=5.0)
-    st.add_argument("--key", metavar="FILE", help="own CURVE secret key (a reader's or worker's)")
-    st.add_argument("--server-key", metavar="FILE", help="the server's CURVE public key")
+    own_key = dataclasses.replace(KEY, help="own CURVE secret key (a reader's or worker's)")
+    add_options(st, (own_key, SERVER_KEY))
 
     kg = sub.add_parser("keygen", help="create CURVE key pairs for a server, workers, readers")
     kg.add_argument("dir", help="key directory (created; existing keys are never overwritten)")
@@ -122,17 +124,17 @@ def main(argv: list[str] | None = None) -> int:
 def run_service(name: str, argv: list[str]) -> int:
     """Resolve the service's settings (defaults, file, environment, flags), then run it."""
     try:
-        settings = config.load(name, SERVICES[name].add_arguments, argv, os.environ, SERVICES)
+        settings = config.load(name, SERVICES[name].OPTIONS, argv, os.environ, SERVICES)
     except config.ConfigError as exc:
         print(f"downpour {name}: error: {exc}", file=sys.stderr)
         return 2
-    return SERVICES[name].run(settings.namespace())
+    return SERVICES[name].start(settings.values())
 
 
 def config_show(name: str, argv: list[str], as_json: bool) -> int:
     """``downpour config show``: the effective settings of a service and their sources."""
     try:
-        settings = config.load(name, SERVICES[name].add_arguments, argv, os.environ, SERVICES)
+        settings = config.load(name, SERVICES[name].OPTIONS, argv, os.environ, SERVICES)
     except config.ConfigError as exc:
         print(f"downpour config show: error: {exc}", file=sys.stderr)
         return 2

@@ -19,65 +19,79 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from downpour import security
 from downpour.cli.status import fetch_status
+from downpour.server.settings import LR, METRICS_PORT, OPTIMIZER
+from downpour.settings import DATA_DIR, MODEL, Option, add_options, at_least
 from downpour.transport import Deadline, tcp
-from downpour.worker.main import GRAPHS, PULL_COMPRESSIONS, compression_text
+from downpour.worker.settings import (
+    COMPRESS,
+    EPOCHS,
+    GRAPH,
+    N_FETCH,
+    N_PUSH,
+    PULL_COMPRESS,
+    STEPS,
+)
+
+_RUN = "run-local"
+_WORKERS = "the workers (as their options)"
+_SERVER = "the server (as its options)"
+
+# Options of `downpour run-local`: its own, and the server's and workers' declarations it passes
+# on (same name, type and range; the help says whose option it is).
+LOCAL_OPTIONS: tuple[Option, ...] = (
+    Option("workers", 2, "worker processes to start", _RUN, type=int),
+    Option(
+        "shards",
+        1,
+        "server shards the model is partitioned over (one process each)",
+        _RUN,
+        type=int,
+    ),
+    Option("run_dir", None, "where logs, history and plots go (default runs/<time>)", _RUN),
+    Option("eval_every", 10.0, "seconds between held-out evaluations", _RUN, type=float),
+    Option("no_progress", False, "plain log lines instead of bars", _RUN, bool),
+    Option(
+        "secure",
+        False,
+        "generate CURVE keys into RUN_DIR/keys and encrypt + authenticate every socket",
+        _RUN,
+        bool,
+    ),
+    replace(MODEL, section=_RUN),
+    replace(DATA_DIR, help="standard MNIST IDX files (default: embedded MNIST-5k)", section=_RUN),
+    replace(EPOCHS, default=3.0, help="passes over the training set, per worker", section=_WORKERS),
+    replace(STEPS, help="steps per worker (overrides --epochs)", section=_WORKERS),
+    replace(N_FETCH, section=_WORKERS),
+    replace(N_PUSH, section=_WORKERS),
+    replace(COMPRESS, help="the workers' --compress (none, bf16, topk:RATIO)", section=_WORKERS),
+    replace(PULL_COMPRESS, help="the workers' pulls", section=_WORKERS),
+    replace(GRAPH, help="the workers' --graph", section=_WORKERS),
+    replace(OPTIMIZER, section=_SERVER),
+    replace(LR, section=_SERVER),
+    Option(
+        "server_eval_every",
+        100,
+        "the server also evaluates the held-out set every N updates (0 = off; a shard "
+        "holds part of the model, so with --shards > 1 only run-local evaluates)",
+        _SERVER,
+        type=at_least(0),
+        metavar="N",
+    ),
+    replace(
+        METRICS_PORT, default=0, help="the server's Prometheus port (0 = any)", section=_SERVER
+    ),
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``downpour run-local``."""
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument(
-        "--shards",
-        type=int,
-        default=1,
-        help="server shards the model is partitioned over (one process each)",
-    )
-    p.add_argument(
-        "--epochs", type=float, default=3.0, help="passes over the training set, per worker"
-    )
-    p.add_argument("--steps", type=int, help="steps per worker (overrides --epochs)")
-    p.add_argument("--model", default="downpour.models:deep_mnist")
-    p.add_argument("--data-dir", help="standard MNIST IDX files (default: embedded MNIST-5k)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "adagrad", "sgd"])
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--n-fetch", type=int, default=1)
-    p.add_argument("--n-push", type=int, default=1)
-    p.add_argument(
-        "--compress",
-        type=compression_text,
-        default="none",
-        help="the workers' --compress (none, bf16, topk:RATIO)",
-    )
-    p.add_argument(
-        "--pull-compress", default="none", choices=PULL_COMPRESSIONS, help="the workers' pulls"
-    )
-    p.add_argument("--graph", default="tf2", choices=GRAPHS, help="the workers' --graph")
-    p.add_argument("--run-dir", help="where logs, history and plots go (default runs/<time>)")
-    p.add_argument(
-        "--eval-every", type=float, default=10.0, help="seconds between held-out evaluations"
-    )
-    p.add_argument(
-        "--server-eval-every",
-        type=int,
-        default=100,
-        metavar="N",
-        help="the server also evaluates the held-out set every N updates (0 = off; a shard "
-        "holds part of the model, so with --shards > 1 only run-local evaluates)",
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="the server's Prometheus port (0 = any)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of bars")
-    p.add_argument(
-        "--secure",
-        action="store_true",
-        help="generate CURVE keys into RUN_DIR/keys and encrypt + authenticate every socket",
-    )
+    add_options(p, LOCAL_OPTIONS)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec

@@ -17,7 +17,7 @@ from downpour.spec import ModelSpec
 if TYPE_CHECKING:
     from downpour.server.evaluation import HeldOutEvaluator
     from downpour.server.prometheus import MetricsExporter
-    from downpour.server.service import ServerConfig
+    from downpour.server.settings import ServerConfig
     from downpour.server.state import ParameterState
     from downpour.server.summaries import SummaryWriter
 

@@ -45,6 +45,7 @@ from downpour.server.policies import (
     SyncPolicy,
     parse_policy,
 )
+from downpour.server.settings import ServerConfig
 from downpour.server.state import ParameterState
 from downpour.spec import ModelSpec
 from downpour.transport import bind, make_context
@@ -54,42 +55,6 @@ PULL_ENCODINGS = frozenset({wire.DENSE, wire.BF16})  # what a pull may ask the w
 log = logging.getLogger("downpour.server")
 
 LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
-
-
-@dataclass
-class ServerConfig:
-    """Everything the server needs besides the model."""
-
-    host: str = "127.0.0.1"
-    port: int = 5570  # REP: hello and weights
-    push_port: int = 5571  # PULL: gradients
-    status_port: int = 5572  # REP: status (read-only)
-    optimizer: str = "adam"
-    learning_rate: float = 1e-3
-    seed: int = 0
-    ready_file: str | None = None
-    missing_after_s: float = 10.0
-    gone_after_s: float = 60.0
-    allow_nonfinite: bool = False
-    drain_timeout_s: float = 10.0
-    io_threads: int = 2
-    publish_interval_s: float = 0.2
-    status_max_per_s: float = 200.0  # status answers per second (bursts of 20); 0 = no cap
-    state_dir: str | None = None
-    checkpoint_every: int = 500  # updates between checkpoints (0 = never by count)
-    checkpoint_secs: float = 60.0  # seconds between checkpoints (0 = never by time)
-    keep_checkpoints: int = 3
-    keys: security.ServerKeys | None = None  # CURVE on every socket when set (--keys)
-    eval_every: int = 0  # updates between held-out evaluations (0 = off; --eval-every)
-    data_dir: str | None = None  # the held-out set's --data-dir
-    logdir: str | None = None  # TensorBoard event files (--logdir)
-    summary_interval_s: float = 5.0  # seconds between TensorBoard points
-    metrics_port: int | None = None  # Prometheus /metrics (0 = any port; None = off)
-    metrics_host: str = "127.0.0.1"  # plain HTTP, no authentication: loopback by default
-    shard: int = 0  # this server's index among num_shards (--shard)
-    num_shards: int = 1  # servers the model is partitioned over (--num-shards)
-    model_ref: str | None = None  # the --model reference, recorded in checkpoints for export
-    policy: str = "async"  # staleness policy (--policy; downpour.server.policies.parse_policy)
 
 
 @dataclass

@@ -32,9 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import queue
-import socket
 import threading
 import time
 import zlib
@@ -64,6 +62,7 @@ from downpour.transport import (
 )
 from downpour.wire import Message
 from downpour.worker.compress import Compressor, parse_compression
+from downpour.worker.settings import WorkerConfig
 from downpour.worker.step import Accumulator, GradientStep
 from downpour.worker.tf1 import Tf1Step
 
@@ -74,44 +73,6 @@ RECENT_LOSSES = 20  # the summary's loss_recent averages this many last batches 
 
 class WorkerError(Exception):
     """The worker cannot go on (refused by the server, or the server stayed away too long)."""
-
-
-@dataclass
-class WorkerConfig:
-    """Everything a worker needs besides the model."""
-
-    host: str = "127.0.0.1"
-    port: int = 5570
-    servers: tuple[tuple[str, int], ...] = ()  # shard endpoints in shard order (default host:port)
-    worker_id: str = ""
-    steps: int | None = None
-    epochs: float = 1.0
-    n_fetch: int = 1
-    n_push: int = 1
-    seed: int | None = None
-    request_timeout_s: float = 10.0
-    server_timeout_s: float = 120.0
-    push_timeout_s: float = 1.0
-    push_hwm: int = 4
-    push_linger_s: float = 30.0
-    prefetch: bool = True
-    push_endpoint: tuple[str, int] | None = None  # overrides the push port hello announces
-    heartbeat_s: float = 2.0
-    io_threads: int = 1
-    log_every: int = 50
-    keys: security.ClientKeys | None = None  # CURVE on every socket when set (--key)
-    compress: str = "none"  # gradient compression (--compress; compress.parse_compression)
-    pull_compress: str = "none"  # weights in bfloat16 (--pull-compress bf16): half the bytes
-    sync_wait_s: float = 5.0  # with a sync:K/N server: longest wait for the next version
-    graph: str = "tf2"  # --graph: tf2 (compiled tf.function) or tf1 (the spec's TF1 graph)
-
-    def resolved_id(self) -> str:
-        """The configured id, or hostname-pid."""
-        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-
-    def endpoints(self) -> tuple[tuple[str, int], ...]:
-        """The servers' REP endpoints, one per shard in shard order."""
-        return self.servers or ((self.host, self.port),)
 
 
 @dataclass

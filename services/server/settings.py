@@ -1,0 +1,255 @@
+"""The server's settings: every ``downpour server`` option, ``ServerConfig``, ``validate_server``.
+
+``SERVER_OPTIONS`` is the one declaration (see ``downpour.settings`` for the naming rule);
+``ServerConfig`` is derived from it plus a few attributes that are not settings. Importing this
+module does not import TensorFlow, so ``downpour server`` refuses bad settings at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from downpour import security
+from downpour.settings import (
+    DATA_DIR,
+    KEY,
+    LOG_FORMAT,
+    LOG_LEVEL,
+    MODEL,
+    PORT,
+    SEED,
+    Internal,
+    Option,
+    at_least,
+    config_class,
+    non_negative,
+    positive,
+    refuse,
+)
+
+OPTIMIZERS = ("adam", "adagrad", "sgd")  # --optimizer; downpour.server.state builds each
+LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost."""
+    return host.startswith(LOOPBACK_PREFIXES)
+
+
+def policy_text(text: str) -> str:
+    """argparse type of --policy: the canonical text of a valid policy, or a clear error."""
+    from downpour.server.policies import parse_policy  # pure Python: no TensorFlow import
+
+    try:
+        return parse_policy(text).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_NET = "network"
+_TRAIN = "model and training"
+_SHARDS = "shards (see README, Running on several machines)"
+_SEC = "security (see README, Security)"
+_CKPT = "checkpoints"
+_WORKERS = "workers"
+_OBS = "observability (see README, Observability)"
+
+OPTIMIZER = Option(
+    "optimizer", "adam", "the optimizer that applies gradients", _TRAIN, choices=OPTIMIZERS
+)
+METRICS_PORT = Option(
+    "metrics_port",
+    None,
+    "serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0 = any port)",
+    _OBS,
+    type=PORT,
+    metavar="PORT",
+)
+LR = Option("lr", 1e-3, "learning rate", _TRAIN, type=positive(), attr="learning_rate")
+
+SERVER_OPTIONS: tuple[Option, ...] = (
+    dataclasses.replace(MODEL, attr="model_ref"),
+    Option("host", "127.0.0.1", "address to bind (default loopback)", _NET),
+    Option("port", 5570, "REP port for hello and weights (0 = any)", _NET, type=PORT),
+    Option("push_port", 5571, "PULL port for gradients (0 = any)", _NET, type=PORT),
+    Option("status_port", 5572, "REP port for status (0 = any)", _NET, type=PORT),
+    OPTIMIZER,
+    LR,
+    dataclasses.replace(SEED, default=0, help="initialisation seed"),
+    Option(
+        "policy",
+        "async",
+        "what to do with stale gradients: async (apply each as it arrives), "
+        "staleness-aware (learning rate / max(1, staleness)), bounded:K (drop staleness > K), "
+        "sync:K/N (average the first K fresh gradients of N workers, apply once); see README, "
+        "Staleness policies and compression",
+        _TRAIN,
+        type=policy_text,
+        metavar="POLICY",
+    ),
+    Option(
+        "num_shards",
+        1,
+        "servers the model is partitioned over; start one server per shard",
+        _SHARDS,
+        type=at_least(1),
+    ),
+    Option("shard", 0, "this server's shard index, 0..NUM_SHARDS-1", _SHARDS, type=at_least(0)),
+    Option(
+        "show_partition",
+        False,
+        "print which variables (and row ranges) each shard holds, then exit",
+        _SHARDS,
+        bool,
+    ),
+    Option("ready_file", None, "write bound ports as JSON here once serving", _NET),
+    Option(
+        "missing_after",
+        10.0,
+        "seconds of silence before a worker shows as missing",
+        _WORKERS,
+        type=positive(),
+        attr="missing_after_s",
+    ),
+    Option(
+        "gone_after",
+        60.0,
+        "seconds of silence before a worker shows as gone",
+        _WORKERS,
+        type=positive(),
+        attr="gone_after_s",
+    ),
+    Option(
+        "allow_nonfinite", False, "apply gradients with NaN/Inf (default: reject)", _TRAIN, bool
+    ),
+    Option(
+        "insecure",
+        False,
+        "allow binding a non-loopback address without authentication",
+        _SEC,
+        bool,
+    ),
+    Option(
+        "keys",
+        None,
+        "CURVE keys (from `downpour keygen DIR`): server.key_secret, workers/*.key and "
+        "readers/*.key; every socket then encrypts and admits only listed keys",
+        _SEC,
+        metavar="DIR",
+        attr="keys_dir",
+    ),
+    dataclasses.replace(
+        KEY,
+        help="the server's secret key file, if not DIR/server.key_secret (e.g. a credential)",
+        section=_SEC,
+        attr="key_file",
+    ),
+    Option("state_dir", None, "directory for checkpoints; the newest is restored at start", _CKPT),
+    Option(
+        "checkpoint_every",
+        500,
+        "updates between checkpoints (0 = off)",
+        _CKPT,
+        type=at_least(0),
+    ),
+    Option(
+        "checkpoint_secs",
+        60.0,
+        "seconds between checkpoints (0 = off)",
+        _CKPT,
+        type=non_negative(),
+    ),
+    Option("keep_checkpoints", 3, "how many checkpoints to keep", _CKPT, type=at_least(1)),
+    Option(
+        "drain_timeout",
+        10.0,
+        "on SIGTERM, seconds to apply gradients already received",
+        _CKPT,
+        type=non_negative(),
+        attr="drain_timeout_s",
+    ),
+    METRICS_PORT,
+    Option(
+        "metrics_host",
+        "127.0.0.1",
+        "address for --metrics-port (plain HTTP, no authentication; default loopback)",
+        _OBS,
+    ),
+    Option("logdir", None, "write TensorBoard scalars here", _OBS, metavar="DIR"),
+    Option(
+        "summary_secs",
+        5.0,
+        "seconds between TensorBoard points",
+        _OBS,
+        type=positive(),
+        attr="summary_interval_s",
+    ),
+    Option(
+        "eval_every",
+        0,
+        "evaluate the held-out set every N updates, off the apply loop (0 = off)",
+        _OBS,
+        type=at_least(0),
+        metavar="N",
+    ),
+    dataclasses.replace(
+        DATA_DIR, help="the held-out set for --eval-every: the model's --data-dir", section=_OBS
+    ),
+    LOG_FORMAT,
+    LOG_LEVEL,
+)
+
+SERVER_INTERNAL: tuple[Internal, ...] = (
+    Internal(
+        "keys",
+        security.ServerKeys | None,
+        None,
+        "CURVE on every socket when set: loaded from keys_dir (and key_file) at start",
+    ),
+    Internal("io_threads", int, 2, "ZeroMQ I/O threads"),
+    Internal("publish_interval_s", float, 0.2, "seconds between status snapshots"),
+    Internal(
+        "status_max_per_s", float, 200.0, "status answers per second (bursts of 20); 0 = no cap"
+    ),
+)
+
+ServerConfig = config_class(
+    "ServerConfig",
+    __name__,
+    "Everything the server needs besides the model: one attribute per ``downpour server`` "
+    "option (SERVER_OPTIONS) and the SERVER_INTERNAL ones.",
+    SERVER_OPTIONS,
+    SERVER_INTERNAL,
+)
+
+
+def validate_server(cfg: ServerConfig) -> None:
+    """Refuse settings that contradict each other (ConfigError listing every problem).
+
+    Ranges of single settings are their options' types; this holds the checks across
+    settings. With ``show_partition`` only the shard check applies: nothing is served.
+    """
+    problems: list[str] = []
+    if cfg.shard >= cfg.num_shards:
+        problems.append(
+            f"--shard must be in 0..{cfg.num_shards - 1} for --num-shards {cfg.num_shards}"
+        )
+    if cfg.show_partition:
+        refuse(problems)
+        return
+    if cfg.num_shards > 1 and cfg.eval_every:
+        problems.append(
+            "--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it"
+        )
+    if cfg.key_file and not cfg.keys_dir:
+        problems.append("--key needs --keys DIR (the allow-lists)")
+    if cfg.keys_dir is None and not is_loopback(cfg.host) and not cfg.insecure:
+        problems.append(
+            f"refusing to bind {cfg.host} without authentication: anyone who reaches the port "
+            "can change the model. Pass --keys DIR (see `downpour keygen`), or --insecure "
+            "to do it anyway."
+        )
+    if not cfg.missing_after_s < cfg.gone_after_s:
+        problems.append("--missing-after must be < --gone-after")
+    refuse(problems)

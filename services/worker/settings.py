@@ -1,0 +1,247 @@
+"""The worker's settings: every ``downpour worker`` option, ``WorkerConfig``, ``validate_worker``.
+
+``WORKER_OPTIONS`` is the one declaration (see ``downpour.settings`` for the naming rule);
+``WorkerConfig`` is derived from it plus a few attributes that are not settings. Importing this
+module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+
+from downpour import security
+from downpour.settings import (
+    DATA_DIR,
+    KEY,
+    LOG_FORMAT,
+    LOG_LEVEL,
+    MODEL,
+    PORT,
+    SEED,
+    SERVER_KEY,
+    Internal,
+    Option,
+    at_least,
+    config_class,
+    positive,
+    refuse,
+)
+
+PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress
+GRAPHS = ("tf2", "tf1")  # --graph
+
+
+def compression_text(text: str) -> str:
+    """argparse type of --compress: the canonical text of a valid mode, or a clear error."""
+    from downpour.worker.compress import parse_compression  # NumPy only: no TensorFlow
+
+    try:
+        return parse_compression(text).spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_server(s: str) -> tuple[str, int]:
+    """HOST:PORT (or tcp://HOST:PORT, [v6]:PORT) -> (host, port)."""
+    s = s.removeprefix("tcp://")
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--server must be HOST:PORT, got {s!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def endpoint(s: str) -> str:
+    """argparse type of --server and --push-endpoint: HOST:PORT with a port in 0..65535."""
+    try:
+        PORT(parse_server(s)[1])
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not HOST:PORT with a port in 0..65535"
+        ) from None
+    return s
+
+
+def endpoint_list(s: str) -> str:
+    """argparse type of --server: one HOST:PORT or a comma-separated list of them."""
+    for part in s.split(","):
+        endpoint(part.strip())
+    return s
+
+
+def parse_servers(s: str) -> tuple[tuple[str, int], ...]:
+    """``--server`` -> ((host, port), ...) in shard order."""
+    return tuple(parse_server(part.strip()) for part in s.split(","))
+
+
+_CONN = "connection"
+_TRAIN = "model and training"
+_SEC = "security (see README, Security)"
+_LOG = "logging"
+
+STEPS = Option("steps", None, "steps to train (overrides --epochs)", _TRAIN, type=at_least(1))
+EPOCHS = Option("epochs", 1.0, "passes over the training set", _TRAIN, type=positive())
+N_FETCH = Option("n_fetch", 1, "pull weights every N steps", _TRAIN, type=at_least(1))
+N_PUSH = Option("n_push", 1, "push gradients every N steps (averaged)", _TRAIN, type=at_least(1))
+GRAPH = Option(
+    "graph",
+    "tf2",
+    "tf2: a compiled tf.function; tf1: the model's tf.compat.v1 graph in a Session, "
+    "loss and all gradients in one sess.run (the spec's tf1_graph)",
+    _TRAIN,
+    choices=GRAPHS,
+)
+COMPRESS = Option(
+    "compress",
+    "none",
+    "gradient compression: none, bf16 (half the bytes) or topk:RATIO (the largest "
+    "RATIO of each gradient's entries, the rest carried to the next push: error feedback)",
+    _TRAIN,
+    type=compression_text,
+    metavar="MODE",
+)
+PULL_COMPRESS = Option(
+    "pull_compress",
+    "none",
+    "bf16: ask for the weights in bfloat16 (half the bytes of every pull; the server "
+    "keeps and updates float32, the worker computes at the rounded weights, as mixed "
+    "precision training does)",
+    _TRAIN,
+    choices=PULL_COMPRESSIONS,
+)
+
+WORKER_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "server",
+        "127.0.0.1:5570",
+        "HOST:PORT of the server's REP port; with shards, every shard's, comma-separated "
+        "in shard order (HOST0:PORT0,HOST1:PORT1,...)",
+        _CONN,
+        type=endpoint_list,
+        attr="servers",
+        to_config=parse_servers,
+    ),
+    Option("id", "", "worker id (default hostname-pid)", _CONN, attr="worker_id"),
+    MODEL,
+    GRAPH,
+    DATA_DIR,
+    STEPS,
+    EPOCHS,
+    N_FETCH,
+    N_PUSH,
+    dataclasses.replace(SEED, help="data-order seed (default from the worker id)"),
+    COMPRESS,
+    PULL_COMPRESS,
+    Option(
+        "sync_wait",
+        5.0,
+        "with a sync:K/N server: longest wait, in seconds, for the next version after a "
+        "push (a second gradient from the same weights would be dropped)",
+        _CONN,
+        type=positive(),
+        attr="sync_wait_s",
+    ),
+    Option(
+        "request_timeout",
+        10.0,
+        "seconds to wait for one reply",
+        _CONN,
+        type=positive(),
+        attr="request_timeout_s",
+    ),
+    Option(
+        "server_timeout",
+        120.0,
+        "give up after the server is away this long",
+        _CONN,
+        type=positive(),
+        attr="server_timeout_s",
+    ),
+    Option(
+        "push_timeout",
+        1.0,
+        "send timeout of one push at the high-water mark",
+        _CONN,
+        type=positive(),
+        attr="push_timeout_s",
+    ),
+    Option(
+        "push_endpoint",
+        None,
+        "send gradients here instead of the port the server announces (NAT, port "
+        "mappings, proxies)",
+        _CONN,
+        type=endpoint,
+        metavar="HOST:PORT",
+        to_config=parse_server,
+    ),
+    Option(
+        "prefetch",
+        True,
+        "pull weights synchronously instead of overlapping the pull with computation",
+        _CONN,
+        bool,
+    ),
+    Option(
+        "heartbeat",
+        2.0,
+        "seconds of silence before a heartbeat",
+        _CONN,
+        type=positive(),
+        attr="heartbeat_s",
+    ),
+    dataclasses.replace(
+        KEY,
+        help="this worker's CURVE secret key (clients/NAME.key_secret from downpour keygen); "
+        "the default --id is its NAME",
+        section=_SEC,
+        attr="key_file",
+    ),
+    dataclasses.replace(SERVER_KEY, section=_SEC, attr="server_key_file"),
+    Option("log_every", 50, "steps between log lines", _LOG, type=at_least(0)),
+    LOG_LEVEL,
+    LOG_FORMAT,
+)
+
+WORKER_INTERNAL: tuple[Internal, ...] = (
+    Internal(
+        "keys",
+        security.ClientKeys | None,
+        None,
+        "CURVE on every socket when set: loaded from key_file and server_key_file at start",
+    ),
+    Internal("push_hwm", int, 4, "send high-water mark of each push socket"),
+    Internal("push_linger_s", float, 30.0, "seconds a closing push socket may flush"),
+    Internal("io_threads", int, 1, "ZeroMQ I/O threads"),
+)
+
+
+def _resolved_id(self: WorkerConfig) -> str:
+    """The configured id, or hostname-pid."""
+    return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _endpoints(self: WorkerConfig) -> tuple[tuple[str, int], ...]:
+    """The servers' REP endpoints, one per shard in shard order."""
+    return self.servers
+
+
+WorkerConfig = config_class(
+    "WorkerConfig",
+    __name__,
+    "Everything a worker needs besides the model: one attribute per ``downpour worker`` "
+    "option (WORKER_OPTIONS) and the WORKER_INTERNAL ones.",
+    WORKER_OPTIONS,
+    WORKER_INTERNAL,
+    {"resolved_id": _resolved_id, "endpoints": _endpoints},
+)
+
+
+def validate_worker(cfg: WorkerConfig) -> None:
+    """Refuse settings that contradict each other (ConfigError listing every problem)."""
+    problems: list[str] = []
+    if bool(cfg.key_file) != bool(cfg.server_key_file):
+        problems.append("--key and --server-key go together (own secret key, server.key)")
+    refuse(problems)
