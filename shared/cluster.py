@@ -210,7 +210,7 @@ class ShardSet:
                 counters=self.counters,
             )
             shard.push_port = push_port
-        log.info(
+        log.debug(
             "%s joined server %s (shard %d of %d) at version %d (model %s)",
             self.sender,
             shard.endpoint,
