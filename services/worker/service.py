@@ -4,9 +4,10 @@ DistBelief's knobs: weights are pulled every ``n_fetch`` steps (a pull of an unc
 version moves no tensors) and gradients are pushed every ``n_push`` steps, averaged over the
 steps in between. Every push carries the weight version it was computed from.
 
-Nothing blocks forever: requests time out and their REQ socket is recreated, pushes have a
-send timeout, and a server that stays away longer than ``server_timeout_s`` ends the worker
-with a clear error.
+The worker speaks to the servers only through the client layer (``downpour.cluster.ShardSet``
+over one ``downpour.client.ShardClient`` per shard and thread), where nothing blocks forever:
+requests time out and their REQ socket is recreated, pushes have a send timeout, and a server
+that stays away longer than ``server_timeout_s`` ends the worker with a clear error.
 
 With several server shards (``servers`` lists them in shard order) the worker computes the
 same partition as the shards (``downpour.partition``), pushes each shard its slice of every
