@@ -182,6 +182,10 @@ class Fetcher:
                     weights = self.client.pull(w.pull_request(self.shard, have))
                 except (ServerUnavailable, Stopped) as exc:
                     raise WorkerError(str(exc)) from None
+                except wire.ProtocolError as exc:
+                    raise WorkerError(
+                        f"server {self.client.endpoint} sent a malformed reply: {exc}"
+                    ) from None
                 self._results.put(w.prepare(self.shard, weights))
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
