@@ -7,7 +7,7 @@ checked by each), pull every shard and join the slices, split a gradient list an
 shard its slice under one sequence number, and notice a shard's new incarnation (a restart).
 
 ``pull_full`` is the one-call form for callers without a long-lived worker (``run-local``'s
-evaluator, tests, benchmarks).
+evaluator, tests, benchmarks). Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import zmq
 
 from downpour import security, wire
 from downpour.client import Hello, ShardClient, Weights
-from downpour.models import fingerprint
 from downpour.partition import Partition, make_partition
 from downpour.transport import Counters, PushSocket, ServerUnavailable, make_context, tcp
 
@@ -34,6 +33,8 @@ log = logging.getLogger("downpour.cluster")
 
 def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
     """The partition of a model's trainable variables over ``num_shards`` shards."""
+    from downpour.models import fingerprint  # Keras: only callers holding a model pay for it
+
     return make_partition(
         [v.path for v in variables],
         [tuple(int(d) for d in v.shape) for v in variables],

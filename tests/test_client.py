@@ -15,6 +15,8 @@ import zmq
 
 from downpour import wire
 from downpour.client import ShardClient
+from downpour.cluster import ShardSet
+from downpour.partition import make_partition
 from downpour.transport import (
     PushSocket,
     Refused,
@@ -302,3 +304,72 @@ def test_a_push_at_the_high_water_mark_counts_backpressure_then_gives_up(
         assert counters["dropped"] == 1
     finally:
         push.close()
+
+
+# ------------------------------------------------------------ every shard
+
+
+def test_a_shard_set_says_hello_pulls_joins_and_pushes_each_shard_its_slice(
+    ctx: zmq.Context,
+) -> None:
+    """Two shards of a (8, 3) kernel and a (3,) bias: hello carries each shard's place in the
+    partition, a pull joins the slices, a push splits the gradient under one seq, and a
+    shard answering with a new incarnation is noticed."""
+    names, shapes = ["kernel", "bias"], [(8, 3), (3,)]
+    part = make_partition(names, shapes, ["float32", "float32"], 2, "fp")
+    full = [np.arange(24, dtype=np.float32).reshape(8, 3), np.full(3, 0.5, np.float32)]
+    servers = [FakeServer(ctx), FakeServer(ctx)]
+    pulls = [ctx.socket(zmq.PULL) for _ in servers]
+    incarnations = ["a", "a"]
+    for i, (srv, sock) in enumerate(zip(servers, pulls, strict=True)):
+        push_port = sock.bind_to_random_port("tcp://127.0.0.1")
+        slice_i = dict(zip([p.wire_name for p in part.shards[i]], part.split(full)[i], strict=True))
+
+        def handle(msg: Message, i: int = i, port: int = push_port, t: dict = slice_i) -> Message:
+            if msg.type == wire.HELLO:
+                return wire.hello_reply(0, wire.HelloReply(port, incarnation=incarnations[i]))
+            return wire.weights_reply(1, wire.PullReply(incarnations[i]), t)
+
+        srv.serve(handle)
+    counters: dict[str, float] = {}
+    shards = ShardSet(
+        ctx,
+        [("127.0.0.1", s.port) for s in servers],
+        part,
+        sender="w0",
+        timeout_s=10,
+        server_timeout_s=10,
+        counters=counters,
+    )
+    try:
+        hellos = shards.hello_all("tiny")
+        assert [h.reply.push_port for h in hellos] == [s.push_port for s in shards.shards]
+        assert all(s.push is not None for s in shards.shards)
+        sent = [wire.HelloRequest.from_body(s.received[0].body) for s in servers]
+        assert [(h.shard, h.num_shards, h.partition) for h in sent] == [
+            (0, 2, part.digest),
+            (1, 2, part.digest),
+        ]
+        shards.pull_all()
+        assert shards.versions == [1, 1]
+        for got, want in zip(shards.join(), full, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+        grads = [np.ones((8, 3), np.float32), np.ones(3, np.float32)]
+        sizes = shards.push(5, grads, [1, 1], wire.PushBody(loss=0.1, steps=1))
+        assert sizes is not None and all(n > 0 for n in sizes)
+        for i, sock in enumerate(pulls):
+            assert sock.poll(10_000, zmq.POLLIN)
+            msg = wire.decode(sock.recv_multipart(copy=False))
+            assert (msg.type, msg.sender, msg.seq, msg.base_version) == (wire.PUSH, "w0", 5, 1)
+            assert list(msg.tensors) == shards.wire_names[i]
+        assert not shards.restarted_since_push()
+        incarnations[1] = "b"  # shard 1 restarts
+        shards.pull_all()
+        assert shards.restarted_since_push()
+    finally:
+        shards.close()
+        for srv in servers:
+            srv.close()
+        for sock in pulls:
+            sock.close(linger=0)
