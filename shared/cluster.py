@@ -1,26 +1,40 @@
-"""Client-side helpers for a server that may be sharded: the partition a model gets over S
-shards, and the whole model's weights pulled from every shard at once.
+"""Every shard of a partitioned model at once: the one place the "for every shard" loops live.
 
-Used by ``run-local``'s evaluator, the tests and the benchmarks; workers keep their own
-long-lived sockets (services/worker/service.py).
+A ``ShardSet`` holds one ``Shard`` per server (its ``ShardClient``, its gradient
+``PushSocket``, the incarnation and weight version last seen, the slice last pulled) and
+does what a caller needs of all of them: hello every shard (fingerprint and partition
+checked by each), pull every shard and join the slices, split a gradient list and push each
+shard its slice under one sequence number, and notice a shard's new incarnation (a restart).
+
+``pull_full`` is the one-call form for callers without a long-lived worker (``run-local``'s
+evaluator, tests, benchmarks). Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zmq
 
 from downpour import security, wire
-from downpour.models import fingerprint
+from downpour.client import Hello, ShardClient, Weights
 from downpour.partition import Partition, make_partition
-from downpour.transport import ReqClient, make_context
+from downpour.transport import Counters, PushSocket, ServerUnavailable, make_context, tcp
+
+log = logging.getLogger("downpour.cluster")
 
 
 def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
     """The partition of a model's trainable variables over ``num_shards`` shards."""
+    from downpour.models import fingerprint  # Keras: only callers holding a model pay for it
+
     return make_partition(
         [v.path for v in variables],
         [tuple(int(d) for d in v.shape) for v in variables],
@@ -28,6 +42,285 @@ def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
         num_shards,
         fingerprint(variables),
     )
+
+
+@dataclass
+class Shard:
+    """What a client holds for one server shard."""
+
+    index: int
+    host: str
+    port: int
+    push: PushSocket | None = None
+    push_port: int | None = None
+    incarnation: str | None = None
+    version: int = -1  # this shard's weight version held locally; -1 = none yet
+    arrays: list[Any] = field(default_factory=list)  # its slice, as last pulled
+    last_contact: float = field(default_factory=time.monotonic)
+    # the owning thread's client (set by ShardSet); other threads use ShardSet.new_client
+    client: ShardClient = field(init=False)
+
+    @property
+    def endpoint(self) -> str:
+        """The shard's REP endpoint."""
+        return tcp(self.host, self.port)
+
+    def touch(self) -> None:
+        """Note that the shard answered just now."""
+        self.last_contact = time.monotonic()
+
+
+class ShardSet:
+    """Clients for every shard of one model, in shard order.
+
+    ``server_timeout_s``: how long hello, pull and push wait out a server that does not
+    answer before ServerUnavailable. ``counters`` receives ``reconnects``, ``backpressure``
+    and ``dropped``; ``stop`` ends every wait early.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoints: Sequence[tuple[str, int]],
+        partition: Partition,
+        *,
+        sender: str,
+        keys: security.ClientKeys | None = None,
+        timeout_s: float = 10.0,
+        retries: int = 0,
+        server_timeout_s: float = 0.0,
+        limits: wire.Limits = wire.DEFAULT_LIMITS,
+        max_msg_bytes: int = -1,
+        push_hwm: int = 4,
+        push_timeout_s: float = 1.0,
+        push_endpoint: tuple[str, int] | None = None,
+        counters: Counters | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        if len(endpoints) != partition.num_shards:
+            raise ValueError(f"{len(endpoints)} endpoints for {partition.num_shards} shards")
+        if push_endpoint is not None and len(endpoints) > 1:
+            raise ValueError("a push endpoint override works with one server, not with shards")
+        self.ctx = ctx
+        self.partition = partition
+        self.sender = sender
+        self.keys = keys
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.server_timeout_s = server_timeout_s
+        self.limits = limits
+        self.max_msg_bytes = max_msg_bytes
+        self.push_hwm = push_hwm
+        self.push_timeout_s = push_timeout_s
+        self.push_endpoint = push_endpoint
+        self.counters: Counters = counters if counters is not None else {}
+        self.stop = stop or threading.Event()
+        self.wire_names = [[p.wire_name for p in parts] for parts in partition.shards]
+        self.n_vars = 1 + max((p.var for parts in partition.shards for p in parts), default=-1)
+        self.shards: list[Shard] = []
+        for i, (host, port) in enumerate(endpoints):
+            shard = Shard(i, host, port)
+            shard.client = self.new_client(shard)
+            self.shards.append(shard)
+        self.pushed_incarnations: list[str | None] = []  # each shard's, at the last push
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def versions(self) -> list[int]:
+        """Each shard's weight version held locally (-1: none yet)."""
+        return [s.version for s in self.shards]
+
+    @property
+    def version(self) -> int:
+        """The oldest of the shards' versions."""
+        return min(self.versions)
+
+    def new_client(self, shard: Shard) -> ShardClient:
+        """Another client for ``shard`` (one per thread): same options, its own socket."""
+        return ShardClient(
+            self.ctx,
+            shard.endpoint,
+            sender=self.sender,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            server_timeout_s=self.server_timeout_s,
+            keys=self.keys,
+            limits=self.limits,
+            max_msg_bytes=self.max_msg_bytes,
+            counters=self.counters,
+            stop=self.stop,
+            on_reply=shard.touch,
+        )
+
+    def note_incarnation(self, shard: Shard, incarnation: str | None, version: int) -> bool:
+        """Record what ``shard`` says its incarnation is; True (and a warning) when it
+        differs from the one seen before: the server restarted."""
+        restarted = shard.incarnation is not None and incarnation != shard.incarnation
+        if restarted:
+            log.warning(
+                "server %s restarted (now at version %d); continuing", shard.endpoint, version
+            )
+        shard.incarnation = incarnation
+        return restarted
+
+    def restarted_since_push(self) -> bool:
+        """Some shard has another incarnation than when the last push was sent to it."""
+        return any(
+            s.incarnation != inc
+            for s, inc in zip(self.shards, self.pushed_incarnations, strict=False)
+        )
+
+    # ------------------------------------------------------------ hello
+
+    def hello_request(self, shard: Shard, model: str) -> wire.HelloRequest:
+        """The hello body for ``shard``: the model and this client's partition of it."""
+        return wire.HelloRequest(
+            fingerprint=self.partition.fingerprint,
+            model=model,
+            variables=self.n_vars,
+            shard=shard.index,
+            num_shards=self.partition.num_shards,
+            partition=self.partition.digest,
+        )
+
+    def hello(
+        self,
+        shard: Shard,
+        model: str,
+        check: Callable[[Shard, Hello], None] | None = None,
+    ) -> Hello:
+        """Say hello to one shard (again, after a restart, too): note its incarnation, let
+        ``check`` refuse what it answered, and (re)connect the gradient socket when the push
+        port is new. Refused / ServerUnavailable / Stopped from the client."""
+        hello = shard.client.hello(self.hello_request(shard, model))
+        self.note_incarnation(shard, hello.reply.incarnation, hello.version)
+        if check is not None:
+            check(shard, hello)
+        push_port = hello.reply.push_port
+        if push_port != shard.push_port:
+            if shard.push is not None:
+                shard.push.close()
+            host, port = self.push_endpoint or (shard.host, push_port)
+            shard.push = PushSocket(
+                self.ctx,
+                tcp(host, port),
+                hwm=self.push_hwm,
+                timeout_s=self.push_timeout_s,
+                configure=security.curve_client(self.keys),
+                counters=self.counters,
+            )
+            shard.push_port = push_port
+        log.debug(
+            "%s joined server %s (shard %d of %d) at version %d (model %s)",
+            self.sender,
+            shard.endpoint,
+            shard.index,
+            self.partition.num_shards,
+            hello.version,
+            model,
+        )
+        return hello
+
+    def hello_all(
+        self, model: str, check: Callable[[Shard, Hello], None] | None = None
+    ) -> list[Hello]:
+        """Hello every shard in shard order (see ``hello``)."""
+        return [self.hello(s, model, check) for s in self.shards]
+
+    # ------------------------------------------------------------ pull
+
+    def pull_request(self, shard: Shard, encoding: str = wire.DENSE) -> wire.PullRequest:
+        """A pull of ``shard``'s weights newer than the ones held (all when none are held)."""
+        if shard.version < 0:
+            return wire.PullRequest(encoding=encoding)
+        return wire.PullRequest(shard.version, shard.incarnation, encoding)
+
+    def check_slice(self, shard: Shard, weights: Weights) -> None:
+        """ValueError unless ``weights`` (not unchanged) are exactly ``shard``'s slice."""
+        want = self.wire_names[shard.index]
+        if list(weights.tensors) != want:
+            raise ValueError(
+                f"weights from server {shard.endpoint} do not match this model's variables on "
+                f"shard {shard.index} (got {list(weights.tensors)[:3]}..., expected "
+                f"{want[:3]}...): the endpoints are not this model's shards in shard order"
+            )
+
+    def pull_all(self, encoding: str = wire.DENSE) -> list[Weights]:
+        """Every shard's weights, pulled concurrently (one short-lived client per shard);
+        each is checked to be that shard's slice."""
+
+        def pull(shard: Shard) -> Weights:
+            client = self.new_client(shard)
+            try:
+                return client.pull(self.pull_request(shard, encoding))
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(len(self.shards)) as pool:
+            replies = list(pool.map(pull, self.shards))
+        for shard, w in zip(self.shards, replies, strict=True):
+            self.note_incarnation(shard, w.reply.incarnation, w.version)
+            if not w.unchanged:
+                self.check_slice(shard, w)
+                shard.arrays, shard.version = list(w.tensors.values()), w.version
+        return replies
+
+    def join(self) -> list[Any]:
+        """The whole model's weights in variable order from every shard's slice."""
+        if len(self.shards) == 1:
+            return self.shards[0].arrays
+        return self.partition.join([s.arrays for s in self.shards], self.n_vars)
+
+    # ------------------------------------------------------------ push
+
+    def push(
+        self,
+        seq: int,
+        grads: Sequence[wire.Tensor],
+        base_versions: Sequence[int],
+        body: wire.PushBody,
+        encode: Callable[[int, list[wire.Tensor]], list[wire.WireTensor]] | None = None,
+    ) -> list[int] | None:
+        """Send every shard its slice of ``grads`` (``encode(shard index, slice)`` first, if
+        given) computed from its ``base_versions`` entry, all under ``seq``. Returns the bytes
+        sent to each shard, or None when the stop flag dropped the push while blocked.
+        ServerUnavailable when a shard takes nothing for ``server_timeout_s``."""
+        per_shard = [list(grads)] if len(self.shards) == 1 else self.partition.split(grads)
+        sizes = []
+        for shard, tensors in zip(self.shards, per_shard, strict=True):
+            assert shard.push is not None, "hello before pushing"
+            encoded = encode(shard.index, tensors) if encode is not None else tensors
+            msg = wire.push_message(
+                self.sender,
+                seq,
+                base_versions[shard.index],
+                body,
+                dict(zip(self.wire_names[shard.index], encoded, strict=True)),
+            )
+            frames = wire.encode(msg)
+            try:
+                sent = shard.push.send(frames, self.server_timeout_s, self.stop)
+            except ServerUnavailable:
+                raise ServerUnavailable(
+                    f"could not push gradients: server {shard.endpoint} not taking them"
+                ) from None
+            if not sent:
+                log.info("stopping: dropped one unsent gradient (seq %d)", seq)
+                return None
+            sizes.append(sum(memoryview(f).nbytes for f in frames))
+        self.pushed_incarnations = [s.incarnation for s in self.shards]
+        return sizes
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self, push_linger_s: float = 0.0) -> None:
+        """Close every shard's sockets; queued pushes get ``push_linger_s`` to leave (when
+        the context terminates)."""
+        for s in self.shards:
+            s.client.close()
+            if s.push is not None:
+                s.push.close(push_linger_s)
 
 
 def pull_full(
@@ -38,34 +331,22 @@ def pull_full(
     sender: str = "probe",
 ) -> tuple[list[int], list[np.ndarray]]:
     """(each shard's version, the whole model's weights in variable order), pulled from every
-    shard concurrently. ``endpoints`` are the shards' REP endpoints in shard order."""
+    shard concurrently. ``endpoints`` are the shards' REP endpoints (tcp://host:port) in
+    shard order."""
     part = partition_of(variables, len(endpoints))
     ctx = make_context()
-
-    def pull(i: int) -> wire.Message:
-        client = ReqClient(
-            ctx,
-            endpoints[i],
-            timeout_s=timeout_s,
-            retries=1,
-            configure=security.curve_client(keys),
-        )
-        try:
-            return client.request(wire.Message(wire.PULL, sender), wire.DEFAULT_LIMITS)
-        finally:
-            client.close()
-
+    hosts = [_host_port(e) for e in endpoints]
+    shards = ShardSet(ctx, hosts, part, sender=sender, keys=keys, timeout_s=timeout_s, retries=1)
     try:
-        with ThreadPoolExecutor(len(endpoints)) as pool:
-            replies = list(pool.map(pull, range(len(endpoints))))
+        replies = shards.pull_all()
+        return [w.version for w in replies], [np.array(a) for a in shards.join()]
     finally:
+        shards.close()
         ctx.term()
-    for i, (parts, reply) in enumerate(zip(part.shards, replies, strict=True)):
-        want = [p.wire_name for p in parts]
-        if list(reply.tensors) != want:
-            raise ValueError(
-                f"shard {i} at {endpoints[i]} sent {list(reply.tensors)[:3]}..., expected "
-                f"{want[:3]}...: the endpoints are not this model's shards in shard order"
-            )
-    arrays = part.join([list(r.tensors.values()) for r in replies], len(variables))
-    return [r.base_version for r in replies], [np.array(a) for a in arrays]
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    """(host, port) of tcp://host:port (IPv6 hosts in brackets)."""
+    rest = endpoint.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port)

@@ -1,44 +1,74 @@
-"""ZeroMQ plumbing shared by both services: bounded requests, binding, socket options.
+"""ZeroMQ plumbing shared by both services: bounded requests, retries, pushes, binding.
 
 Every blocking call here has a bound. A REQ socket whose reply does not arrive in time is
 closed with LINGER 0 and recreated (the ZeroMQ guide's "Lazy Pirate"), because a plain REQ
-socket waits forever when its server dies.
+socket waits forever when its server dies. ``retry_until`` repeats a request with capped,
+jittered backoff until a deadline; ``PushSocket`` sends gradients with a send timeout at its
+high-water mark and waits out back-pressure until a deadline, counting what happens.
+
+Errors are named by how to recover: ``ServerUnavailable`` (retry later, or give up after a
+deadline), ``Refused`` (fix the configuration; retrying cannot help), ``Stopped`` (the
+caller asked to stop while waiting).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, MutableMapping
+from typing import Any, TypeVar
 
 import zmq
 
 from downpour import wire
+from downpour.logs import RateLimitedLog
 from downpour.wire import Message
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+Counters = MutableMapping[str, float]  # event counts a caller wants kept (e.g. worker stats)
 
 
-class RequestTimeout(Exception):
-    """No reply within the deadline after all retries.
+class ServerUnavailable(Exception):
+    """The server did not answer (or take a push) in time.
 
-    Recovery: the server is down or unreachable; callers retry later (the socket has already
-    been recreated) or give up with a clear error.
+    Recovery: it is down, restarting or unreachable; retry later (a REQ socket has already
+    been recreated), or give up with a clear error once a deadline has passed.
+    """
+
+
+class RequestTimeout(ServerUnavailable):
+    """No reply to one request within its timeout after all retries (see ServerUnavailable)."""
+
+
+class Stopped(Exception):
+    """The caller's stop flag was set while waiting for the server.
+
+    Recovery: none needed; the caller is shutting down.
     """
 
 
 class RemoteError(Exception):
-    """The server answered with an ERROR message. ``code`` is its reason.
+    """The server answered with an ERROR message. ``code`` is its reason (``wire.R_*``),
+    ``endpoint`` the server's, when known.
 
-    Recovery: depends on the code; "fingerprint" and "version" are permanent for this worker.
+    Recovery: the request was bad; resending it unchanged fails again.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, endpoint: str | None = None) -> None:
         super().__init__(f"server refused: {code}: {message}")
         self.code = code
         self.message = message
+        self.endpoint = endpoint
+
+
+class Refused(RemoteError):
+    """The server refused this client (another model, partition or protocol version).
+
+    Recovery: fix the configuration (--model, the shard list); retrying cannot help.
+    """
 
 
 def make_context(io_threads: int = 1) -> zmq.Context:
@@ -133,7 +163,8 @@ class ReqClient:
         """Encode, send, decode the reply; ERROR replies raise RemoteError."""
         reply = wire.decode(self.request_frames(wire.encode(msg), timeout_s, retries), limits)
         if reply.type == wire.ERROR:
-            raise RemoteError(str(reply.body.get("code")), str(reply.body.get("message")))
+            err = wire.ErrorReply.from_body(reply.body)
+            raise RemoteError(err.code, err.message, self.endpoint)
         return reply
 
     def close(self) -> None:
@@ -172,3 +203,96 @@ class Deadline:
     def expired(self) -> bool:
         """True once the deadline has passed."""
         return time.monotonic() >= self.end
+
+
+def retry_until(
+    call: Callable[[], T],
+    deadline_s: float,
+    *,
+    what: str = "the server",
+    stop: threading.Event | None = None,
+    on_retry: Callable[[ServerUnavailable], None] | None = None,
+    base_s: float = 0.1,
+    cap_s: float = 2.0,
+) -> T:
+    """``call()`` repeated while it raises ServerUnavailable, with capped jittered backoff,
+    until ``deadline_s`` seconds have passed (then ServerUnavailable naming ``what``) or
+    ``stop`` is set (then Stopped). ``on_retry`` sees each failure before the pause."""
+    deadline = Deadline(deadline_s)
+    delay = backoff_delays(base_s, cap_s)
+    while True:
+        try:
+            return call()
+        except ServerUnavailable as exc:
+            if stop is not None and stop.is_set():
+                raise Stopped(f"stopped while waiting for {what}") from None
+            if deadline.expired():
+                raise ServerUnavailable(f"{what} did not answer for {deadline_s:.0f} s") from None
+            if on_retry is not None:
+                on_retry(exc)
+            pause = min(delay(), deadline.remaining())
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)  # the backoff itself, not a synchronisation
+
+
+class PushSocket:
+    """A PUSH socket to one server's gradient port that never blocks for long.
+
+    At the high-water mark (``hwm`` messages queued) a send waits ``timeout_s`` and fails;
+    ``send`` counts that as ``backpressure`` and tries again until its deadline. Queued
+    messages get ``linger_s`` to leave when the socket closes.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        *,
+        hwm: int = 4,
+        timeout_s: float = 1.0,
+        configure: Callable[[zmq.Socket], None] | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.counters: Counters = counters if counters is not None else {}
+        self._warn = RateLimitedLog(log)
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.SNDTIMEO, int(1000 * timeout_s))
+        if configure is not None:
+            configure(self.sock)
+        self.sock.connect(endpoint)
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    def send(
+        self, frames: list[Any], deadline_s: float, stop: threading.Event | None = None
+    ) -> bool:
+        """Send one message, waiting out back-pressure for up to ``deadline_s``. False when
+        ``stop`` was set while blocked: the message is dropped and counted (``dropped``).
+        ServerUnavailable when the server took nothing until the deadline."""
+        deadline = Deadline(deadline_s)
+        while True:
+            try:
+                self.sock.send_multipart(frames, copy=False)
+                return True
+            except zmq.Again:
+                self._count("backpressure")
+                self._warn.warning(
+                    "backpressure", "push blocked at the high-water mark (server slow or away)"
+                )
+                if stop is not None and stop.is_set():  # a planned stop: drop, and count it
+                    self._count("dropped")
+                    return False
+                if deadline.expired():
+                    raise ServerUnavailable(
+                        f"could not push gradients: server {self.endpoint} not taking them"
+                    ) from None
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close; queued messages get ``linger_s`` to leave (when the context terminates)."""
+        self.sock.close(linger=int(1000 * linger_s))

@@ -426,7 +426,7 @@ def encode(msg: Message) -> list[Any]:
 
 def error_message(code: str, message: str, sender: str = "server") -> Message:
     """An ERROR reply carrying a stable reason code and a human-readable message."""
-    return Message(ERROR, sender=sender, body={"code": code, "message": message})
+    return Message(ERROR, sender=sender, body=ErrorReply(code, message).to_body())
 
 
 # ---------------------------------------------------------------- decode
@@ -660,3 +660,357 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             values = _view(vbuf, dtype, (nnz, *shape[1:]))
             tensors[name] = Sparse(indices, values, shape)
     return Message(mtype, sender, seq, base_version, body, tensors)
+
+
+# ---------------------------------------------------------------- typed bodies
+#
+# One frozen dataclass per message body: ``to_body()`` builds the map a Message carries,
+# ``from_body()`` reads one back and refuses a field of the wrong type with ProtocolError
+# (R_HEADER). Absent optional fields read as their defaults; ``to_body()`` leaves out fields
+# that are None, so an older peer sees the map it always saw. Clients and the server build
+# and read bodies only through these.
+
+
+def _field(body: Mapping[str, Any], key: str, kind: str, default: Any = None) -> Any:
+    """``body[key]`` checked against ``kind`` ("int", "float", "str", "bool", "map",
+    "list"); ``default`` when absent or None."""
+    v = body.get(key)
+    if v is None:
+        return default
+    ok = {
+        "int": isinstance(v, int) and not isinstance(v, bool),
+        "float": isinstance(v, int | float) and not isinstance(v, bool),
+        "str": isinstance(v, str),
+        "bool": isinstance(v, bool),
+        "map": isinstance(v, dict),
+        "list": isinstance(v, list),
+    }[kind]
+    if not ok:
+        raise ProtocolError(R_HEADER, f"body field {key!r} must be {kind}, not {type(v).__name__}")
+    return v
+
+
+def _body_map(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ProtocolError(R_HEADER, f"body must be a map, not {type(body).__name__}")
+    return body
+
+
+def _without_none(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class HelloRequest:
+    """A worker's hello: its model and how it splits the model over the shards.
+
+    A hello without ``partition`` (a plain client) is accepted by an unsharded server.
+    """
+
+    fingerprint: str | None = None
+    model: str | None = None
+    variables: int | None = None
+    shard: int | None = None
+    num_shards: int | None = None
+    partition: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The hello body map."""
+        return _without_none(self.__dict__)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> HelloRequest:
+        """Read a hello body; ProtocolError(R_HEADER) on a field of the wrong type."""
+        b = _body_map(body)
+        return cls(
+            fingerprint=_field(b, "fingerprint", "str"),
+            model=_field(b, "model", "str"),
+            variables=_field(b, "variables", "int"),
+            shard=_field(b, "shard", "int"),
+            num_shards=_field(b, "num_shards", "int"),
+            partition=_field(b, "partition", "str"),
+        )
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """The server's answer to hello (the message's base_version is its weight version).
+
+    ``encodings`` is None for a server that predates compression (it decodes dense and
+    sparse); ``policy`` is the server's staleness policy, e.g. ``sync:2/2``.
+    """
+
+    push_port: int
+    status_port: int | None = None
+    fingerprint: str | None = None
+    model: str | None = None
+    last_seq: int = 0
+    payload_bytes: int | None = None
+    incarnation: str | None = None
+    encodings: tuple[str, ...] | None = None
+    policy: str = ""
+    shard: int | None = None
+    num_shards: int | None = None
+    partition: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The hello reply body map."""
+        body = _without_none(self.__dict__)
+        if self.encodings is not None:
+            body["encodings"] = list(self.encodings)
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> HelloReply:
+        """Read a hello reply body; ProtocolError(R_HEADER) when ``push_port`` is missing or
+        a field has the wrong type."""
+        b = _body_map(body)
+        push_port = _field(b, "push_port", "int")
+        if push_port is None or not 0 < push_port < 65536:
+            raise ProtocolError(R_HEADER, f"hello reply push_port {push_port!r} is not a port")
+        encodings = _field(b, "encodings", "list")
+        if encodings is not None and not all(isinstance(e, str) for e in encodings):
+            raise ProtocolError(R_HEADER, "hello reply encodings must be strings")
+        return cls(
+            push_port=push_port,
+            status_port=_field(b, "status_port", "int"),
+            fingerprint=_field(b, "fingerprint", "str"),
+            model=_field(b, "model", "str"),
+            last_seq=_field(b, "last_seq", "int", 0),
+            payload_bytes=_field(b, "payload_bytes", "int"),
+            incarnation=_field(b, "incarnation", "str"),
+            encodings=None if encodings is None else tuple(encodings),
+            policy=_field(b, "policy", "str", ""),
+            shard=_field(b, "shard", "int"),
+            num_shards=_field(b, "num_shards", "int"),
+            partition=_field(b, "partition", "str"),
+        )
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """A weight pull. ``have``: the version the sender holds from server ``incarnation``
+    (None: it holds none, send everything). ``encoding``: dense or bf16 weights."""
+
+    have: int | None = None
+    incarnation: str | None = None
+    encoding: str = DENSE
+
+    def to_body(self) -> dict[str, Any]:
+        """The pull body map (``encoding`` only when not dense: an older server accepts it)."""
+        body: dict[str, Any] = {}
+        if self.have is not None:
+            body["have"] = self.have
+            body["incarnation"] = self.incarnation
+        if self.encoding != DENSE:
+            body["encoding"] = self.encoding
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PullRequest:
+        """Read a pull body; ProtocolError(R_HEADER) on a field of the wrong type. Which
+        encodings a server serves is the server's check."""
+        b = _body_map(body)
+        return cls(
+            have=_field(b, "have", "int"),
+            incarnation=_field(b, "incarnation", "str"),
+            encoding=_field(b, "encoding", "str", DENSE),
+        )
+
+
+@dataclass(frozen=True)
+class PullReply:
+    """The body of a weights reply: the server's ``incarnation``; ``unchanged`` when the
+    sender's version is current (no tensors follow); ``dropped_stale``: how many of the
+    sender's gradients the policy dropped as too old since its last pull."""
+
+    incarnation: str | None = None
+    unchanged: bool = False
+    dropped_stale: int = 0
+
+    def to_body(self) -> dict[str, Any]:
+        """The weights body map."""
+        body: dict[str, Any] = _without_none({"incarnation": self.incarnation})
+        if self.unchanged:
+            body["unchanged"] = True
+        if self.dropped_stale:
+            body["dropped_stale"] = self.dropped_stale
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PullReply:
+        """Read a weights body; ProtocolError(R_HEADER) on a field of the wrong type."""
+        b = _body_map(body)
+        dropped = _field(b, "dropped_stale", "int", 0)
+        if dropped < 0:
+            raise ProtocolError(R_HEADER, f"dropped_stale {dropped} is negative")
+        return cls(
+            incarnation=_field(b, "incarnation", "str"),
+            unchanged=_field(b, "unchanged", "bool", False),
+            dropped_stale=dropped,
+        )
+
+
+@dataclass(frozen=True)
+class PushBody:
+    """The scalars a gradient push carries: the last batch's loss, the batch size, the
+    worker's step count and its figures (``downpour.metrics.WORKER_REPORTED``)."""
+
+    loss: float | None = None
+    batch_size: int | None = None
+    steps: int | None = None
+    stats: Mapping[str, float] | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The push body map."""
+        return _without_none(self.__dict__)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PushBody:
+        """Read a push body; ProtocolError(R_HEADER) on a field of the wrong type."""
+        b = _body_map(body)
+        return cls(
+            loss=_field(b, "loss", "float"),
+            batch_size=_field(b, "batch_size", "int"),
+            steps=_field(b, "steps", "int"),
+            stats=_field(b, "stats", "map"),
+        )
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest:
+    """A silent worker's "still alive", with its figures."""
+
+    stats: Mapping[str, float] | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The heartbeat body map."""
+        return _without_none(self.__dict__)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> HeartbeatRequest:
+        """Read a heartbeat body; ProtocolError(R_HEADER) on a field of the wrong type."""
+        return cls(stats=_field(_body_map(body), "stats", "map"))
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """The server's answer to a heartbeat (base_version: its weight version)."""
+
+    incarnation: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The heartbeat reply body map."""
+        return _without_none(self.__dict__)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> HeartbeatReply:
+        """Read a heartbeat reply body; ProtocolError(R_HEADER) on a wrong type."""
+        return cls(incarnation=_field(_body_map(body), "incarnation", "str"))
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """A status reply: the server's status document (plain types, JSON-serialisable)."""
+
+    doc: Mapping[str, Any]
+
+    def to_body(self) -> dict[str, Any]:
+        """The status reply body map: the document itself."""
+        return dict(self.doc)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> StatusReply:
+        """Read a status body (any map is a document)."""
+        return cls(dict(_body_map(body)))
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An ERROR reply: a stable reason ``code`` (the R_* names) and a text for people."""
+
+    code: str
+    message: str = ""
+
+    def to_body(self) -> dict[str, Any]:
+        """The error body map."""
+        return {"code": self.code, "message": self.message}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ErrorReply:
+        """Read an error body; a missing or mistyped code reads as R_INTERNAL."""
+        b = _body_map(body)
+        code = b.get("code")
+        message = b.get("message")
+        return cls(
+            code if isinstance(code, str) else R_INTERNAL,
+            message if isinstance(message, str) else str(message or ""),
+        )
+
+
+def hello_request(sender: str, body: HelloRequest) -> Message:
+    """A HELLO request message."""
+    return Message(HELLO, sender, body=body.to_body())
+
+
+def hello_reply(version: int, body: HelloReply, sender: str = "server") -> Message:
+    """The server's HELLO reply at weight ``version``."""
+    return Message(HELLO, sender, base_version=version, body=body.to_body())
+
+
+def pull_request(sender: str, body: PullRequest | None = None) -> Message:
+    """A PULL request message."""
+    return Message(PULL, sender, body=(body or PullRequest()).to_body())
+
+
+def weights_reply(
+    version: int,
+    body: PullReply,
+    tensors: Mapping[str, WireTensor] | None = None,
+    sender: str = "server",
+) -> Message:
+    """The server's WEIGHTS reply: ``tensors`` at ``version`` (none when unchanged)."""
+    return Message(
+        WEIGHTS, sender, base_version=version, body=body.to_body(), tensors=dict(tensors or {})
+    )
+
+
+def push_message(
+    sender: str,
+    seq: int,
+    base_version: int,
+    body: PushBody,
+    tensors: Mapping[str, WireTensor],
+) -> Message:
+    """A PUSH message: gradients computed from ``base_version``, under sequence ``seq``."""
+    return Message(
+        PUSH, sender, seq=seq, base_version=base_version, body=body.to_body(), tensors=dict(tensors)
+    )
+
+
+def heartbeat_request(sender: str, body: HeartbeatRequest) -> Message:
+    """A HEARTBEAT request message."""
+    return Message(HEARTBEAT, sender, body=body.to_body())
+
+
+def heartbeat_reply(version: int, body: HeartbeatReply, sender: str = "server") -> Message:
+    """The server's HEARTBEAT reply at weight ``version``."""
+    return Message(HEARTBEAT, sender, base_version=version, body=body.to_body())
+
+
+def status_request(sender: str) -> Message:
+    """A STATUS request message (for the status socket)."""
+    return Message(STATUS, sender)
+
+
+def status_reply(doc: Mapping[str, Any], sender: str = "server") -> Message:
+    """The server's STATUS reply carrying its status document."""
+    return Message(STATUS, sender, body=StatusReply(doc).to_body())
+
+
+def expect(reply: Message, mtype: str) -> Message:
+    """``reply`` if it is of type ``mtype``; ProtocolError(R_TYPE) otherwise (an ERROR
+    reply is the caller's to turn into its own error first)."""
+    if reply.type != mtype:
+        raise ProtocolError(R_TYPE, f"expected a {mtype!r} reply, got {reply.type!r}")
+    return reply

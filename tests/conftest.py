@@ -260,19 +260,20 @@ def wait_until(predicate: Any, timeout: float, what: str = "condition") -> Any:
         time.sleep(0.05)
 
 
-def pull_weights(endpoint: str, body: dict[str, Any] | None = None) -> tuple[int, list[Any]]:
-    """(version, copies of every weight) straight from a server's REP socket (``body``: the
-    pull request's, e.g. ``{"encoding": "bf16"}``)."""
+def pull_weights(endpoint: str, encoding: str = "dense") -> tuple[int, list[Any]]:
+    """(version, copies of every weight) straight from a server's REP socket, through the
+    shard client (``encoding``: the weights' on the wire, e.g. ``"bf16"``)."""
     import numpy as np
 
     from downpour import wire
-    from downpour.transport import ReqClient, make_context
+    from downpour.client import ShardClient
+    from downpour.transport import make_context
 
     ctx = make_context()
-    client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
+    client = ShardClient(ctx, endpoint, sender="test-probe", timeout_s=10)
     try:
-        reply = client.request(wire.Message(wire.PULL, "test-probe", body=body or {}))
-        return reply.base_version, [np.array(a) for a in reply.tensors.values()]
+        weights = client.pull(wire.PullRequest(encoding=encoding))
+        return weights.version, [np.array(a) for a in weights.tensors.values()]
     finally:
         client.close()
         ctx.term()

@@ -113,7 +113,7 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
     before = bytes_out_after(pulls)
     version, dense = pull_weights(server.rep)
     middle = bytes_out_after(pulls + 1)
-    version_bf16, rounded = pull_weights(server.rep, {"encoding": "bf16"})
+    version_bf16, rounded = pull_weights(server.rep, "bf16")
     after = bytes_out_after(pulls + 2)
     assert version == version_bf16 == 30
     assert after - middle < 0.51 * (middle - before)  # half the bytes of the float32 pull
@@ -124,7 +124,7 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
 
     # an encoding the server does not offer: a clear error, counted, nothing changed
     with pytest.raises(RemoteError) as err:
-        pull_weights(server.rep, {"encoding": "fp8"})
+        pull_weights(server.rep, "fp8")
     assert err.value.code == wire.R_HEADER and "fp8" in err.value.message
     doc = wait_until(
         lambda: (d := fetch_status(server.status))["rejected_total"] == 1 and d,

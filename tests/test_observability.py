@@ -30,7 +30,8 @@ from conftest import ROOT, Cluster, Service, env, wait_until
 from downpour import wire
 from downpour.cli.local import wait_ready
 from downpour.cli.status import fetch_status
-from downpour.transport import ReqClient, make_context
+from downpour.client import ShardClient
+from downpour.transport import make_context
 from downpour.wire import Message
 
 FOREVER = "1000000"  # steps: the workers train until the fixture stops them
@@ -110,10 +111,10 @@ def obs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Obs]:
 def _version(endpoint: str) -> int:
     """The server's version, asked on its REP socket (not through the status socket)."""
     ctx = make_context()
-    client = ReqClient(ctx, endpoint, timeout_s=10, retries=0)
+    client = ShardClient(ctx, endpoint, sender="probe", timeout_s=10)
     try:
-        body = {"have": -2, "incarnation": ""}  # never matches: the reply carries the version
-        return client.request(Message(wire.PULL, "probe", body=body)).base_version
+        # a version held that never matches: the reply carries the weights and the version
+        return client.pull(wire.PullRequest(have=-2, incarnation="")).version
     finally:
         client.close()
         ctx.term()

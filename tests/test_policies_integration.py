@@ -16,13 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 from conftest import ROOT, Cluster, Service, env, pull_weights, summary, wait_until
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.transport import ReqClient, make_context
-from downpour.wire import Message
+from downpour.client import ShardClient, Weights
+from downpour.transport import PushSocket, make_context
 
 LR = 0.1
 SGD = ("--optimizer", "sgd", "--lr", str(LR))
@@ -44,13 +43,12 @@ class Probe:
     def __init__(self, server: Service) -> None:
         self.server = server
         self.ctx = make_context()
-        self.req = ReqClient(self.ctx, server.rep, timeout_s=10, retries=0)
-        reply = self.req.request(Message(wire.PULL, "probe"))
-        self.names = list(reply.tensors)
-        self.shapes = [np.shape(a) for a in reply.tensors.values()]
-        self.push_sock = self.ctx.socket(zmq.PUSH)
-        self.push_sock.setsockopt(zmq.LINGER, 0)
-        self.push_sock.connect(f"tcp://127.0.0.1:{server.info['push_port']}")
+        self.clients: dict[str, ShardClient] = {}  # one per sender: a pull speaks as one
+        weights = self.pull("probe")
+        self.names = list(weights.tensors)
+        self.shapes = [np.shape(a) for a in weights.tensors.values()]
+        endpoint = f"tcp://127.0.0.1:{server.info['push_port']}"
+        self.push_sock = PushSocket(self.ctx, endpoint, hwm=1000, timeout_s=1.0)
         self.seqs: dict[str, int] = {}
         self.sent = 0
 
@@ -59,10 +57,8 @@ class Probe:
         self.seqs[sender] = self.seqs.get(sender, 0) + 1
         shapes = zip(self.names, self.shapes, strict=True)
         tensors = {n: np.full(s, value, np.float32) for n, s in shapes}
-        msg = Message(
-            wire.PUSH, sender, seq=self.seqs[sender], base_version=base_version, tensors=tensors
-        )
-        self.push_sock.send_multipart(wire.encode(msg))
+        msg = wire.push_message(sender, self.seqs[sender], base_version, wire.PushBody(), tensors)
+        self.push_sock.send(wire.encode(msg), deadline_s=30)
         self.sent += 1
 
     def settled(self) -> dict[str, Any]:
@@ -79,13 +75,18 @@ class Probe:
 
         return wait_until(done, 30, f"the server to take the probe's {self.sent} pushes")
 
-    def pull(self, sender: str) -> Message:
-        """A pull as ``sender`` (its reply body tells it about dropped stale gradients)."""
-        return self.req.request(Message(wire.PULL, sender))
+    def pull(self, sender: str) -> Weights:
+        """A pull as ``sender`` (its reply tells it about dropped stale gradients)."""
+        if sender not in self.clients:
+            self.clients[sender] = ShardClient(
+                self.ctx, self.server.rep, sender=sender, timeout_s=10
+            )
+        return self.clients[sender].pull()
 
     def close(self) -> None:
-        self.req.close()
-        self.push_sock.close(0)
+        for client in self.clients.values():
+            client.close()
+        self.push_sock.close()
         self.ctx.term()
 
 
@@ -207,8 +208,8 @@ def test_bounded_drops_stale_gradients_and_tells_the_worker(
     assert doc["version"] == 1 and doc["rejected_total"] == 0  # a drop is not an error
     assert doc["policy"]["counters"]["dropped_stale"] == 1
     assert doc["workers"]["a"]["dropped"] == 1 and doc["workers"]["a"]["last_seq"] == 1
-    assert probe.pull("a").body["dropped_stale"] == 1  # told once, at its next pull
-    assert "dropped_stale" not in probe.pull("a").body
+    assert probe.pull("a").reply.dropped_stale == 1  # told once, at its next pull
+    assert probe.pull("a").reply.dropped_stale == 0
     probe.push("a", 1, 0.5)  # staleness 0: applied
     doc = probe.settled()
     assert doc["version"] == 2 and doc["workers"]["a"]["applied"] == 1

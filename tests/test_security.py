@@ -23,7 +23,8 @@ from relay import UP, Relay
 
 from downpour import security, wire
 from downpour.cli.status import fetch_status
-from downpour.transport import ReqClient, RequestTimeout
+from downpour.client import ShardClient
+from downpour.transport import RequestTimeout
 from downpour.wire import Message
 
 TINY_NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]
@@ -75,13 +76,11 @@ def pull(
     ctx: zmq.Context, server: Service, keys: security.ClientKeys | None, timeout_s: float = 5
 ) -> tuple[int, list[np.ndarray]]:
     """(version, copies of the weights) pulled from the REP socket."""
-    client = ReqClient(
-        ctx, server.rep, timeout_s=timeout_s, retries=0, configure=security.curve_client(keys)
-    )
     sender = keys.keypair.name if keys is not None else "test-probe"  # CURVE binds the name
+    client = ShardClient(ctx, server.rep, sender=sender, timeout_s=timeout_s, keys=keys)
     try:
-        reply = client.request(Message(wire.PULL, sender))
-        return reply.base_version, [np.array(a) for a in reply.tensors.values()]
+        weights = client.pull()
+        return weights.version, [np.array(a) for a in weights.tensors.values()]
     finally:
         client.close()
 
@@ -258,8 +257,8 @@ def test_null_clients_are_refused_on_all_three_sockets(
     cluster: Cluster, keys: Path, ctx: zmq.Context
 ) -> None:
     server = cluster.server("--keys", str(keys))
-    plain = ReqClient(ctx, server.rep, timeout_s=1, retries=0)
-    assert refused(lambda: plain.request(Message(wire.HELLO, "w0", body={})))
+    plain = ShardClient(ctx, server.rep, sender="w0", timeout_s=1)
+    assert refused(lambda: plain.hello(wire.HelloRequest()))
     plain.close()
     push = push_socket(ctx, f"tcp://127.0.0.1:{server.info['push_port']}", None)
     push.send_multipart(gradients("w0", 1))

@@ -5,7 +5,8 @@ servers' figures side by side and one row per worker merged over the shards. ``-
 redraws it every few seconds; ``--json`` prints the documents unchanged (one endpoint: its
 document; several: ``{endpoint: document}``; with ``--watch``: one compact line per refresh).
 
-Imports no TensorFlow, so it answers in a fraction of a second.
+The documents come through the shard client's status call (``downpour.client.fetch_status``,
+re-exported here). Imports no TensorFlow, so it answers in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -15,28 +16,10 @@ import sys
 import time
 from typing import Any
 
-from downpour import wire
-from downpour.security import ClientKeys, curve_client
-from downpour.transport import ReqClient, make_context
-from downpour.wire import Message
+from downpour.client import fetch_status
+from downpour.security import ClientKeys
 
-
-def fetch_status(
-    endpoint: str, timeout_s: float = 5.0, keys: ClientKeys | None = None
-) -> dict[str, Any]:
-    """The status document of the server at ``endpoint`` (tcp://host:port).
-
-    With ``keys`` the request goes over CURVE (a server started with --keys answers nothing
-    else: a refused key looks like a server that does not answer).
-    """
-    ctx = make_context()
-    client = ReqClient(ctx, endpoint, timeout_s=timeout_s, retries=0, configure=curve_client(keys))
-    try:
-        reply = client.request(Message(wire.STATUS, "status-cli"))
-        return reply.body
-    finally:
-        client.close()
-        ctx.term()
+__all__ = ["fetch_status", "main", "render", "render_cluster"]
 
 
 def normalise_endpoint(target: str) -> str:

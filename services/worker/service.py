@@ -4,9 +4,10 @@ DistBelief's knobs: weights are pulled every ``n_fetch`` steps (a pull of an unc
 version moves no tensors) and gradients are pushed every ``n_push`` steps, averaged over the
 steps in between. Every push carries the weight version it was computed from.
 
-Nothing blocks forever: requests time out and their REQ socket is recreated, pushes have a
-send timeout, and a server that stays away longer than ``server_timeout_s`` ends the worker
-with a clear error.
+The worker speaks to the servers only through the client layer (``downpour.cluster.ShardSet``
+over one ``downpour.client.ShardClient`` per shard and thread), where nothing blocks forever:
+requests time out and their REQ socket is recreated, pushes have a send timeout, and a server
+that stays away longer than ``server_timeout_s`` ends the worker with a clear error.
 
 With several server shards (``servers`` lists them in shard order) the worker computes the
 same partition as the shards (``downpour.partition``), pushes each shard its slice of every
@@ -38,29 +39,28 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
 
-from downpour import security, wire
+from downpour import wire
+from downpour.client import Hello, Weights
+from downpour.cluster import Shard, ShardSet
 from downpour.data import Dataset
-from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
+from downpour.logs import set_log_context, stop_on_signals
 from downpour.metrics import Rate, new_worker_stats
 from downpour.models import build_model, evaluate, fingerprint
 from downpour.partition import make_partition
 from downpour.spec import ModelSpec
 from downpour.transport import (
     Deadline,
+    Refused,
     RemoteError,
-    ReqClient,
-    RequestTimeout,
+    ServerUnavailable,
+    Stopped,
     backoff_delays,
     make_context,
-    tcp,
 )
-from downpour.wire import Message
 from downpour.worker.compress import Compressor, parse_compression
 from downpour.worker.settings import WorkerConfig
 from downpour.worker.step import Accumulator, GradientStep
@@ -73,23 +73,6 @@ RECENT_LOSSES = 20  # the summary's loss_recent averages this many last batches 
 
 class WorkerError(Exception):
     """The worker cannot go on (refused by the server, or the server stayed away too long)."""
-
-
-@dataclass
-class Link:
-    """What the worker holds for one server shard: sockets, incarnation, weights and version."""
-
-    index: int
-    host: str
-    port: int
-    req: ReqClient
-    push_sock: zmq.Socket | None = None
-    push_port: int | None = None
-    incarnation: str | None = None
-    version: int = -1  # this shard's weight version held locally; -1 = none yet
-    arrays: list[Any] = field(default_factory=list)  # its parts, as last pulled (maybe tensors)
-    fetcher: Fetcher | None = None
-    last_contact: float = field(default_factory=time.monotonic)
 
 
 def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -115,14 +98,14 @@ class Fetcher:
     the shard does not mistake a busy worker for a missing one.
     """
 
-    def __init__(self, worker: Worker, link: Link) -> None:
+    def __init__(self, worker: Worker, shard: Shard) -> None:
         self.worker = worker
-        self.link = link
-        self.client = worker.new_client(link.host, link.port)
+        self.shard = shard
+        self.client = worker.shards.new_client(shard)
         self._requests: queue.Queue[int | None] = queue.Queue(maxsize=1)
-        self._results: queue.Queue[Message | BaseException] = queue.Queue()
+        self._results: queue.Queue[Weights | BaseException] = queue.Queue()
         self._thread = threading.Thread(
-            target=self._loop, name=f"fetcher-{link.index}", daemon=True
+            target=self._loop, name=f"fetcher-{shard.index}", daemon=True
         )
         self._thread.start()
 
@@ -130,7 +113,7 @@ class Fetcher:
         """Start fetching weights newer than ``have``."""
         self._requests.put_nowait(have)
 
-    def take(self) -> Message:
+    def take(self) -> Weights:
         """The reply to the last request; waits at most the worker's server timeout."""
         cfg = self.worker.config
         bound = cfg.server_timeout_s + 2 * cfg.request_timeout_s + 5.0
@@ -155,20 +138,25 @@ class Fetcher:
             if have is None:
                 return
             try:
-                reply = w.call(self.link, self.client, w.pull_message(self.link, have))
-                self._results.put(w.prepare(self.link, reply))
+                try:
+                    weights = self.client.pull(w.pull_request(self.shard, have))
+                except (ServerUnavailable, Stopped) as exc:
+                    raise WorkerError(str(exc)) from None
+                except wire.ProtocolError as exc:
+                    raise WorkerError(
+                        f"server {self.client.endpoint} sent a malformed reply: {exc}"
+                    ) from None
+                self._results.put(w.prepare(self.shard, weights))
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
 
     def _heartbeat(self) -> None:
         w = self.worker
-        if time.monotonic() - self.link.last_contact < w.config.heartbeat_s or w.stopping():
+        if time.monotonic() - self.shard.last_contact < w.config.heartbeat_s or w.stopping():
             return
-        msg = Message(wire.HEARTBEAT, w.id, body={"stats": dict(w.stats)})
         try:
-            self.client.request(msg, w.limits, retries=0)
-            self.link.last_contact = time.monotonic()
-        except (RequestTimeout, RemoteError, wire.ProtocolError) as exc:
+            self.client.heartbeat(dict(w.stats))
+        except (ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
             log.debug("heartbeat failed: %s", exc)
 
     def close(self) -> bool:
@@ -214,31 +202,42 @@ class Worker:
             len(endpoints),
             self.fingerprint,
         )
-        self.wire_names = [[p.wire_name for p in parts] for parts in self.partition.shards]
         self.seq = 0
         self._stop = threading.Event()
-        self._warn = RateLimitedLog(log)
         # Sent with every push and heartbeat; names and units: downpour.metrics.WORKER_REPORTED.
+        # The client layer counts reconnects, backpressure and dropped pushes into it.
         self.stats: dict[str, float] = new_worker_stats()
         self._step_rate = Rate(10.0)
         self.ctx = make_context(config.io_threads)
-        self.links = [
-            Link(i, host, port, self.new_client(host, port))
-            for i, (host, port) in enumerate(endpoints)
-        ]
+        self.shards = ShardSet(
+            self.ctx,
+            endpoints,
+            self.partition,
+            sender=self.id,
+            keys=config.keys,  # CURVE on every socket, and again after a recreate
+            timeout_s=config.request_timeout_s,
+            server_timeout_s=config.server_timeout_s,
+            limits=self.limits,
+            max_msg_bytes=self.limits.max_total_bytes,
+            push_hwm=config.push_hwm,
+            push_timeout_s=config.push_timeout_s,
+            push_endpoint=config.push_endpoint,
+            counters=self.stats,
+            stop=self._stop,
+        )
+        self.fetchers: list[Fetcher] = []  # one per shard, started by run()
         # one per shard: a top-k residual is kept per position in that shard's slice list
         self.compressors: list[Compressor] = [
-            parse_compression(config.compress) for _ in self.links
+            parse_compression(config.compress) for _ in self.shards.shards
         ]
         self._refresh = False  # a shard dropped a stale gradient: pull fresh weights next step
         self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
         self._sync_stalled = False  # a sync wait timed out and no version moved since
-        self._pushed_incarnations: list[str | None] = []  # each shard's, at the last push
 
     @property
     def version(self) -> int:
         """The weight version held (with shards: the oldest of the shards' versions)."""
-        return min(link.version for link in self.links)
+        return self.shards.version
 
     # ------------------------------------------------------------ lifecycle
 
@@ -258,12 +257,9 @@ class Worker:
         """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
         self._stop.set()  # ends any retry loop still waiting on the server
         clean = True
-        for link in self.links:
-            if link.fetcher is not None:
-                clean = link.fetcher.close() and clean
-            link.req.close()
-            if link.push_sock is not None:
-                link.push_sock.close(linger=int(1000 * self.config.push_linger_s))
+        for fetcher in self.fetchers:
+            clean = fetcher.close() and clean
+        self.shards.close(self.config.push_linger_s)
         if clean:
             self.ctx.term()  # waits up to the push linger for queued gradients to leave
         else:
@@ -271,191 +267,115 @@ class Worker:
 
     # ------------------------------------------------------------ server calls
 
-    def new_client(self, host: str, port: int) -> ReqClient:
-        """A REQ client for a server's REP port (one per thread)."""
-        return ReqClient(
-            self.ctx,
-            tcp(host, port),
-            timeout_s=self.config.request_timeout_s,
-            retries=0,
-            max_msg_bytes=self.limits.max_total_bytes,
-            configure=security.curve_client(self.config.keys),  # CURVE survives a recreate
-        )
-
-    def call(self, link: Link, client: ReqClient, msg: Message) -> Message:
-        """One request, retried with capped backoff until server_timeout_s; never hangs."""
-        deadline = Deadline(self.config.server_timeout_s)
-        delay = backoff_delays(0.1, 2.0)
-        while True:
-            try:
-                reply = client.request(msg, self.limits)
-                link.last_contact = time.monotonic()
-                return reply
-            except RequestTimeout:
-                if self._stop.is_set():
-                    raise WorkerError("stopped while waiting for the server") from None
-                if deadline.expired():
-                    raise WorkerError(
-                        f"server {client.endpoint} did not answer for "
-                        f"{self.config.server_timeout_s:.0f} s"
-                    ) from None
-                self.stats["reconnects"] += 1
-                log.warning("server %s not answering; retrying", client.endpoint)
-                self._stop.wait(min(delay(), deadline.remaining()))
-
     def hello(self) -> None:
         """Introduce ourselves to every shard; learn the gradient ports and where our
         sequence resumes."""
-        for link in self.links:
-            self._hello(link)
-
-    def _hello(self, link: Link) -> None:
-        msg = Message(
-            wire.HELLO,
-            self.id,
-            body={
-                "fingerprint": self.fingerprint,
-                "model": self.spec.name,
-                "variables": len(self.names),
-                "shard": link.index,
-                "num_shards": self.partition.num_shards,
-                "partition": self.partition.digest,
-            },
-        )
         try:
-            reply = self.call(link, link.req, msg)
-        except RemoteError as exc:
-            raise WorkerError(
-                f"server {link.req.endpoint} refused this worker: {exc.message}"
-            ) from None
-        self._note_incarnation(link, reply)
-        self._check_encodings(link, reply)
-        self.sync = str(reply.body.get("policy", "")).startswith("sync:")
-        push_port = int(reply.body["push_port"])
-        self.seq = max(self.seq, int(reply.body.get("last_seq", 0)))
-        if push_port != link.push_port:
-            if link.push_sock is not None:
-                link.push_sock.close(linger=0)
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.config.push_hwm)
-            sock.setsockopt(zmq.SNDTIMEO, int(1000 * self.config.push_timeout_s))
-            if self.config.keys is not None:
-                security.configure_curve_client(sock, self.config.keys)
-            sock.connect(tcp(*(self.config.push_endpoint or (link.host, push_port))))
-            link.push_sock, link.push_port = sock, push_port
-        log.info(
-            "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
-            self.id,
-            link.req.endpoint,
-            link.index,
-            self.partition.num_shards,
-            reply.base_version,
-            self.spec.name,
-        )
-
-    def _check_encodings(self, link: Link, reply: Message) -> None:
-        """Refuse to start when the server cannot decode what --compress sends."""
-        comp = self.compressors[link.index]
-        offered = reply.body.get("encodings")
-        if not isinstance(offered, list):
-            offered = [wire.DENSE, wire.SPARSE]  # a server from before compression
-        missing = sorted(comp.encodings - {str(e) for e in offered})
-        if missing:
-            raise WorkerError(
-                f"server {link.req.endpoint} cannot decode the {', '.join(missing)} encoding "
-                f"that --compress {comp.spec} sends (it decodes {', '.join(map(str, offered))}): "
-                "upgrade the server or use --compress none"
+            hellos = self.shards.hello_all(self.spec.name, check=self._check_hello)
+        except Refused as exc:
+            raise WorkerError(f"server {exc.endpoint} refused this worker: {exc.message}") from None
+        except (ServerUnavailable, Stopped) as exc:
+            raise WorkerError(str(exc)) from None
+        for shard, hello in zip(self.shards.shards, hellos, strict=True):
+            log.info(
+                "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
+                self.id,
+                shard.endpoint,
+                shard.index,
+                self.partition.num_shards,
+                hello.version,
+                self.spec.name,
             )
 
-    def pull_message(self, link: Link, have: int) -> Message:
-        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
-        body: dict[str, Any] = {"have": have, "incarnation": link.incarnation} if have >= 0 else {}
-        if self.config.pull_compress == "bf16":  # a server from before it sends float32: fine
-            body["encoding"] = wire.BF16
-        return Message(wire.PULL, self.id, body=body)
+    def _check_hello(self, shard: Shard, hello: Hello) -> None:
+        """What a shard's hello tells this worker: refuse to start when it cannot decode what
+        --compress sends; learn its policy and where our sequence resumes."""
+        comp = self.compressors[shard.index]
+        offered = hello.reply.encodings
+        if offered is None:
+            offered = (wire.DENSE, wire.SPARSE)  # a server from before compression
+        missing = sorted(comp.encodings - set(offered))
+        if missing:
+            raise WorkerError(
+                f"server {shard.endpoint} cannot decode the {', '.join(missing)} encoding "
+                f"that --compress {comp.spec} sends (it decodes {', '.join(offered)}): "
+                "upgrade the server or use --compress none"
+            )
+        self.sync = hello.reply.policy.startswith("sync:")
+        self.seq = max(self.seq, hello.reply.last_seq)
 
-    def prepare(self, link: Link, reply: Message) -> Message:
+    def pull_request(self, shard: Shard, have: int) -> wire.PullRequest:
+        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
+        # a server from before bf16 pulls sends float32: fine
+        encoding = wire.BF16 if self.config.pull_compress == "bf16" else wire.DENSE
+        if have < 0:
+            return wire.PullRequest(encoding=encoding)
+        return wire.PullRequest(have, shard.incarnation, encoding)
+
+    def prepare(self, shard: Shard, weights: Weights) -> Weights:
         """On the fetcher thread: a single shard's new weights converted for the step function
         (``GradientStep.prepare``), off the training thread. Several shards' slices are joined
         first, which needs every reply, so ``install`` converts those."""
         if (
-            len(self.links) == 1
-            and not reply.body.get("unchanged")
-            and list(reply.tensors) == self.wire_names[link.index]
+            len(self.shards.shards) == 1
+            and not weights.unchanged
+            and list(weights.tensors) == self.shards.wire_names[shard.index]
         ):
-            prepared = self.step_fn.prepare(list(reply.tensors.values()))
-            reply.tensors = dict(zip(reply.tensors, prepared, strict=True))
-        return reply
+            prepared = self.step_fn.prepare(list(weights.tensors.values()))
+            return weights.with_tensors(dict(zip(weights.tensors, prepared, strict=True)))
+        return weights
 
-    def install(self, replies: list[Message], started: float) -> None:
+    def install(self, replies: list[Weights], started: float) -> None:
         """Load the weights of one pull reply per shard into the model, unless all are
         unchanged; a step then never sees weights of two pulls."""
         self.stats["pulls"] += 1
         changed = False
-        for link, reply in zip(self.links, replies, strict=True):
-            self._note_incarnation(link, reply)
-            dropped = reply.body.get("dropped_stale")
-            if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
-                self.stats["dropped_stale"] += dropped
+        for shard, weights in zip(self.shards.shards, replies, strict=True):
+            self.shards.note_incarnation(shard, weights.reply.incarnation, weights.version)
+            if weights.reply.dropped_stale > 0:
+                self.stats["dropped_stale"] += weights.reply.dropped_stale
                 self._refresh = True
-            if reply.body.get("unchanged"):
+            if weights.unchanged:
                 continue
-            if list(reply.tensors) != self.wire_names[link.index]:
-                raise WorkerError(
-                    f"weights from server {link.req.endpoint} do not match this model's "
-                    f"variables on shard {link.index}"
-                )
-            link.arrays = list(reply.tensors.values())
-            link.version = reply.base_version
+            try:
+                self.shards.check_slice(shard, weights)
+            except ValueError as exc:
+                raise WorkerError(str(exc)) from None
+            shard.arrays = list(weights.tensors.values())
+            shard.version = weights.version
             changed = True
             self._sync_stalled = False
         if changed:
-            if len(self.links) == 1:
-                arrays = self.links[0].arrays
-            else:
-                arrays = self.partition.join([lk.arrays for lk in self.links], len(self.names))
-            self.step_fn.set_weights(arrays)
+            self.step_fn.set_weights(self.shards.join())
         else:
             self.stats["pulls_unchanged"] += 1
         self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
 
-    def _note_incarnation(self, link: Link, reply: Message) -> None:
-        inc = reply.body.get("incarnation")
-        if link.incarnation is not None and inc != link.incarnation:
-            log.warning(
-                "server %s restarted (now at version %d); continuing",
-                link.req.endpoint,
-                reply.base_version,
-            )
-        link.incarnation = inc
+    def _request_all(self) -> None:
+        """Start every shard's fetcher on a pull of weights newer than those held."""
+        for shard, fetcher in zip(self.shards.shards, self.fetchers, strict=True):
+            fetcher.request(shard.version)
 
-    def _fetch_all(self) -> list[Message]:
+    def _fetch_all(self) -> list[Weights]:
         """Every shard's reply to the pull its fetcher is running (they run concurrently)."""
-        return [link.fetcher.take() for link in self.links if link.fetcher is not None]
+        return [fetcher.take() for fetcher in self.fetchers]
 
     def pull(self) -> None:
         """Fetch weights from every shard that has a newer version than ours: waiting for the
         replies (--no-prefetch), or taking what the fetchers brought and starting the next."""
         t0 = time.perf_counter()
         if not self.config.prefetch:
-            for link in self.links:
-                assert link.fetcher is not None
-                link.fetcher.request(link.version)
+            self._request_all()
         self.install(self._fetch_all(), t0)
         if self.config.prefetch and self._refresh:
             # The server dropped gradients of ours as too stale, and what the fetchers brought
             # was requested a step ago: wait for the current weights before the next step.
             self.stats["stale_refreshes"] += 1
-            for link in self.links:
-                assert link.fetcher is not None
-                link.fetcher.request(link.version)
+            self._request_all()
             self.install(self._fetch_all(), t0)
         self._refresh = False
         if self.config.prefetch:
-            for link in self.links:
-                assert link.fetcher is not None
-                link.fetcher.request(link.version)
+            self._request_all()
 
     def await_new_version(self, pushed_from: list[int]) -> None:
         """With a sync:K/N server: pull until every shard has moved past the versions the last
@@ -465,7 +385,7 @@ class Worker:
         ends the wait at once: the round it held died with it and it restarted from a
         checkpoint, so its version would only move once the waiting workers push again."""
         if self._sync_stalled or all(
-            lk.version > v for lk, v in zip(self.links, pushed_from, strict=True)
+            v > p for v, p in zip(self.shards.versions, pushed_from, strict=True)
         ):
             return
         t0 = time.perf_counter()
@@ -474,14 +394,12 @@ class Worker:
         in_flight = self.config.prefetch  # with prefetch a request per shard is outstanding
         while not self._stop.is_set():
             if not in_flight:
-                for link in self.links:
-                    assert link.fetcher is not None
-                    link.fetcher.request(link.version)
+                self._request_all()
             self.install(self._fetch_all(), t0)
             in_flight = False
-            if all(lk.version > v for lk, v in zip(self.links, pushed_from, strict=True)):
+            if all(v > p for v, p in zip(self.shards.versions, pushed_from, strict=True)):
                 break
-            if self._restarted_since_push():
+            if self.shards.restarted_since_push():
                 log.info("server restarted during a sync round: computing from its weights")
                 break
             if deadline.expired():
@@ -495,17 +413,8 @@ class Worker:
                 break
             self._stop.wait(min(delay(), deadline.remaining()))
         if self.config.prefetch and not in_flight:
-            for link in self.links:
-                assert link.fetcher is not None
-                link.fetcher.request(link.version)
+            self._request_all()
         self.stats["sync_wait_ms"] = 1e3 * (time.perf_counter() - t0)
-
-    def _restarted_since_push(self) -> bool:
-        """Some shard has another incarnation than when the last push was sent to it."""
-        return any(
-            lk.incarnation != inc
-            for lk, inc in zip(self.links, self._pushed_incarnations, strict=False)
-        )
 
     def push(
         self,
@@ -520,55 +429,31 @@ class Worker:
         server_timeout_s. ``bytes_sent`` counts the message bytes, ``bytes_raw`` what they
         would have been uncompressed (the same headers, the uncompressed payload)."""
         self.seq += 1
-        per_shard = [grads] if len(self.links) == 1 else self.partition.split(grads)
-        body = {"loss": loss, "batch_size": batch_size, "steps": steps, "stats": self.stats}
+        body = wire.PushBody(loss=loss, batch_size=batch_size, steps=steps, stats=self.stats)
         t0 = time.perf_counter()
-        sent = raw = 0
-        for link, tensors in zip(self.links, per_shard, strict=True):
-            comp = self.compressors[link.index]
-            raw0, sent0 = comp.raw_bytes, comp.sent_bytes
-            encoded = comp.compress(tensors)
-            msg = Message(
-                wire.PUSH,
-                self.id,
-                seq=self.seq,
-                base_version=base_versions[link.index],
-                body=body,
-                tensors=dict(zip(self.wire_names[link.index], encoded, strict=True)),
+        before = [(c.raw_bytes, c.sent_bytes) for c in self.compressors]
+        try:
+            sizes = self.shards.push(
+                self.seq,
+                grads,
+                base_versions,
+                body,
+                encode=lambda i, tensors: self.compressors[i].compress(tensors),
             )
-            frames = wire.encode(msg)
-            if not self._send(link, frames):
-                return
-            n = sum(memoryview(f).nbytes for f in frames)
-            sent += n
-            raw += n - (comp.sent_bytes - sent0) + (comp.raw_bytes - raw0)
-        self._pushed_incarnations = [link.incarnation for link in self.links]
+        except ServerUnavailable as exc:
+            raise WorkerError(str(exc)) from None
+        if sizes is None:  # a planned stop dropped this gradient (and counted it)
+            return
+        sent = sum(sizes)
+        # the same headers with the uncompressed payload in place of the compressed one
+        raw = sent + sum(
+            (c.raw_bytes - r0) - (c.sent_bytes - s0)
+            for c, (r0, s0) in zip(self.compressors, before, strict=True)
+        )
         self.stats["pushes"] += 1
         self.stats["bytes_sent"] += sent
         self.stats["bytes_raw"] += raw
         self.stats["push_ms"] = 1e3 * (time.perf_counter() - t0)
-
-    def _send(self, link: Link, frames: list[Any]) -> bool:
-        """Send one push to one shard; False if dropped because the worker is stopping."""
-        assert link.push_sock is not None
-        deadline = Deadline(self.config.server_timeout_s)
-        while True:
-            try:
-                link.push_sock.send_multipart(frames, copy=False)
-                return True
-            except zmq.Again:
-                self.stats["backpressure"] += 1
-                self._warn.warning(
-                    "backpressure", "push blocked at the high-water mark (server slow or away)"
-                )
-                if self._stop.is_set():  # a planned stop: this gradient is dropped, and counted
-                    self.stats["dropped"] += 1
-                    log.info("stopping: dropped one unsent gradient (seq %d)", self.seq)
-                    return False
-                if deadline.expired():
-                    raise WorkerError(
-                        f"could not push gradients: server {link.req.endpoint} not taking them"
-                    ) from None
 
     # ------------------------------------------------------------ training
 
@@ -597,19 +482,17 @@ class Worker:
         started = time.monotonic()
         loss = float("nan")
         recent: deque[float] = deque(maxlen=RECENT_LOSSES)  # finite batch losses, for the summary
-        base_versions = [0] * len(self.links)
+        base_versions = [0] * len(self.shards.shards)
         step = 0
         pushed_from: list[int] | None = None  # base versions of the last push
         set_log_context(worker=self.id, version=lambda: self.version)
         self.hello()
-        for link in self.links:  # the first pull from every shard at once
-            link.fetcher = Fetcher(self, link)
-            link.fetcher.request(-1)
+        self.fetchers = [Fetcher(self, shard) for shard in self.shards.shards]
+        for fetcher in self.fetchers:  # the first pull from every shard at once
+            fetcher.request(-1)
         self.install(self._fetch_all(), time.perf_counter())
         if cfg.prefetch:
-            for link in self.links:
-                assert link.fetcher is not None
-                link.fetcher.request(link.version)
+            self._request_all()
         while step < total and not self._stop.is_set():
             if step and step % cfg.n_fetch == 0:
                 self.pull()
@@ -618,7 +501,7 @@ class Worker:
                     self.await_new_version(pushed_from)
                     if self._stop.is_set():
                         break
-                base_versions = [link.version for link in self.links]
+                base_versions = self.shards.versions
             x, y = next(data)
             t0 = time.perf_counter()
             loss, grads = self.step_fn(x, y)
@@ -652,7 +535,7 @@ class Worker:
             "loss": loss,
             "loss_recent": sum(recent) / len(recent) if recent else float("nan"),
             "version": self.version,
-            "versions": [link.version for link in self.links],
+            "versions": self.shards.versions,
             "pushes": int(self.stats["pushes"]),
             "pulls": int(self.stats["pulls"]),
             "pulls_unchanged": int(self.stats["pulls_unchanged"]),

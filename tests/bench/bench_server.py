@@ -40,9 +40,10 @@ from bench_wire import Loopback
 
 from downpour import wire
 from downpour.cli.status import fetch_status
+from downpour.client import ShardClient
 from downpour.server.state import ParameterState
 from downpour.spec import ModelSpec
-from downpour.transport import ReqClient, make_context, tcp
+from downpour.transport import make_context, tcp
 from downpour.wire import Message
 
 ADAM_TRAFFIC = 7  # payloads read + written per Adam step: var, grad, m, v in; var, m, v out
@@ -244,13 +245,14 @@ def pull_latencies(
 ) -> list[float]:
     """``n`` full weight fetches (body {}) while the flood runs, each timed in ms."""
     ctx = make_context()
-    client = ReqClient(ctx, tcp("127.0.0.1", rep_port), timeout_s=30.0, retries=0)
     limits = wire.DEFAULT_LIMITS.for_payload(sum(g.nbytes for g in grads))
+    endpoint_rep = tcp("127.0.0.1", rep_port)
+    client = ShardClient(ctx, endpoint_rep, sender="bench-puller", timeout_s=30.0, limits=limits)
     out = []
     try:
         for i in range(n):
             t0 = time.perf_counter()
-            reply = client.request(Message(wire.PULL, "bench-puller", body={}), limits)
+            reply = client.pull(wire.PullRequest())
             out.append(1e3 * (time.perf_counter() - t0))
             if not reply.tensors:
                 raise RuntimeError("pull with body {} came back without weights")

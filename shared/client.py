@@ -1,0 +1,214 @@
+"""The shard client: how every caller speaks to one server (shard).
+
+Layered as in ps-lite: ``downpour.wire`` builds and reads message bodies, ``downpour.transport``
+owns sockets, deadlines, the Lazy-Pirate recreate and backoff, and a ``ShardClient`` turns
+them into typed calls on one server: ``hello``, ``pull``, ``heartbeat`` and ``status``
+(pushes go over a ``transport.PushSocket``). ``downpour.cluster.ShardSet`` does the same
+for every shard of a partitioned model.
+
+A ShardClient holds one REQ socket per endpoint and is not thread-safe: use one per thread.
+With ``server_timeout_s`` > 0, ``hello`` and ``pull`` retry a server that does not answer
+with capped, jittered backoff until that many seconds have passed (counting ``reconnects``),
+then raise ``ServerUnavailable``; with 0 they try once. A server that refuses the client
+raises ``Refused``; an ERROR reply to anything else raises ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+
+from downpour import security, wire
+from downpour.transport import (
+    Counters,
+    Refused,
+    RemoteError,
+    ReqClient,
+    ServerUnavailable,
+    make_context,
+    retry_until,
+)
+from downpour.wire import Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A server's answer to hello: its weight ``version`` and the reply body."""
+
+    version: int
+    reply: wire.HelloReply
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A pull's answer: the server's ``version``, the reply body and the tensors (none when
+    ``reply.unchanged``), in the server's variable order."""
+
+    version: int
+    reply: wire.PullReply
+    tensors: dict[str, wire.WireTensor] = field(default_factory=dict)
+
+    @property
+    def unchanged(self) -> bool:
+        """True when the sender's version was still current (no tensors came)."""
+        return self.reply.unchanged
+
+    def with_tensors(self, tensors: dict[str, Any]) -> Weights:
+        """The same answer carrying other tensors (e.g. converted for the step function)."""
+        return replace(self, tensors=tensors)
+
+
+class ShardClient:
+    """Typed requests to one server: hello, pull, heartbeat (its REP socket) and status (its
+    status socket). Either endpoint may be None when the caller uses only the other."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str | None,
+        *,
+        sender: str,
+        timeout_s: float = 10.0,
+        server_timeout_s: float = 0.0,
+        retries: int = 0,
+        keys: security.ClientKeys | None = None,
+        limits: wire.Limits = wire.DEFAULT_LIMITS,
+        max_msg_bytes: int = -1,
+        status_endpoint: str | None = None,
+        counters: Counters | None = None,
+        stop: threading.Event | None = None,
+        on_reply: Callable[[], None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.status_endpoint = status_endpoint
+        self.sender = sender
+        self.timeout_s = timeout_s
+        self.server_timeout_s = server_timeout_s
+        self.retries = retries
+        self.keys = keys
+        self.limits = limits
+        self.max_msg_bytes = max_msg_bytes
+        self.counters: Counters = counters if counters is not None else {}
+        self.stop = stop
+        self.on_reply = on_reply
+        self._req: ReqClient | None = None
+        self._status: ReqClient | None = None
+
+    # ------------------------------------------------------------ sockets
+
+    def _client(self, endpoint: str | None, what: str) -> ReqClient:
+        if endpoint is None:
+            raise ValueError(f"this client has no {what} endpoint")
+        return ReqClient(
+            self.ctx,
+            endpoint,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            configure=security.curve_client(self.keys),  # CURVE survives a recreate
+            max_msg_bytes=self.max_msg_bytes,
+        )
+
+    @property
+    def req(self) -> ReqClient:
+        """The REQ client for the server's REP socket (opened on first use)."""
+        if self._req is None:
+            self._req = self._client(self.endpoint, "request")
+        return self._req
+
+    @property
+    def recreated(self) -> int:
+        """How often the REQ socket was recreated after a missing reply (Lazy Pirate)."""
+        return self._req.recreated if self._req is not None else 0
+
+    def close(self) -> None:
+        """Close the sockets without lingering."""
+        for c in (self._req, self._status):
+            if c is not None:
+                c.close()
+        self._req = self._status = None
+
+    # ------------------------------------------------------------ requests
+
+    def request(self, msg: Message, *, patient: bool = True) -> Message:
+        """Send ``msg`` to the REP socket and return the reply. ``patient``: retry until
+        ``server_timeout_s`` (ServerUnavailable after); else one attempt. ERROR replies
+        raise RemoteError."""
+
+        def once() -> Message:
+            reply = self.req.request(msg, self.limits)
+            if self.on_reply is not None:
+                self.on_reply()
+            return reply
+
+        if not patient or self.server_timeout_s <= 0:
+            return once()
+        return retry_until(
+            once,
+            self.server_timeout_s,
+            what=f"server {self.endpoint}",
+            stop=self.stop,
+            on_retry=self._on_retry,
+        )
+
+    def _on_retry(self, exc: ServerUnavailable) -> None:
+        self.counters["reconnects"] = self.counters.get("reconnects", 0) + 1
+        log.warning("server %s not answering; retrying", self.endpoint)
+
+    def hello(self, body: wire.HelloRequest) -> Hello:
+        """Introduce the sender. Refused when the server will not take it (another model
+        or partition), ServerUnavailable when it does not answer."""
+        try:
+            reply = self.request(wire.hello_request(self.sender, body))
+        except RemoteError as exc:
+            raise Refused(exc.code, exc.message, self.endpoint) from None
+        wire.expect(reply, wire.HELLO)
+        return Hello(reply.base_version, wire.HelloReply.from_body(reply.body))
+
+    def pull(self, body: wire.PullRequest | None = None) -> Weights:
+        """The server's weights (or "unchanged" when ``body.have`` is still current)."""
+        reply = wire.expect(self.request(wire.pull_request(self.sender, body)), wire.WEIGHTS)
+        return Weights(reply.base_version, wire.PullReply.from_body(reply.body), reply.tensors)
+
+    def heartbeat(self, stats: dict[str, float] | None = None) -> tuple[int, wire.HeartbeatReply]:
+        """One heartbeat attempt, no retry: (the server's version, its reply)."""
+        msg = wire.heartbeat_request(self.sender, wire.HeartbeatRequest(stats))
+        reply = self.req.request(msg, self.limits, retries=0)
+        if self.on_reply is not None:
+            self.on_reply()
+        wire.expect(reply, wire.HEARTBEAT)
+        return reply.base_version, wire.HeartbeatReply.from_body(reply.body)
+
+    def status(self) -> dict[str, Any]:
+        """The server's status document from its status socket (one attempt)."""
+        if self._status is None:
+            self._status = self._client(self.status_endpoint, "status")
+        reply = self._status.request(wire.status_request(self.sender), wire.DEFAULT_LIMITS)
+        wire.expect(reply, wire.STATUS)
+        return dict(wire.StatusReply.from_body(reply.body).doc)
+
+
+def fetch_status(
+    endpoint: str,
+    timeout_s: float = 5.0,
+    keys: security.ClientKeys | None = None,
+    sender: str = "status-cli",
+) -> dict[str, Any]:
+    """The status document of the server whose status socket is at ``endpoint``, with its
+    own short-lived context (RequestTimeout when it does not answer within ``timeout_s``)."""
+    ctx = make_context()
+    client = ShardClient(
+        ctx, None, sender=sender, timeout_s=timeout_s, keys=keys, status_endpoint=endpoint
+    )
+    try:
+        return client.status()
+    finally:
+        client.close()
+        ctx.term()
