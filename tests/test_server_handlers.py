@@ -18,6 +18,7 @@ from downpour.server.handlers import (
     GradientOutcome,
     HandlerContext,
     apply_decision,
+    check_status_request,
     handle_gradients,
     handle_request,
 )
@@ -155,6 +156,13 @@ def test_a_push_sent_as_a_request_is_refused_as_wrong_socket(ctx: HandlerContext
     reply = request(ctx, push(ctx, 1))
     assert reply.type == wire.ERROR and reply.body["code"] == wire.R_WRONG_SOCKET
     assert ctx.state.version == 0 and ctx.stats.rejected == {wire.R_WRONG_SOCKET: 1}
+
+
+def test_the_status_socket_answers_only_status_requests() -> None:
+    check_status_request(frames(Message(wire.STATUS, "reader")))  # accepted: no exception
+    with pytest.raises(wire.ProtocolError) as err:
+        check_status_request(frames(Message(wire.PULL, "reader")))
+    assert err.value.code == wire.R_WRONG_SOCKET
 
 
 def test_liveness_follows_the_time_since_the_worker_was_last_heard(spec: Any) -> None:

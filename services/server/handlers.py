@@ -142,6 +142,14 @@ def handle_request(
         return Reply(wire.error_message(exc.code, exc.message), _refuse(ctx, exc, None))
 
 
+def check_status_request(frames: Sequence[Any]) -> None:
+    """A request from the status socket must decode and be a status request; raises
+    ProtocolError otherwise. The answer is the published status document."""
+    msg = wire.decode(frames, wire.DEFAULT_LIMITS)
+    if msg.type != wire.STATUS:
+        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket")
+
+
 def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
     """Enrol a worker whose model fingerprint and partition match this server's; the reply
     tells it the gradient and status ports, its last accepted seq and the server's version."""

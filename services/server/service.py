@@ -40,6 +40,7 @@ from downpour.server.handlers import (
     Rejection,
     Reply,
     apply_decision,
+    check_status_request,
     flush_policy,
     handle_gradients,
     handle_request,
@@ -403,11 +404,7 @@ class Server:
                 continue
             frames = sock.recv_multipart(copy=False)
             try:
-                msg = wire.decode(frames, wire.DEFAULT_LIMITS)
-                if msg.type != wire.STATUS:
-                    raise ProtocolError(
-                        wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket"
-                    )
+                check_status_request(frames)
                 counters["status_requests"] += 1
                 doc = self._published
                 if encoded is None or encoded[0] is not doc:
