@@ -13,8 +13,13 @@ caller asked to stop while waiting).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import logging
 import random
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, MutableMapping
@@ -71,6 +76,9 @@ class Refused(RemoteError):
     """
 
 
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
 def make_context(io_threads: int = 1) -> zmq.Context:
     """A fresh context; more I/O threads help when large payloads move both ways."""
     ctx = zmq.Context(io_threads=io_threads)
@@ -84,6 +92,51 @@ def bind(sock: zmq.Socket, host: str, port: int) -> int:
         return sock.bind_to_random_port(f"tcp://{host}")
     sock.bind(f"tcp://{host}:{port}")
     return port
+
+
+def interface_addresses(name: str) -> list[str] | None:
+    """The IP addresses of network interface ``name`` (``lo``, ``eth0``), or None when no
+    interface has that name. ZeroMQ binds ``tcp://NAME:port`` to an interface's addresses,
+    so a bind host may be one. Linux: IPv4 by the SIOCGIFADDR ioctl, IPv6 from
+    /proc/net/if_inet6."""
+    if name not in {n for _, n in socket.if_nameindex()}:
+        return None
+    addrs: list[str] = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("256s", name.encode()[:15])
+        addrs.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24]))
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 6 and fields[5] == name:
+                addrs.append(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    return addrs
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` stands for is a loopback address (127.0.0.0/8, ::1).
+
+    ``host`` may be an IP literal (IPv6 with or without brackets), an interface name (checked
+    by its addresses) or a host name (resolved with getaddrinfo: every address it resolves to
+    must be loopback). A name that resolves to nothing, ``*`` and ``0.0.0.0`` are not loopback.
+    Matching by text would let ``127.0.0.1.example.com`` or ``localhost.example.com`` pass.
+    """
+    h = host.strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if not h or h == "*":
+        return False
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(h.split("%")[0]).is_loopback
+    addrs = interface_addresses(h)
+    if addrs is None:
+        try:
+            addrs = [info[4][0] for info in socket.getaddrinfo(h, None)]
+        except (socket.gaierror, UnicodeError):
+            return False
+    return bool(addrs) and all(
+        ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addrs
+    )
 
 
 def tcp(host: str, port: int) -> str:

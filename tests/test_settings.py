@@ -196,6 +196,8 @@ def test_optimizer_choices_are_the_optimizers_the_server_builds() -> None:
 
 REFUSALS = [
     (["server", "--host", "0.0.0.0"], "refusing to bind 0.0.0.0"),
+    (["server", "--host", "127.0.0.1.example.com"], "refusing to bind 127.0.0.1.example.com"),
+    (["server", "--host", "localhost.example.com"], "refusing to bind localhost.example.com"),
     (["server", "--shard", "3", "--num-shards", "2"], "--shard must be in 0..1"),
     (["server", "--missing-after", "9", "--gone-after", "3"], "--missing-after must be <"),
     (["server", "--key", "x.key_secret"], "--key needs --keys DIR"),

@@ -15,10 +15,10 @@ from downpour.logs import setup_logging
 from downpour.server.settings import (
     SERVER_OPTIONS,
     ServerConfig,
-    is_loopback,
     validate_server,
 )
 from downpour.settings import ConfigError
+from downpour.transport import is_loopback
 
 log = logging.getLogger("downpour.server")
 OPTIONS = SERVER_OPTIONS  # what `downpour server` and `downpour config show server` take

@@ -10,25 +10,35 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from downpour.spec import ModelSpec
 
 if TYPE_CHECKING:
     from downpour.server.evaluation import HeldOutEvaluator
     from downpour.server.prometheus import MetricsExporter
-    from downpour.server.settings import ServerConfig
     from downpour.server.state import ParameterState
     from downpour.server.summaries import SummaryWriter
 
 log = logging.getLogger("downpour.server")
 
 
+class ObserverSettings(Protocol):
+    """The server settings the observers read (the server's config object has them all)."""
+
+    eval_every: int
+    data_dir: str | None
+    logdir: str | None
+    summary_interval_s: float
+    metrics_port: int | None
+    metrics_host: str
+
+
 class Observers:
     """Builds what ``config`` asks for; ``start()`` in run(), ``close()`` after the loop."""
 
     def __init__(
-        self, spec: ModelSpec, config: ServerConfig, get_doc: Callable[[], dict[str, Any]]
+        self, spec: ModelSpec, config: ObserverSettings, get_doc: Callable[[], dict[str, Any]]
     ) -> None:
         self.evaluator: HeldOutEvaluator | None = None
         self.summaries: SummaryWriter | None = None

@@ -1,16 +1,18 @@
-"""The parameter-server service: sockets, the apply loop, validation, bookkeeping.
+"""The parameter-server service: the loop that ties sockets, handlers and state together.
 
-One thread owns the parameters and serves gradients (PULL) and hello/pull (REP) from one
-poll loop, so a weight reply is always a whole version and never races an apply. The status
-socket has its own thread and answers from a snapshot the loop publishes, so a slow or
-flooding status client never stalls training.
+One thread owns the parameters: it polls the REP socket (hello, weight pulls, heartbeats)
+and the gradient socket, passes each message to ``downpour.server.handlers``, sends the
+replies and applies the policy's decisions, so a weight reply is always a whole version and
+never races an apply. Between messages it writes checkpoints, feeds the observers and
+publishes the status document. The status socket has its own thread and answers from the
+published document, so a slow or flooding status client never stalls training.
 
-Every valid push goes through the staleness policy (``--policy``, ``downpour.server.policies``):
-it is applied (with the policy's learning-rate scale), dropped (counted, not an error: the
-sender hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
-aggregation; a partial round is applied when the server stops). With shards each shard runs
-its own policy on its own slice and its own version; for ``sync:K/N`` that means each shard
-aggregates its rounds independently.
+Where the parts live: sockets and CURVE in ``sockets``, the worker registry in ``registry``,
+request and gradient handling in ``handlers``, the status document in ``status_doc``, the
+versioned variables and compiled apply in ``state``. With shards each shard runs its own
+policy on its own slice and its own version; for ``sync:K/N`` that means each shard
+aggregates its rounds independently. On stop the loop drains the gradients already
+received, applies a partial sync round, writes a final checkpoint and closes.
 """
 
 from __future__ import annotations
@@ -22,59 +24,40 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 
 from downpour import security, systemd, wire
 from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
-from downpour.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter, clean_reported
 from downpour.server.checkpoint import CheckpointStore, CheckpointWriter, capture
 from downpour.server.checkpoint import restore as restore_checkpoint
-from downpour.server.observe import Observers
-from downpour.server.policies import (
-    APPLY,
-    DROP,
-    REASON_LATE,
-    REASON_STALE,
-    Decision,
-    SyncPolicy,
-    parse_policy,
+from downpour.server.handlers import (
+    HandlerContext,
+    Rejection,
+    Reply,
+    apply_decision,
+    check_status_request,
+    flush_policy,
+    handle_gradients,
+    handle_request,
 )
+from downpour.server.observe import Observers
+from downpour.server.policies import APPLY, parse_policy
+from downpour.server.registry import WorkerRecord, WorkerRegistry
 from downpour.server.settings import ServerConfig
+from downpour.server.sockets import ServerSockets
 from downpour.server.state import ParameterState
+from downpour.server.stats import ServerStats
+from downpour.server.status_doc import build_status
 from downpour.spec import ModelSpec
-from downpour.transport import bind, make_context
 from downpour.wire import Message, ProtocolError
 
-PULL_ENCODINGS = frozenset({wire.DENSE, wire.BF16})  # what a pull may ask the weights in
+__all__ = ["Server", "ServerConfig"]
+
 log = logging.getLogger("downpour.server")
-
-LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
-
-
-@dataclass
-class WorkerRecord:
-    """What the server knows about one worker id."""
-
-    first_seen: float
-    last_seen: float
-    last_seq: int = 0
-    pushes: int = 0
-    applied: int = 0  # gradients of this worker that reached the weights (sync: K per update)
-    dropped: int = 0  # accepted but not applied by the policy (stale, late, duplicate)
-    held: int = 0  # kept for a sync round (later applied, or discarded)
-    dropped_unreported: int = 0  # stale drops not yet told to the worker in a pull reply
-    rejected: int = 0
-    pulls: int = 0
-    steps: int = 0
-    loss: float | None = None
-    staleness: int | None = None
-    reported: dict[str, Any] = field(default_factory=dict)
 
 
 class Server:
@@ -110,24 +93,10 @@ class Server:
             )
             self._restore()
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
-        self.workers: dict[str, WorkerRecord] = {}
-        self.rejected = ReasonCounter()
-        self.staleness = Histogram(STALENESS_BOUNDS)
-        self.apply_ms = Ewma(0.05)
-        self.loss = Ewma(0.05)
-        self.update_rate = Rate(10.0)
-        self.counters = {
-            "pushes_received": 0,
-            "pulls": 0,
-            "pulls_unchanged": 0,
-            "pulls_bf16": 0,
-            "hellos": 0,
-            "bytes_in": 0,
-            "bytes_out": 0,
-            "status_requests": 0,
-            "status_rejected": 0,
-        }
-        self._bf16: tuple[int, list[wire.WireTensor]] | None = None  # version, rounded
+        self.registry = WorkerRegistry(
+            config.missing_after_s, config.gone_after_s, self.restored_seqs
+        )
+        self.stats = ServerStats()
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = threading.Event()
@@ -135,34 +104,33 @@ class Server:
         self._last_publish = 0.0
         self._warn = RateLimitedLog(log)
         self.obs = Observers(spec, config, lambda: self._published)  # reads snapshots only
-        self.ctx = make_context(config.io_threads)
-        self.rep = self.ctx.socket(zmq.REP)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.status_sock = self.ctx.socket(zmq.REP)
-        for s in (self.rep, self.pull, self.status_sock):
-            s.setsockopt(zmq.LINGER, 0)
-        # A peer sending more than the model could need is cut off before we allocate.
-        self.pull.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
-        self.rep.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        self.status_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
-        self.auth: security.Authenticator | None = None
-        if config.keys is not None:  # CURVE + ZAP on every socket, enforced before any bind
-            self.auth = security.Authenticator(self.ctx, config.keys)
-            for sock, domain, label in (
-                (self.rep, security.TRAINING_DOMAIN, "rep"),
-                (self.pull, security.TRAINING_DOMAIN, "push"),
-                (self.status_sock, security.STATUS_DOMAIN, "status"),
-            ):
-                security.configure_curve_server(sock, config.keys, domain)
-                self.auth.watch(sock, label)
-            try:
-                self.auth.start()  # raises SecurityError: the server refuses to start
-            except security.SecurityError:
-                self.ctx.destroy(linger=0)
-                raise
-        self.port = bind(self.rep, config.host, config.port)
-        self.push_port = bind(self.pull, config.host, config.push_port)
-        self.status_port = bind(self.status_sock, config.host, config.status_port)
+        self.sockets = ServerSockets(
+            config.host,
+            config.port,
+            config.push_port,
+            config.status_port,
+            max_gradient_bytes=self.limits.max_total_bytes,
+            io_threads=config.io_threads,
+            keys=config.keys,
+        )
+        self.auth = self.sockets.auth
+        self.port = self.sockets.port
+        self.push_port = self.sockets.push_port
+        self.status_port = self.sockets.status_port
+        self.handler_ctx = HandlerContext(
+            state=self.state,
+            policy=self.policy,
+            registry=self.registry,
+            model=spec.name,
+            incarnation=self.incarnation,
+            shard=self.shard_fields(),
+            push_port=self.push_port,
+            status_port=self.status_port,
+            limits=self.limits,
+            stats=self.stats,
+            allow_nonfinite=config.allow_nonfinite,
+            authenticated=self.sockets.authenticated,
+        )
         self._publish(force=True)
         self._status_thread = threading.Thread(
             target=self._serve_status, name="status", daemon=True
@@ -184,13 +152,11 @@ class Server:
         log.info("restored version %d from %s", ckpt.version, ckpt.path)
 
     def _checkpoint_meta(self) -> dict[str, Any]:
-        seqs = dict(self.restored_seqs)
-        seqs.update({wid: r.last_seq for wid, r in self.workers.items()})
         return {
             "fingerprint": self.state.fingerprint,
             "model": self.spec.name,
             "model_ref": self.config.model_ref,
-            "workers": seqs,
+            "workers": self.registry.last_seqs(),
             **self.shard_fields(),
         }
 
@@ -272,23 +238,24 @@ class Server:
         )
         log.info("staleness policy: %s", self.policy)
         watchdog = systemd.Watchdog()  # WatchdogSec=: pings while the loop and status thread run
+        rep, grad_sock = self.sockets.rep, self.sockets.grad_sock
         poller = zmq.Poller()
-        poller.register(self.rep, zmq.POLLIN)
-        poller.register(self.pull, zmq.POLLIN)
+        poller.register(rep, zmq.POLLIN)
+        poller.register(grad_sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
-                if self.rep in events:
-                    self._serve_rep_once()
-                if self.pull in events:
-                    self._drain_pushes(max_messages=16)
+                if rep in events:
+                    self._serve_request_once()
+                if grad_sock in events:
+                    self._drain_gradients(max_messages=16)
                 self._maybe_checkpoint()
                 watchdog.tick(healthy=self._status_thread.is_alive())
                 self.obs.after_loop_pass(self.state)
                 self._publish()
             systemd.notify("STOPPING=1\nSTATUS=stopping: applying received gradients")
-            self._drain_pushes(deadline=time.monotonic() + self.config.drain_timeout_s)
-            self._flush_policy()
+            self._drain_gradients(deadline=time.monotonic() + self.config.drain_timeout_s)
+            flush_policy(self.handler_ctx)
             self._maybe_checkpoint(final=True)
         finally:
             self._publish(force=True)
@@ -296,7 +263,7 @@ class Server:
                 "stopped at version %d after %d updates; rejected %s",
                 self.state.version,
                 self.state.version,
-                dict(self.rejected) or "none",
+                dict(self.stats.rejected) or "none",
             )
             self.close()
 
@@ -309,357 +276,79 @@ class Server:
             self._status_thread.join(timeout=2.0)
         self.obs.close()
         self._warn.flush()
-        for s in (self.rep, self.pull, self.status_sock):
-            s.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()  # closes its sockets, or ctx.term() would wait for them
-        self.ctx.term()
+        self.sockets.close()
 
-    # ------------------------------------------------------------ gradients
+    # ------------------------------------------------------------ messages
 
-    def _drain_pushes(self, max_messages: int = 1 << 30, deadline: float | None = None) -> None:
+    def _drain_gradients(self, max_messages: int = 1 << 30, deadline: float | None = None) -> None:
+        """Handle up to ``max_messages`` received pushes (until ``deadline``), answering any
+        waiting request between them so weight pulls stay prompt under a flood."""
+        grad_sock, rep = self.sockets.grad_sock, self.sockets.rep
         for _ in range(max_messages):
             if deadline is not None and time.monotonic() > deadline:
                 return
             try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = grad_sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle_push(frames)
-            if self.rep.poll(0, zmq.POLLIN):  # keep weight fetches prompt under a flood
-                self._serve_rep_once()
+            outcome = handle_gradients(frames, self.handler_ctx, self.sockets.peer_key(frames))
+            if outcome.rejection is not None:
+                self._report(outcome.rejection)
+            elif outcome.decision is not None and outcome.decision.action == APPLY:
+                apply_decision(outcome.decision, self.handler_ctx)
+            if rep.poll(0, zmq.POLLIN):
+                self._serve_request_once()
 
-    def _worker(self, worker_id: str) -> WorkerRecord:
-        now = time.monotonic()
-        rec = self.workers.get(worker_id)
-        if rec is None:
-            rec = self.workers[worker_id] = WorkerRecord(
-                first_seen=now, last_seen=now, last_seq=self.restored_seqs.get(worker_id, 0)
-            )
-            log.info("worker %s joined", worker_id, extra={"worker": worker_id})
-        rec.last_seen = now
-        return rec
-
-    def _reject(self, code: str, message: str, sender: str | None) -> None:
-        self.rejected[code] += 1
-        if sender is not None and sender in self.workers:
-            self.workers[sender].rejected += 1
-        self._warn.warning(
-            code,
-            "rejected message from %s: %s: %s",
-            sender or "?",
-            code,
-            message,
-            extra={"worker": sender},
-        )
-
-    def _gradients(self, msg: Message) -> list[np.ndarray | wire.Sparse]:
-        """Check a push's tensors against the model; return them in variable order. A row-sparse
-        gradient of a variable the state applies sparsely stays sparse (unless the policy sums
-        gradients, which it does densely)."""
-        st = self.state
-        keep_sparse = not isinstance(self.policy, SyncPolicy)
-        if len(msg.tensors) != len(st.names):
-            raise ProtocolError(
-                wire.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(st.names)}"
-            )
-        grads = []
-        for (name, t), want, shape, dtype, sparse in zip(
-            msg.tensors.items(), st.names, st.shapes, st.dtypes, st.sparse, strict=True
-        ):
-            if name != want:
-                raise ProtocolError(wire.R_NAME, f"tensor {name!r} where {want!r} was expected")
-            got_shape = wire.logical_shape(t)
-            got_dtype = wire.logical_dtype(t)
-            if tuple(got_shape) != shape:
-                raise ProtocolError(wire.R_SHAPE, f"{name!r}: shape {tuple(got_shape)} != {shape}")
-            if got_dtype != dtype:
-                raise ProtocolError(wire.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
-            if sparse and keep_sparse and isinstance(t, wire.Sparse):
-                grads.append(t)  # applied to the rows it touches only
-            else:
-                grads.append(wire.densify(t))
-        return grads
-
-    def _check_identity(self, user: str | None, claimed: str) -> None:
-        """With CURVE, a worker may only speak as its key's name (ZAP User-Id) or NAME/..."""
-        if not security.may_speak_as(user, claimed):
-            assert self.auth is not None
-            self.auth.deny(security.R_IDENTITY, f"key {user!r} claimed to be {claimed!r}")
-            raise ProtocolError(
-                security.R_IDENTITY, f"sender {claimed!r} but the message came with {user!r}'s key"
-            )
-
-    def _handle_push(self, frames: list[zmq.Frame]) -> None:
-        self.counters["pushes_received"] += 1
-        self.counters["bytes_in"] += sum(len(f) for f in frames)
-        sender: str | None = None
+    def _serve_request_once(self) -> None:
+        """Answer one waiting request on the REP socket, if there is one."""
+        rep = self.sockets.rep
         try:
-            msg = wire.decode(frames, self.limits)
-            sender = msg.sender
-            if msg.type != wire.PUSH:
-                raise ProtocolError(
-                    wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket"
-                )
-            if self.auth is not None:  # CURVE: count against the key's owner; bind the id
-                sender = security.user_id(frames[0])
-                self._check_identity(sender, msg.sender)
-            rec = self._worker(msg.sender)
-            rec.pushes += 1
-            # header-only checks first: a replay is refused before any sparse densify
-            if msg.seq <= rec.last_seq:
-                raise ProtocolError(
-                    wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}"
-                )
-            if msg.base_version > self.state.version:
-                raise ProtocolError(
-                    wire.R_FUTURE,
-                    f"base_version {msg.base_version} > server version {self.state.version}",
-                )
-            grads = self._gradients(msg)
-            if not self.config.allow_nonfinite:
-                for name, g in zip(self.state.names, grads, strict=True):
-                    if not wire.all_finite(g.values if isinstance(g, wire.Sparse) else g):
-                        raise ProtocolError(wire.R_NONFINITE, f"{name!r} has NaN or Inf")
-        except ProtocolError as exc:
-            self._reject(exc.code, exc.message, sender)
-            return
-        staleness = self.state.version - msg.base_version
-        # Valid and new: the policy decides. A drop or a hold is accepted, not an error.
-        decision = self.policy.offer(grads, msg.base_version, self.state.version, msg.sender)
-        rec.last_seq = msg.seq
-        rec.staleness = staleness
-        if decision.action == APPLY:
-            self._apply_decision(decision)
-        elif decision.action == DROP:
-            rec.dropped += 1
-            if decision.reason in (REASON_STALE, REASON_LATE):  # told at its next pull
-                rec.dropped_unreported += 1
-        else:
-            rec.held += 1
-        rec.steps = int(msg.body.get("steps", rec.steps) or 0)
-        loss = msg.body.get("loss")
-        if isinstance(loss, float | int) and np.isfinite(loss):
-            rec.loss = float(loss)
-            self.loss.update(float(loss))
-        if "stats" in msg.body:
-            rec.reported = clean_reported(msg.body["stats"])
-
-    def _apply_decision(self, decision: Decision) -> None:
-        """Apply a policy's update (its gradients, its learning-rate scale); credit its workers."""
-        assert decision.grads is not None
-        t0 = time.perf_counter()
-        self.state.apply(decision.grads, decision.lr_scale)
-        self.apply_ms.update(1e3 * (time.perf_counter() - t0))
-        self.update_rate.mark()
-        self.staleness.observe(decision.staleness)
-        for wid in decision.workers:
-            if (r := self.workers.get(wid)) is not None:
-                r.applied += 1
-
-    def _flush_policy(self) -> None:
-        """At shutdown: apply what the policy still holds (a partial sync round), if anything."""
-        decision = self.policy.flush(self.state.version)
-        if decision is not None and decision.action == APPLY:
-            log.info(
-                "applying a partial %s round of %d gradients", self.policy, len(decision.workers)
-            )
-            self._apply_decision(decision)
-
-    # ------------------------------------------------------------ hello / pull
-
-    def _serve_rep_once(self) -> None:
-        try:
-            frames = self.rep.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = rep.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        self.counters["bytes_in"] += sum(len(f) for f in frames)
         try:
-            reply = self._answer(frames)
-        except ProtocolError as exc:
-            self._reject(exc.code, exc.message, None)
-            reply = wire.error_message(exc.code, exc.message)
+            reply = handle_request(frames, self.handler_ctx, self.sockets.peer_key(frames))
         except Exception as exc:  # never leave a REQ peer without an answer
             log.exception("internal error answering a request")
-            reply = wire.error_message(wire.R_INTERNAL, repr(exc))
-        out = wire.encode(reply)
-        self.counters["bytes_out"] += sum(memoryview(f).nbytes for f in out)
-        self.rep.send_multipart(out, copy=False)
+            reply = Reply(wire.error_message(wire.R_INTERNAL, repr(exc)))
+        if reply.rejection is not None:
+            self._report(reply.rejection)
+        out = wire.encode(reply.message)
+        self.stats.counters["bytes_out"] += sum(memoryview(f).nbytes for f in out)
+        rep.send_multipart(out, copy=False)
 
-    def _answer(self, frames: list[zmq.Frame]) -> Message:
-        msg = wire.decode(frames, wire.DEFAULT_LIMITS)
-        if self.auth is not None:  # CURVE: a request speaks only as its key's name
-            self._check_identity(security.user_id(frames[0]), msg.sender)
-        if msg.type == wire.HELLO:
-            return self._hello(msg)
-        if msg.type == wire.PULL:
-            return self._pull(msg)
-        if msg.type == wire.HEARTBEAT:
-            return self._heartbeat(msg)
-        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
-
-    def _hello(self, msg: Message) -> Message:
-        self.counters["hellos"] += 1
-        theirs = msg.body.get("fingerprint")
-        if theirs != self.state.fingerprint:
-            self.rejected[wire.R_FINGERPRINT] += 1
-            log.warning(
-                "refused worker %s: model fingerprint %s != %s",
-                msg.sender,
-                theirs,
-                self.state.fingerprint,
-            )
-            return wire.error_message(
-                wire.R_FINGERPRINT,
-                f"worker model {msg.body.get('model')!r} (fingerprint {theirs}) differs from the "
-                f"server's {self.spec.name!r} (fingerprint {self.state.fingerprint}): start the "
-                f"worker with the same --model as the server",
-            )
-        mine = self.shard_fields()
-        theirs_part = {k: msg.body.get(k) for k in mine}
-        # A client that sends no partition (a plain hello) is accepted by an unsharded server.
-        unsharded_client = theirs_part["partition"] is None and self.config.num_shards == 1
-        if theirs_part != mine and not unsharded_client:
-            self.rejected[wire.R_PARTITION] += 1
-            log.warning("refused worker %s: partition %s != %s", msg.sender, theirs_part, mine)
-            return wire.error_message(
-                wire.R_PARTITION,
-                f"worker expects shard {theirs_part['shard']} of {theirs_part['num_shards']} "
-                f"(partition {theirs_part['partition']}), this is shard {mine['shard']} of "
-                f"{mine['num_shards']} (partition {mine['partition']}): list every shard's "
-                f"endpoint in shard order in the worker's --server",
-            )
-        rec = self._worker(msg.sender)
-        return Message(
-            wire.HELLO,
-            sender="server",
-            base_version=self.state.version,
-            body={
-                "push_port": self.push_port,
-                "status_port": self.status_port,
-                "fingerprint": self.state.fingerprint,
-                "model": self.spec.name,
-                "last_seq": rec.last_seq,
-                "payload_bytes": self.state.payload_bytes,
-                "incarnation": self.incarnation,
-                "encodings": sorted(wire.ENCODINGS),
-                "policy": self.policy.spec,
-                **mine,
-            },
+    def _report(self, rejection: Rejection) -> None:
+        """Log a refusal (rate-limited per reason); an identity refusal is also an
+        authentication denial."""
+        if rejection.code == security.R_IDENTITY and self.auth is not None:
+            self.auth.deny(security.R_IDENTITY, rejection.message)
+        self._warn.warning(
+            rejection.code,
+            "rejected message from %s: %s: %s",
+            rejection.sender or "?",
+            rejection.code,
+            rejection.message,
+            extra={"worker": rejection.sender},
         )
-
-    def _heartbeat(self, msg: Message) -> Message:
-        rec = self._worker(msg.sender)
-        if "stats" in msg.body:
-            rec.reported = clean_reported(msg.body["stats"])
-        return Message(
-            wire.HEARTBEAT,
-            "server",
-            base_version=self.state.version,
-            body={"incarnation": self.incarnation},
-        )
-
-    def _pull(self, msg: Message) -> Message:
-        self.counters["pulls"] += 1
-        rec = self.workers.get(msg.sender)
-        body: dict[str, Any] = {"incarnation": self.incarnation}
-        if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
-            rec.pulls += 1
-            rec.last_seen = time.monotonic()
-            if rec.dropped_unreported:  # its gradients were too old: it should refresh now
-                body["dropped_stale"] = rec.dropped_unreported
-                rec.dropped_unreported = 0
-        encoding = msg.body.get("encoding", wire.DENSE)
-        if encoding not in PULL_ENCODINGS:
-            raise ProtocolError(
-                wire.R_HEADER,
-                f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, "
-                f"not {encoding!r}",
-            )
-        version, arrays = self.state.weights()
-        if msg.body.get("have") == version and msg.body.get("incarnation") == self.incarnation:
-            self.counters["pulls_unchanged"] += 1
-            return Message(
-                wire.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
-            )
-        tensors: Sequence[wire.WireTensor] = arrays
-        if encoding == wire.BF16:
-            self.counters["pulls_bf16"] += 1
-            tensors = self._bf16_weights(version, arrays)
-        return Message(
-            wire.WEIGHTS,
-            "server",
-            base_version=version,
-            body=body,
-            tensors=dict(zip(self.state.names, tensors, strict=True)),
-        )
-
-    def _bf16_weights(self, version: int, arrays: list[np.ndarray]) -> list[wire.WireTensor]:
-        """The weights rounded to bfloat16 for pulls that ask for it (``--pull-compress bf16``):
-        half the bytes. Rounded once per version, shared by every worker pulling it; float16
-        and non-float variables go as they are. The server keeps and updates float32."""
-        if self._bf16 is None or self._bf16[0] != version:
-            self._bf16 = (version, [wire.as_bf16(a) for a in arrays])
-        return self._bf16[1]
 
     # ------------------------------------------------------------ status
 
     def worker_state(self, rec: WorkerRecord, now: float) -> str:
         """alive / missing / gone from the time since the worker was last heard."""
-        idle = now - rec.last_seen
-        if idle <= self.config.missing_after_s:
-            return "alive"
-        return "missing" if idle <= self.config.gone_after_s else "gone"
+        return self.registry.liveness(rec, now)
 
     def snapshot(self) -> dict[str, Any]:
         """The status document (fields: docs/cli.md): plain types, JSON-serialisable."""
-        now = time.monotonic()
-        uptime = now - self.started
-        workers = {
-            wid: {
-                "state": self.worker_state(r, now),
-                "last_seen_s": round(now - r.last_seen, 3),
-                "pushes": r.pushes,
-                "applied": r.applied,
-                "dropped": r.dropped,
-                "held": r.held,
-                "rejected": r.rejected,
-                "pulls": r.pulls,
-                "last_seq": r.last_seq,
-                "steps": r.steps,
-                "loss": r.loss,
-                "staleness": r.staleness,
-                "reported": dict(r.reported),
-            }
-            for wid, r in self.workers.items()
-        }
-        return {
-            "service": "server",
-            "protocol": wire.PROTOCOL_VERSION,
-            "model": self.spec.name,
-            "fingerprint": self.state.fingerprint,
-            **self.shard_fields(),
-            "shard_bytes": self.state.payload_bytes,
-            "version": self.state.version,
-            "updates_applied": self.state.version,
-            "updates_per_s": round(self.update_rate.per_second(now), 3),
-            "uptime_s": round(uptime, 3),
-            "started_at": self.started_wall,
-            "apply_ms": self.apply_ms.value,
-            "apply_traces": self.state.apply_traces,
-            "loss": self.loss.value,
-            "staleness": self.staleness.snapshot(),
-            "policy": {**self.policy.describe(), "learning_rate": self.state.learning_rate},
-            "rejected": dict(self.rejected),
-            "rejected_total": self.rejected.total(),
-            **security.status_fields(self.auth),
-            "workers": workers,
-            "incarnation": self.incarnation,
-            "restored_from": self.restored_from,
-            "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None,
-            "eval": self.obs.eval_status(),
-            **self.counters,
-        }
+        return build_status(
+            self.handler_ctx,
+            now=time.monotonic(),
+            started=self.started,
+            started_wall=self.started_wall,
+            restored_from=self.restored_from,
+            checkpoints=self.checkpoints.snapshot() if self.checkpoints else None,
+            evaluation=self.obs.eval_status(),
+            auth=self.auth,
+        )
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -668,7 +357,8 @@ class Server:
             self._last_publish = now
 
     def _serve_status(self) -> None:
-        sock = self.status_sock
+        sock = self.sockets.status_sock
+        counters = self.stats.counters
         encoded: tuple[dict[str, Any], list[Any]] | None = None  # one encoding per snapshot
         # A flooding client is paced, so it cannot take CPU (and the GIL) from the loop.
         gap = 1.0 / self.config.status_max_per_s if self.config.status_max_per_s > 0 else 0.0
@@ -678,18 +368,14 @@ class Server:
                 continue
             frames = sock.recv_multipart(copy=False)
             try:
-                msg = wire.decode(frames, wire.DEFAULT_LIMITS)
-                if msg.type != wire.STATUS:
-                    raise ProtocolError(
-                        wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket"
-                    )
-                self.counters["status_requests"] += 1
+                check_status_request(frames)
+                counters["status_requests"] += 1
                 doc = self._published
                 if encoded is None or encoded[0] is not doc:
                     encoded = (doc, wire.encode(Message(wire.STATUS, "server", body=doc)))
                 out = encoded[1]
             except ProtocolError as exc:
-                self.counters["status_rejected"] += 1  # only this thread writes it
+                counters["status_rejected"] += 1  # only this thread writes it
                 out = wire.encode(wire.error_message(exc.code, exc.message))
             sock.send_multipart(out)
             if gap:
@@ -704,8 +390,3 @@ def _test_write_hook() -> Callable[[Path], None] | None:
     if delay <= 0:
         return None
     return lambda _tmp: time.sleep(delay)
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost."""
-    return host.startswith(LOOPBACK_PREFIXES)

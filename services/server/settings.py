@@ -27,14 +27,9 @@ from downpour.settings import (
     positive,
     refuse,
 )
+from downpour.transport import is_loopback
 
 OPTIMIZERS = ("adam", "adagrad", "sgd")  # --optimizer; downpour.server.state builds each
-LOOPBACK_PREFIXES = ("127.", "localhost", "::1", "[::1]")
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost."""
-    return host.startswith(LOOPBACK_PREFIXES)
 
 
 def policy_text(text: str) -> str:

@@ -1,0 +1,386 @@
+"""Request and gradient handling: plain functions of (frames or message, context) -> a reply
+or a decision.
+
+Nothing here touches a socket or starts a thread. The service's loop receives frames, calls
+``handle_request`` (REP socket: hello, weight pulls, heartbeats) or ``handle_gradients``
+(the gradient socket), sends the reply, and hands an ``apply`` decision to
+``apply_decision``. Every refusal is counted here (``ServerStats.rejected`` by reason, and
+against the worker's record where one is known) and returned as a ``Rejection`` for the
+service to log; a refused message never changes a parameter.
+
+Every valid push goes through the staleness policy (``downpour.server.policies``): it is
+applied (with the policy's learning-rate scale), dropped (counted, not an error: the sender
+hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
+aggregation).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from downpour import security, wire
+from downpour.metrics import clean_reported
+from downpour.server.policies import (
+    APPLY,
+    DROP,
+    REASON_LATE,
+    REASON_STALE,
+    Decision,
+    Policy,
+    SyncPolicy,
+)
+from downpour.server.registry import WorkerRegistry
+from downpour.server.stats import ServerStats
+from downpour.wire import Message, ProtocolError
+
+if TYPE_CHECKING:
+    from downpour.server.state import ParameterState
+
+log = logging.getLogger("downpour.server")
+
+PULL_ENCODINGS = frozenset({wire.DENSE, wire.BF16})  # what a pull may ask the weights in
+
+
+@dataclass
+class HandlerContext:
+    """What the handlers read and update. Owned by the server's loop thread.
+
+    ``shard`` is the shard identity sent in hello replies and compared with the worker's
+    (``shard``, ``num_shards``, ``partition``). ``authenticated`` is True under CURVE: then
+    each message's sender must be the name of the key it came with (``peer_key``).
+    """
+
+    state: ParameterState
+    policy: Policy
+    registry: WorkerRegistry
+    model: str
+    incarnation: str
+    shard: dict[str, Any]
+    push_port: int
+    status_port: int
+    limits: wire.Limits  # for gradients; requests are decoded with wire.DEFAULT_LIMITS
+    stats: ServerStats = field(default_factory=ServerStats)
+    allow_nonfinite: bool = False
+    authenticated: bool = False
+    clock: Callable[[], float] = time.monotonic
+    bf16_cache: tuple[int, list[wire.WireTensor]] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refused message: its reason code, a readable explanation, and who sent it, for the
+    log (None when not known, e.g. before decode)."""
+
+    code: str
+    message: str
+    sender: str | None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a request, and the refusal it reports if it is an ERROR."""
+
+    message: Message
+    rejection: Rejection | None = None
+
+
+@dataclass(frozen=True)
+class GradientOutcome:
+    """A push's fate: exactly one of ``decision`` (it passed every check) or ``rejection``."""
+
+    decision: Decision | None = None
+    rejection: Rejection | None = None
+
+
+def _nbytes(frames: Sequence[Any]) -> int:
+    """Bytes received in these frames (ZeroMQ frames, bytes or arrays)."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def _refuse(ctx: HandlerContext, exc: ProtocolError, sender: str | None) -> Rejection:
+    """Count a refusal by reason, and against ``sender``'s record if it is enrolled."""
+    ctx.stats.rejected[exc.code] += 1
+    ctx.registry.note_rejected(sender)
+    return Rejection(exc.code, exc.message, sender)
+
+
+def check_identity(ctx: HandlerContext, peer_key: str | None, claimed: str) -> None:
+    """Under CURVE a message may only speak as its key's name (ZAP User-Id) or NAME/INSTANCE."""
+    if ctx.authenticated and not security.may_speak_as(peer_key, claimed):
+        raise ProtocolError(
+            security.R_IDENTITY, f"sender {claimed!r} but the message came with {peer_key!r}'s key"
+        )
+
+
+# ---------------------------------------------------------------- requests (REP socket)
+
+
+def handle_request(
+    frames: Sequence[Any], ctx: HandlerContext, peer_key: str | None = None
+) -> Reply:
+    """A request from the REP socket -> its reply. Checks, in order: decode (protocol version,
+    header, default limits), identity (under CURVE), a type this socket serves (hello, pull,
+    heartbeat). A refusal is answered with ERROR carrying the reason code."""
+    ctx.stats.counters["bytes_in"] += _nbytes(frames)
+    try:
+        msg = wire.decode(frames, wire.DEFAULT_LIMITS)
+        check_identity(ctx, peer_key, msg.sender)
+        if msg.type == wire.HELLO:
+            return handle_hello(msg, ctx)
+        if msg.type == wire.PULL:
+            return Reply(handle_pull(msg, ctx))
+        if msg.type == wire.HEARTBEAT:
+            return Reply(handle_heartbeat(msg, ctx))
+        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
+    except ProtocolError as exc:
+        return Reply(wire.error_message(exc.code, exc.message), _refuse(ctx, exc, None))
+
+
+def check_status_request(frames: Sequence[Any]) -> None:
+    """A request from the status socket must decode and be a status request; raises
+    ProtocolError otherwise. The answer is the published status document."""
+    msg = wire.decode(frames, wire.DEFAULT_LIMITS)
+    if msg.type != wire.STATUS:
+        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket")
+
+
+def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
+    """Enrol a worker whose model fingerprint and partition match this server's; the reply
+    tells it the gradient and status ports, its last accepted seq and the server's version."""
+    ctx.stats.counters["hellos"] += 1
+    fp = ctx.state.fingerprint
+    theirs = msg.body.get("fingerprint")
+    if theirs != fp:
+        return _refuse_hello(
+            ctx,
+            msg,
+            wire.R_FINGERPRINT,
+            f"worker model {msg.body.get('model')!r} (fingerprint {theirs}) differs from the "
+            f"server's {ctx.model!r} (fingerprint {fp}): start the worker with the same "
+            f"--model as the server",
+        )
+    mine = ctx.shard
+    theirs_part = {k: msg.body.get(k) for k in mine}
+    # A client that sends no partition (a plain hello) is accepted by an unsharded server.
+    unsharded_client = theirs_part["partition"] is None and mine["num_shards"] == 1
+    if theirs_part != mine and not unsharded_client:
+        return _refuse_hello(
+            ctx,
+            msg,
+            wire.R_PARTITION,
+            f"worker expects shard {theirs_part['shard']} of {theirs_part['num_shards']} "
+            f"(partition {theirs_part['partition']}), this is shard {mine['shard']} of "
+            f"{mine['num_shards']} (partition {mine['partition']}): list every shard's "
+            f"endpoint in shard order in the worker's --server",
+        )
+    rec = ctx.registry.enrol(msg.sender, ctx.clock())
+    body = {
+        "push_port": ctx.push_port,
+        "status_port": ctx.status_port,
+        "fingerprint": fp,
+        "model": ctx.model,
+        "last_seq": rec.last_seq,
+        "payload_bytes": ctx.state.payload_bytes,
+        "incarnation": ctx.incarnation,
+        "encodings": sorted(wire.ENCODINGS),
+        "policy": ctx.policy.spec,
+        **mine,
+    }
+    return Reply(Message(wire.HELLO, "server", base_version=ctx.state.version, body=body))
+
+
+def _refuse_hello(ctx: HandlerContext, msg: Message, code: str, text: str) -> Reply:
+    """A refused hello: counted by reason (the worker is not enrolled), answered with ERROR."""
+    ctx.stats.rejected[code] += 1
+    return Reply(wire.error_message(code, text), Rejection(code, text, msg.sender))
+
+
+def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
+    """A silent worker says it is alive (and may report its figures)."""
+    rec = ctx.registry.enrol(msg.sender, ctx.clock())
+    if "stats" in msg.body:
+        rec.reported = clean_reported(msg.body["stats"])
+    return Message(
+        wire.HEARTBEAT,
+        "server",
+        base_version=ctx.state.version,
+        body={"incarnation": ctx.incarnation},
+    )
+
+
+def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
+    """A weight pull -> the current weights (dense or bf16), or ``unchanged`` when the sender
+    already holds this version of this incarnation. Raises ProtocolError for an encoding a
+    pull may not ask for."""
+    ctx.stats.counters["pulls"] += 1
+    rec = ctx.registry.get(msg.sender)
+    body: dict[str, Any] = {"incarnation": ctx.incarnation}
+    if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
+        rec.pulls += 1
+        rec.last_seen = ctx.clock()
+        if rec.dropped_unreported:  # its gradients were too old: it should refresh now
+            body["dropped_stale"] = rec.dropped_unreported
+            rec.dropped_unreported = 0
+    encoding = msg.body.get("encoding", wire.DENSE)
+    if encoding not in PULL_ENCODINGS:
+        raise ProtocolError(
+            wire.R_HEADER,
+            f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, not {encoding!r}",
+        )
+    version, arrays = ctx.state.weights()
+    if msg.body.get("have") == version and msg.body.get("incarnation") == ctx.incarnation:
+        ctx.stats.counters["pulls_unchanged"] += 1
+        return Message(
+            wire.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
+        )
+    tensors: Sequence[wire.WireTensor] = arrays
+    if encoding == wire.BF16:
+        ctx.stats.counters["pulls_bf16"] += 1
+        tensors = bf16_weights(ctx, version, arrays)
+    return Message(
+        wire.WEIGHTS,
+        "server",
+        base_version=version,
+        body=body,
+        tensors=dict(zip(ctx.state.names, tensors, strict=True)),
+    )
+
+
+def bf16_weights(
+    ctx: HandlerContext, version: int, arrays: list[np.ndarray]
+) -> list[wire.WireTensor]:
+    """The weights rounded to bfloat16 for pulls that ask for it (``--pull-compress bf16``):
+    half the bytes. Rounded once per version, shared by every worker pulling it; float16
+    and non-float variables go as they are. The server keeps and updates float32."""
+    if ctx.bf16_cache is None or ctx.bf16_cache[0] != version:
+        ctx.bf16_cache = (version, [wire.as_bf16(a) for a in arrays])
+    return ctx.bf16_cache[1]
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def handle_gradients(
+    frames: Sequence[Any], ctx: HandlerContext, peer_key: str | None = None
+) -> GradientOutcome:
+    """A message from the gradient socket -> the policy's decision, or a rejection.
+
+    The checks run in this order, and a message is refused for the first one it fails
+    (nothing after it runs). The order is the security contract:
+
+    1. decode: well-formed frames within ``ctx.limits`` (``wire.decode``'s reason codes);
+    2. socket: the message is a push (``wrong_socket``);
+    3. identity: under CURVE the sender is its key's name (``identity``); from here on a
+       refusal counts against that key's owner;
+    4. duplicate seq: seq above the sender's last accepted one (``duplicate``);
+    5. future version: base_version not ahead of the server (``future_version``);
+    6. shape/dtype: tensor count, names, shapes and dtypes of the model (``count``,
+       ``name``, ``shape``, ``dtype``);
+    7. finite: no NaN or Inf unless ``allow_nonfinite`` (``nonfinite``);
+    8. policy: the staleness policy decides apply, drop or hold.
+
+    Checks 4 and 5 read only the header, so a replay is refused before any sparse gradient
+    is densified. An ``apply`` decision is for the caller to pass to ``apply_decision``.
+    """
+    ctx.stats.counters["pushes_received"] += 1
+    ctx.stats.counters["bytes_in"] += _nbytes(frames)
+    sender: str | None = None
+    try:
+        msg = wire.decode(frames, ctx.limits)
+        sender = msg.sender
+        if msg.type != wire.PUSH:
+            raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket")
+        if ctx.authenticated:
+            sender = peer_key
+            check_identity(ctx, peer_key, msg.sender)
+        rec = ctx.registry.enrol(msg.sender, ctx.clock())
+        rec.pushes += 1
+        if msg.seq <= rec.last_seq:
+            raise ProtocolError(wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}")
+        version = ctx.state.version
+        if msg.base_version > version:
+            raise ProtocolError(
+                wire.R_FUTURE, f"base_version {msg.base_version} > server version {version}"
+            )
+        grads = check_gradients(msg, ctx.state, keep_sparse=not isinstance(ctx.policy, SyncPolicy))
+        if not ctx.allow_nonfinite:
+            for name, g in zip(ctx.state.names, grads, strict=True):
+                if not wire.all_finite(g.values if isinstance(g, wire.Sparse) else g):
+                    raise ProtocolError(wire.R_NONFINITE, f"{name!r} has NaN or Inf")
+    except ProtocolError as exc:
+        return GradientOutcome(rejection=_refuse(ctx, exc, sender))
+    # Valid and new: the policy decides. A drop or a hold is accepted, not an error.
+    decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
+    rec.last_seq = msg.seq
+    rec.staleness = version - msg.base_version
+    if decision.action == DROP:
+        rec.dropped += 1
+        if decision.reason in (REASON_STALE, REASON_LATE):  # told at its next pull
+            rec.dropped_unreported += 1
+    elif decision.action != APPLY:
+        rec.held += 1
+    rec.steps = int(msg.body.get("steps", rec.steps) or 0)
+    loss = msg.body.get("loss")
+    if isinstance(loss, float | int) and np.isfinite(loss):
+        rec.loss = float(loss)
+        ctx.stats.loss.update(float(loss))
+    if "stats" in msg.body:
+        rec.reported = clean_reported(msg.body["stats"])
+    return GradientOutcome(decision=decision)
+
+
+def check_gradients(
+    msg: Message, state: ParameterState, keep_sparse: bool = True
+) -> list[np.ndarray | wire.Sparse]:
+    """Check a push's tensors against the model; return them in variable order. A row-sparse
+    gradient of a variable the state applies sparsely stays sparse when ``keep_sparse`` (a
+    policy that sums gradients sums them densely)."""
+    if len(msg.tensors) != len(state.names):
+        raise ProtocolError(
+            wire.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(state.names)}"
+        )
+    grads: list[np.ndarray | wire.Sparse] = []
+    for (name, t), want, shape, dtype, sparse in zip(
+        msg.tensors.items(), state.names, state.shapes, state.dtypes, state.sparse, strict=True
+    ):
+        if name != want:
+            raise ProtocolError(wire.R_NAME, f"tensor {name!r} where {want!r} was expected")
+        got_shape = tuple(wire.logical_shape(t))
+        if got_shape != shape:
+            raise ProtocolError(wire.R_SHAPE, f"{name!r}: shape {got_shape} != {shape}")
+        got_dtype = wire.logical_dtype(t)
+        if got_dtype != dtype:
+            raise ProtocolError(wire.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
+        if sparse and keep_sparse and isinstance(t, wire.Sparse):
+            grads.append(t)  # applied to the rows it touches only
+        else:
+            grads.append(wire.densify(t))
+    return grads
+
+
+def apply_decision(decision: Decision, ctx: HandlerContext) -> None:
+    """Apply a policy's update (its gradients, its learning-rate scale); credit its workers."""
+    assert decision.grads is not None
+    t0 = time.perf_counter()
+    ctx.state.apply(decision.grads, decision.lr_scale)
+    ctx.stats.apply_ms.update(1e3 * (time.perf_counter() - t0))
+    ctx.stats.update_rate.mark()
+    ctx.stats.staleness.observe(decision.staleness)
+    ctx.registry.credit_applied(decision.workers)
+
+
+def flush_policy(ctx: HandlerContext) -> Decision | None:
+    """At shutdown: apply what the policy still holds (a partial sync round), if anything;
+    return the applied decision, or None."""
+    decision = ctx.policy.flush(ctx.state.version)
+    if decision is None or decision.action != APPLY:
+        return None
+    log.info("applying a partial %s round of %d gradients", ctx.policy, len(decision.workers))
+    apply_decision(decision, ctx)
+    return decision

@@ -1,0 +1,57 @@
+"""The server's status document (README "Status"): plain types, JSON-serialisable.
+
+Built by the loop thread from what the handlers keep (``HandlerContext``) and published as
+one dict; the status socket, the Prometheus exporter and the TensorBoard writer only ever
+read a published document, so none of them can stall or race the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from downpour import security, wire
+from downpour.server.handlers import HandlerContext
+
+
+def build_status(
+    ctx: HandlerContext,
+    *,
+    now: float,
+    started: float,
+    started_wall: float,
+    restored_from: int | None = None,
+    checkpoints: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
+    auth: security.Authenticator | None = None,
+) -> dict[str, Any]:
+    """The status document at monotonic time ``now``, for a server started at monotonic
+    ``started`` (wall clock ``started_wall``); the checkpoint, evaluation and authentication
+    sections come from their owners."""
+    state, stats = ctx.state, ctx.stats
+    return {
+        "service": "server",
+        "protocol": wire.PROTOCOL_VERSION,
+        "model": ctx.model,
+        "fingerprint": state.fingerprint,
+        **ctx.shard,
+        "shard_bytes": state.payload_bytes,
+        "version": state.version,
+        "updates_applied": state.version,
+        "updates_per_s": round(stats.update_rate.per_second(now), 3),
+        "uptime_s": round(now - started, 3),
+        "started_at": started_wall,
+        "apply_ms": stats.apply_ms.value,
+        "apply_traces": state.apply_traces,
+        "loss": stats.loss.value,
+        "staleness": stats.staleness.snapshot(),
+        "policy": {**ctx.policy.describe(), "learning_rate": state.learning_rate},
+        "rejected": dict(stats.rejected),
+        "rejected_total": stats.rejected.total(),
+        **security.status_fields(auth),
+        "workers": ctx.registry.status(now),
+        "incarnation": ctx.incarnation,
+        "restored_from": restored_from,
+        "checkpoints": checkpoints,
+        "eval": evaluation,
+        **stats.counters,
+    }

@@ -1,0 +1,405 @@
+"""The server's handlers without sockets: real ParameterState on the tiny model, real wire
+messages. Hello, pull and heartbeat replies, gradients accepted and applied, every refusal
+counted with the parameters unchanged, and the order of the gradient checks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack  # tests may craft raw headers; the services never import msgpack
+import numpy as np
+import pytest
+
+from downpour import security, wire
+from downpour.server.handlers import (
+    GradientOutcome,
+    HandlerContext,
+    apply_decision,
+    check_status_request,
+    handle_gradients,
+    handle_request,
+)
+from downpour.server.policies import APPLY, DROP, parse_policy
+from downpour.server.registry import ALIVE, GONE, MISSING, WorkerRegistry
+from downpour.server.state import ParameterState
+from downpour.server.status_doc import build_status
+from downpour.spec import load_spec
+from downpour.wire import Message
+
+LR = 0.1
+
+
+class Clock:
+    """A clock the test moves by hand (liveness depends on time since last heard)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def spec() -> Any:
+    return load_spec("tiny_models:tiny")
+
+
+def make_ctx(
+    spec: Any, policy: str = "async", authenticated: bool = False, clock: Clock | None = None
+) -> HandlerContext:
+    """A fresh context around a fresh tiny-model state (SGD, so an update is -LR * g)."""
+    state = ParameterState(spec, "sgd", LR, seed=0)
+    return HandlerContext(
+        state=state,
+        policy=parse_policy(policy),
+        registry=WorkerRegistry(missing_after_s=10.0, gone_after_s=60.0),
+        model=spec.name,
+        incarnation="inc-1",
+        shard={"shard": 0, "num_shards": 1, "partition": state.partition.digest},
+        push_port=6001,
+        status_port=6002,
+        limits=wire.DEFAULT_LIMITS.for_payload(state.payload_bytes),
+        authenticated=authenticated,
+        clock=clock or Clock(),
+    )
+
+
+@pytest.fixture
+def ctx(spec: Any) -> HandlerContext:
+    return make_ctx(spec)
+
+
+def frames(msg: Message) -> list[bytes]:
+    """The message as the bytes a socket would deliver."""
+    return [bytes(memoryview(f)) for f in wire.encode(msg)]
+
+
+def request(ctx: HandlerContext, msg: Message, peer_key: str | None = None) -> Message:
+    return wire.decode(frames(handle_request(frames(msg), ctx, peer_key).message))
+
+
+def hello(ctx: HandlerContext, sender: str = "w0", **body: Any) -> Message:
+    fields = {"fingerprint": ctx.state.fingerprint, "model": ctx.model, **body}
+    return request(ctx, Message(wire.HELLO, sender, body=fields))
+
+
+def grads(ctx: HandlerContext, fill: float = 1.0) -> dict[str, np.ndarray]:
+    st = ctx.state
+    return {n: np.full(s, fill, d) for n, s, d in zip(st.names, st.shapes, st.dtypes, strict=True)}
+
+
+def push(
+    ctx: HandlerContext, seq: int, sender: str = "w0", base_version: int | None = None, **kw: Any
+) -> Message:
+    version = ctx.state.version if base_version is None else base_version
+    tensors = kw.pop("tensors", None) or grads(ctx)
+    return Message(wire.PUSH, sender, seq=seq, base_version=version, tensors=tensors, **kw)
+
+
+def weights(ctx: HandlerContext) -> list[bytes]:
+    return [a.tobytes() for a in ctx.state.weights()[1]]
+
+
+def offer(ctx: HandlerContext, msg: Message, peer_key: str | None = None) -> GradientOutcome:
+    """Handle a push as the loop does: apply what the policy says to apply."""
+    out = handle_gradients(frames(msg), ctx, peer_key)
+    if out.decision is not None and out.decision.action == APPLY:
+        apply_decision(out.decision, ctx)
+    return out
+
+
+# ---------------------------------------------------------------- hello / heartbeat
+
+
+def test_hello_with_the_servers_model_is_accepted_and_enrols_the_worker(
+    ctx: HandlerContext,
+) -> None:
+    reply = hello(ctx)
+    assert reply.type == wire.HELLO
+    assert reply.body["push_port"] == 6001 and reply.body["status_port"] == 6002
+    assert reply.body["last_seq"] == 0 and reply.body["incarnation"] == "inc-1"
+    assert reply.body["policy"] == "async" and reply.body["partition"] == ctx.shard["partition"]
+    assert "w0" in ctx.registry and ctx.stats.counters["hellos"] == 1
+    assert not ctx.stats.rejected
+
+
+def test_hello_with_another_model_is_refused_and_counted(ctx: HandlerContext) -> None:
+    reply = hello(ctx, fingerprint="not-this-model")
+    assert reply.type == wire.ERROR and reply.body["code"] == wire.R_FINGERPRINT
+    assert "--model" in reply.body["message"]  # says how to fix it
+    assert ctx.stats.rejected == {wire.R_FINGERPRINT: 1}
+    assert "w0" not in ctx.registry
+
+
+def test_hello_for_another_shard_is_refused(ctx: HandlerContext) -> None:
+    reply = hello(ctx, shard=1, num_shards=2, partition="other")
+    assert reply.type == wire.ERROR and reply.body["code"] == wire.R_PARTITION
+    assert ctx.stats.rejected == {wire.R_PARTITION: 1}
+    assert "w0" not in ctx.registry
+
+
+def test_request_in_another_protocol_version_is_refused(ctx: HandlerContext) -> None:
+    raw = frames(Message(wire.HELLO, "w0", body={"fingerprint": ctx.state.fingerprint}))
+    header = msgpack.unpackb(raw[0])
+    header["version"] = wire.PROTOCOL_VERSION + 1
+    reply = handle_request([msgpack.packb(header)], ctx)
+    assert reply.message.type == wire.ERROR and reply.message.body["code"] == wire.R_VERSION
+    assert reply.rejection is not None and reply.rejection.code == wire.R_VERSION
+    assert ctx.stats.rejected == {wire.R_VERSION: 1}
+    assert "w0" not in ctx.registry
+
+
+def test_a_push_sent_as_a_request_is_refused_as_wrong_socket(ctx: HandlerContext) -> None:
+    reply = request(ctx, push(ctx, 1))
+    assert reply.type == wire.ERROR and reply.body["code"] == wire.R_WRONG_SOCKET
+    assert ctx.state.version == 0 and ctx.stats.rejected == {wire.R_WRONG_SOCKET: 1}
+
+
+def test_the_status_socket_answers_only_status_requests() -> None:
+    check_status_request(frames(Message(wire.STATUS, "reader")))  # accepted: no exception
+    with pytest.raises(wire.ProtocolError) as err:
+        check_status_request(frames(Message(wire.PULL, "reader")))
+    assert err.value.code == wire.R_WRONG_SOCKET
+
+
+def test_liveness_follows_the_time_since_the_worker_was_last_heard(spec: Any) -> None:
+    clock = Clock()
+    ctx = make_ctx(spec, clock=clock)
+    assert hello(ctx).type == wire.HELLO
+    rec = ctx.registry.get("w0")
+    assert rec is not None
+    seen = []
+    for idle in (5.0, 30.0, 90.0):
+        clock.now += idle
+        seen.append(ctx.registry.liveness(rec, clock.now))
+        if idle == 30.0:  # a heartbeat brings a missing worker back
+            reply = request(ctx, Message(wire.HEARTBEAT, "w0", body={"stats": {"q": 1.5}}))
+            assert reply.type == wire.HEARTBEAT and reply.base_version == 0
+            seen.append(ctx.registry.liveness(rec, clock.now))
+    assert seen == [ALIVE, MISSING, ALIVE, GONE]
+    assert rec.reported == {"q": 1.5}
+
+
+# ---------------------------------------------------------------- pull
+
+
+def test_pull_sends_the_weights_then_unchanged_until_the_next_update(ctx: HandlerContext) -> None:
+    first = request(ctx, Message(wire.PULL, "w0"))
+    assert first.type == wire.WEIGHTS and first.base_version == 0
+    assert list(first.tensors) == ctx.state.names
+    have = {"have": 0, "incarnation": "inc-1"}
+    same = request(ctx, Message(wire.PULL, "w0", body=have))
+    assert same.body["unchanged"] is True and not same.tensors
+    # the same version of an earlier incarnation (a restarted server) gets the weights
+    other = request(ctx, Message(wire.PULL, "w0", body={"have": 0, "incarnation": "inc-0"}))
+    assert len(other.tensors) == len(ctx.state.names)
+    assert offer(ctx, push(ctx, 1)).decision is not None
+    after = request(ctx, Message(wire.PULL, "w0", body=have))
+    assert after.base_version == 1 and "unchanged" not in after.body
+    assert ctx.stats.counters["pulls"] == 4 and ctx.stats.counters["pulls_unchanged"] == 1
+
+
+def test_bf16_pull_rounds_the_weights_and_an_unknown_encoding_is_refused(
+    ctx: HandlerContext,
+) -> None:
+    dense = request(ctx, Message(wire.PULL, "w0"))
+    rounded = request(ctx, Message(wire.PULL, "w0", body={"encoding": wire.BF16}))
+    for name, a in dense.tensors.items():
+        b = rounded.tensors[name]
+        assert b.dtype == a.dtype
+        np.testing.assert_allclose(b, a, rtol=2**-8)
+    bad = request(ctx, Message(wire.PULL, "w0", body={"encoding": "fp8"}))
+    assert bad.type == wire.ERROR and bad.body["code"] == wire.R_HEADER
+    assert ctx.stats.counters["pulls_bf16"] == 1 and ctx.stats.rejected == {wire.R_HEADER: 1}
+
+
+def test_a_pull_tells_the_worker_once_about_its_stale_drops(spec: Any) -> None:
+    ctx = make_ctx(spec, policy="bounded:0")
+    assert offer(ctx, push(ctx, 1)).decision.action == APPLY  # type: ignore[union-attr]
+    stale = offer(ctx, push(ctx, 2, base_version=0))
+    assert stale.decision is not None and stale.decision.action == DROP
+    assert ctx.state.version == 1
+    assert request(ctx, Message(wire.PULL, "w0")).body["dropped_stale"] == 1
+    assert "dropped_stale" not in request(ctx, Message(wire.PULL, "w0")).body
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def test_a_valid_push_is_applied_and_credited_to_its_worker(ctx: HandlerContext) -> None:
+    before = [a.copy() for a in ctx.state.weights()[1]]
+    out = offer(ctx, push(ctx, 1, body={"loss": 0.5, "steps": 7}))
+    assert out.rejection is None and out.decision is not None
+    assert out.decision.action == APPLY and out.decision.workers == ("w0",)
+    version, after = ctx.state.weights()
+    assert version == 1
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_allclose(b, a - LR, rtol=1e-6, atol=1e-6)  # SGD on a gradient of ones
+    rec = ctx.registry.get("w0")
+    assert rec is not None
+    assert (rec.pushes, rec.applied, rec.last_seq, rec.steps, rec.loss) == (1, 1, 1, 7, 0.5)
+    assert ctx.stats.counters["pushes_received"] == 1 and ctx.stats.counters["bytes_in"] > 0
+    doc = build_status(ctx, now=ctx.clock(), started=ctx.clock() - 1.0, started_wall=0.0)
+    json.dumps(doc)  # plain types only
+    assert doc["version"] == 1 and doc["workers"]["w0"]["applied"] == 1
+    assert doc["workers"]["w0"]["state"] == ALIVE and doc["rejected_total"] == 0
+
+
+def _edit_header(raw: list[bytes], change: Callable[[dict], None]) -> list[bytes]:
+    header = msgpack.unpackb(raw[0])
+    change(header)
+    return [msgpack.packb(header), *raw[1:]]
+
+
+def _tensors(ctx: HandlerContext, change: Callable[[list[np.ndarray]], None]) -> dict:
+    arrays = list(grads(ctx).values())
+    change(arrays)
+    return dict(zip(ctx.state.names, arrays, strict=True))
+
+
+def _set(arrays: list[np.ndarray], i: int, a: np.ndarray) -> None:
+    arrays[i] = a
+
+
+# Each bad push: (reason, how to build its frames from a fresh context whose worker "w0" has
+# pushed seq 1 at version 0, so the server is at version 1).
+BAD_PUSHES: dict[str, Callable[[HandlerContext], list[bytes]]] = {
+    wire.R_TRUNCATED: lambda c: frames(push(c, 2))[:-1],
+    wire.R_HEADER: lambda c: [b"\xc1 not msgpack", *frames(push(c, 2))[1:]],
+    wire.R_VERSION: lambda c: _edit_header(frames(push(c, 2)), lambda h: h.update(version=99)),
+    wire.R_TYPE: lambda c: _edit_header(frames(push(c, 2)), lambda h: h.update(type="bogus")),
+    wire.R_NBYTES: lambda c: _edit_header(
+        frames(push(c, 2)), lambda h: h["tensors"][0].update(nbytes=4)
+    ),
+    wire.R_TOO_LARGE: lambda c: _edit_header(
+        frames(push(c, 2)),
+        lambda h: h["tensors"][0].update(shape=[65536, 65536], nbytes=1 << 34),
+    ),
+    wire.R_WRONG_SOCKET: lambda c: frames(Message(wire.PULL, "w0", seq=2)),
+    wire.R_DUPLICATE: lambda c: frames(push(c, 1)),
+    wire.R_FUTURE: lambda c: frames(push(c, 2, base_version=2)),
+    wire.R_COUNT: lambda c: frames(push(c, 2, tensors=dict(list(grads(c).items())[:1]))),
+    wire.R_NAME: lambda c: frames(
+        push(c, 2, tensors={f"t{i}": a for i, a in enumerate(grads(c).values())})
+    ),
+    wire.R_SHAPE: lambda c: frames(
+        push(c, 2, tensors=_tensors(c, lambda a: _set(a, 0, a[0].T.copy())))
+    ),
+    wire.R_DTYPE: lambda c: frames(
+        push(c, 2, tensors=_tensors(c, lambda a: _set(a, 1, a[1].astype(np.float64))))
+    ),
+    wire.R_NONFINITE: lambda c: frames(
+        push(c, 2, tensors=_tensors(c, lambda a: a[2].__setitem__((0, 0), np.inf)))
+    ),
+}
+
+
+@pytest.mark.parametrize("reason", list(BAD_PUSHES))
+def test_every_bad_push_is_refused_counted_and_changes_nothing(
+    ctx: HandlerContext, reason: str
+) -> None:
+    assert offer(ctx, push(ctx, 1)).decision is not None
+    before = weights(ctx)
+    rec = ctx.registry.get("w0")
+    assert rec is not None
+    out = handle_gradients(BAD_PUSHES[reason](ctx), ctx)
+    assert out.decision is None and out.rejection is not None
+    assert out.rejection.code == reason and out.rejection.message
+    assert ctx.stats.rejected == {reason: 1}
+    assert ctx.state.version == 1 and weights(ctx) == before
+    assert rec.last_seq == 1 and rec.applied == 1
+    decoded = reason not in (wire.R_TRUNCATED, wire.R_HEADER, wire.R_VERSION, wire.R_TYPE)
+    decoded = decoded and reason not in (wire.R_NBYTES, wire.R_TOO_LARGE)
+    assert rec.rejected == int(decoded)  # counted against the worker once it is known
+
+
+def test_a_push_under_another_keys_name_is_refused_as_identity(spec: Any) -> None:
+    ctx = make_ctx(spec, authenticated=True)
+    assert offer(ctx, push(ctx, 1, sender="w0/replica-1"), peer_key="w0").decision is not None
+    out = offer(ctx, push(ctx, 1, sender="w1"), peer_key="w0")
+    assert out.rejection is not None and out.rejection.code == security.R_IDENTITY
+    assert out.rejection.sender == "w0"  # counted against the key's owner, not the claim
+    assert ctx.state.version == 1 and "w1" not in ctx.registry
+    assert ctx.registry.get("w0") is None  # "w0/replica-1" is its own worker id
+    refused = request(ctx, Message(wire.PULL, "w1"), peer_key="w0")
+    assert refused.type == wire.ERROR and refused.body["code"] == security.R_IDENTITY
+    assert ctx.stats.rejected == {security.R_IDENTITY: 2}
+
+
+# ---------------------------------------------------------------- the order of the checks
+
+# The gradient handler's checks in its documented order; "policy" is the last step (here a
+# bounded:0 policy drops a stale gradient: accepted, not refused).
+CHECK_ORDER = ["decode", "socket", "identity", "duplicate", "future", "shape", "finite", "policy"]
+REASON = {
+    "decode": wire.R_VERSION,
+    "socket": wire.R_WRONG_SOCKET,
+    "identity": security.R_IDENTITY,
+    "duplicate": wire.R_DUPLICATE,
+    "future": wire.R_FUTURE,
+    "shape": wire.R_SHAPE,
+    "finite": wire.R_NONFINITE,
+}
+
+
+def _faulty(ctx: HandlerContext, faults: set[str]) -> tuple[list[bytes], str]:
+    """A push from "w0" (after its seq 1 made version 1) failing exactly ``faults``; returns
+    its frames and the key it arrives with."""
+    version = ctx.state.version
+    base = version + 1 if "future" in faults else version - 1 if "policy" in faults else version
+    arrays = list(grads(ctx).values())
+    if "finite" in faults:
+        arrays[0] = arrays[0].copy()
+        arrays[0][0, 0] = np.nan  # in the first tensor ...
+    if "shape" in faults:
+        arrays[-1] = np.ones(arrays[-1].shape[0] + 1, arrays[-1].dtype)  # ... the last is wrong
+    msg = Message(
+        wire.PULL if "socket" in faults else wire.PUSH,
+        "w0",
+        seq=1 if "duplicate" in faults else 2,
+        base_version=base,
+        tensors=dict(zip(ctx.state.names, arrays, strict=True)),
+    )
+    raw = frames(msg)
+    if "decode" in faults:
+        raw = _edit_header(raw, lambda h: h.update(version=99))
+    return raw, "mallory" if "identity" in faults else "w0"
+
+
+def _pairs() -> Iterator[tuple[str, str]]:
+    for first, second in itertools.combinations(CHECK_ORDER, 2):
+        if {first, second} != {"future", "policy"}:  # both set base_version: exclusive
+            yield first, second
+
+
+@pytest.mark.parametrize(("first", "second"), list(_pairs()))
+def test_a_push_failing_two_checks_is_refused_for_the_earlier_one(
+    spec: Any, first: str, second: str
+) -> None:
+    ctx = make_ctx(spec, policy="bounded:0", authenticated=True)
+    assert offer(ctx, push(ctx, 1), peer_key="w0").decision is not None
+    before = weights(ctx)
+    raw, key = _faulty(ctx, {first, second})
+    out = handle_gradients(raw, ctx, key)
+    assert out.rejection is not None, f"{first}+{second} was not refused"
+    assert out.rejection.code == REASON[first]
+    assert ctx.stats.rejected == {REASON[first]: 1}
+    assert ctx.state.version == 1 and weights(ctx) == before
+
+
+def test_each_check_alone_refuses_and_a_clean_stale_push_reaches_the_policy(spec: Any) -> None:
+    """The pairs test is only meaningful if every fault on its own trips its own check."""
+    for fault in CHECK_ORDER:
+        ctx = make_ctx(spec, policy="bounded:0", authenticated=True)
+        assert offer(ctx, push(ctx, 1), peer_key="w0").decision is not None
+        raw, key = _faulty(ctx, {fault})
+        out = handle_gradients(raw, ctx, key)
+        if fault == "policy":
+            assert out.rejection is None and out.decision is not None
+            assert out.decision.action == DROP
+        else:
+            assert out.rejection is not None and out.rejection.code == REASON[fault]
+        assert ctx.state.version == 1
