@@ -12,8 +12,9 @@ The public API is what a model plugin writes against::
 """
 
 from downpour.data import Dataset
+from downpour.inputs import InputContext
 from downpour.spec import ModelSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["Dataset", "ModelSpec", "__version__"]
+__all__ = ["Dataset", "InputContext", "ModelSpec", "__version__"]

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
     from downpour.data import Dataset
+    from downpour.inputs import InputContext
     from downpour.models_tf1 import Tf1Graph
 
 DEFAULT_MODEL = "downpour.models:deep_mnist"
@@ -46,19 +47,29 @@ class ModelSpec:
     """Everything both services need to know about a model.
 
     ``build`` must return a fresh, built Keras model (variables created) and be deterministic
-    in variable names and order. ``load_data`` gets the ``--data-dir`` value. ``label_dtype``
-    is a dtype name or a ``tf.DType``. ``tf1_graph`` is the same model as a ``tf.compat.v1``
-    graph (``downpour.models_tf1.Tf1Graph``), for workers run with ``--graph tf1``.
+    in variable names and order. The data comes from ``input_fn(ctx)``, a ``tf.data.Dataset``
+    of ``(features, labels)`` batches for one epoch of this worker's share
+    (``downpour.inputs``), and the held-out set from ``held_out_fn(ctx)``; or, for data that
+    fits in memory, from ``load_data(data_dir)``, a NumPy ``downpour.Dataset`` that downpour
+    turns into both. ``label_dtype`` is a dtype name or a ``tf.DType``. ``tf1_graph`` is the
+    same model as a ``tf.compat.v1`` graph (``downpour.models_tf1.Tf1Graph``), for workers run
+    with ``--graph tf1``.
     """
 
     name: str
     build: Callable[[], keras.Model]
-    load_data: Callable[[str | None], Dataset]
+    load_data: Callable[[str | None], Dataset] | None = None
     loss: Callable[[tf.Tensor, tf.Tensor], tf.Tensor] = sparse_softmax_loss
     metric: Callable[[np.ndarray, np.ndarray], float] = accuracy
     batch_size: int = 50
     label_dtype: Any = "int64"
     tf1_graph: Callable[[], Tf1Graph] | None = None
+    input_fn: Callable[[InputContext], tf.data.Dataset] | None = None
+    held_out_fn: Callable[[InputContext], tf.data.Dataset] | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_data is None and self.input_fn is None:
+            raise ValueError(f"model {self.name!r}: give input_fn (tf.data) or load_data (NumPy)")
 
 
 def load_spec(ref: str = DEFAULT_MODEL) -> ModelSpec:
