@@ -53,7 +53,7 @@ from downpour.server.state import ParameterState
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
 from downpour.spec import ModelSpec
-from downpour.wire import Message, ProtocolError
+from downpour.wire import ProtocolError
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -372,7 +372,7 @@ class Server:
                 counters["status_requests"] += 1
                 doc = self._published
                 if encoded is None or encoded[0] is not doc:
-                    encoded = (doc, wire.encode(Message(wire.STATUS, "server", body=doc)))
+                    encoded = (doc, wire.encode(wire.status_reply(doc)))
                 out = encoded[1]
             except ProtocolError as exc:
                 counters["status_rejected"] += 1  # only this thread writes it
