@@ -62,7 +62,7 @@ from downpour.transport import (
     make_context,
 )
 from downpour.worker.compress import Compressor, parse_compression
-from downpour.worker.settings import WorkerConfig
+from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.step import Accumulator, GradientStep
 from downpour.worker.tf1 import Tf1Step
 
@@ -175,6 +175,9 @@ class Worker:
     """One training worker. ``run()`` returns a summary dict, or raises WorkerError."""
 
     def __init__(self, spec: ModelSpec, config: WorkerConfig, data: Dataset) -> None:
+        """Build the worker for ``spec`` from ``config``: ConfigError (``validate_worker``)
+        for settings that contradict each other."""
+        validate_worker(config)  # the cross-field checks live there, and only there
         self.spec = spec
         self.config = config
         self.data = data
@@ -193,8 +196,6 @@ class Worker:
         )
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.payload_bytes)
         endpoints = config.endpoints()
-        if config.push_endpoint is not None and len(endpoints) > 1:
-            raise WorkerError("--push-endpoint works with one server, not with shards")
         self.partition = make_partition(
             self.names,
             [tuple(int(d) for d in v.shape) for v in variables],

@@ -244,4 +244,6 @@ def validate_worker(cfg: WorkerConfig) -> None:
     problems: list[str] = []
     if bool(cfg.key_file) != bool(cfg.server_key_file):
         problems.append("--key and --server-key go together (own secret key, server.key)")
+    if cfg.push_endpoint is not None and len(cfg.servers) > 1:
+        problems.append("--push-endpoint works with one server, not with shards")
     refuse(problems)
