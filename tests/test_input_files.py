@@ -196,9 +196,11 @@ def test_data_command_refuses_bad_arguments_and_existing_data(
     with pytest.raises(SystemExit) as exc:
         write("tfrecord", str(mnist_dir / "x"), "--shards", "0")
     assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:
-        write("csv", str(mnist_dir / "x"), "--repeat", "2", "--size-mb", "3")
-    assert exc.value.code == 2
+    for bad in (["--repeat", "2", "--size-mb", "3"], ["--size-mb", "0"], ["--dataset", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            write("csv", str(mnist_dir / "x"), *bad)
+        assert exc.value.code == 2
+    assert not (mnist_dir / "x").exists()
     with pytest.raises(SystemExit):
         write("--help")
     assert "tfrecord" in capsys.readouterr().out

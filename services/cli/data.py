@@ -11,7 +11,8 @@ layout and the record format are ``downpour.examples.records``'s. Output is dete
 the same arguments write the same bytes.
 
 ``--repeat K`` writes the training split K times, every pass after the first with each image
-shifted by a few pixels (a seeded draw per pass, ``--seed``) and fresh ids; ``--size-mb M``
+shifted by up to 2 pixels (1 for digits; a draw per image, seeded by ``--seed`` and the pass)
+and with fresh ids; ``--size-mb M``
 picks K so that the training files hold at least M MiB. That makes a data set larger than
 memory from data that ships, for streaming and memory tests.
 """
@@ -84,8 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(fmt, help=f"write the data as {what}", description=__doc__)
         p.formatter_class = argparse.RawDescriptionHelpFormatter
         p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
-        p.add_argument("--dataset", choices=sorted(SOURCES), default="mnist5k")
-        p.add_argument("--shards", type=_at_least_1, default=4, help="training files (4)")
+        p.add_argument(
+            "--dataset", choices=sorted(SOURCES), default="mnist5k", help="source (mnist5k)"
+        )
+        p.add_argument(
+            "--shards", type=_at_least_1, default=4, metavar="N", help="training files (4)"
+        )
         size = p.add_mutually_exclusive_group()
         size.add_argument(
             "--repeat",
@@ -96,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
         size.add_argument(
             "--size-mb",
-            type=float,
+            type=_positive,
             metavar="M",
             help="repeat the training split until its files hold at least M MiB",
         )
@@ -110,6 +115,13 @@ def _at_least_1(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is out of range: allowed an integer >= 1")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: allowed a number > 0")
     return value
 
 
