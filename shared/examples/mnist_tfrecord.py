@@ -10,8 +10,8 @@ The model is the built-in Deep-MNIST CNN (the same variables and fingerprint as
 in memory: it lists this worker's files (``ctx.shard_files``), reads several at once
 (``interleave``), shuffles serialized records in a bounded buffer, batches, parses whole
 batches (``tf.io.parse_example``) and keeps batches ready ahead of the step
-(``prefetch(AUTOTUNE)``). Its memory does not grow with the data: a training set of
-gigabytes streams through the same few megabytes as one of 4,000 examples.
+(``prefetch(AUTOTUNE)``). Its memory does not grow with the data: what it holds is the
+shuffle buffer and a few batches, for 4,000 examples as for a gigabyte of them.
 
 ``read`` is the pipeline with its knobs; ``with_ids=True`` makes the features
 ``{"image": ..., "id": ...}`` so a test can see which examples an epoch yielded.
