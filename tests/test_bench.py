@@ -39,6 +39,8 @@ REQUIRED = {
         "ratio_1w_vs_local",
         "ratio_1w_vs_tf_pss",
     ],
+    # the TFRecord input pipeline against in-memory arrays, same model and step
+    "input": ["memory_steps_per_s", "tfrecord_steps_per_s", "tfrecord_vs_memory"],
 }
 
 
@@ -59,6 +61,7 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
             assert math.isfinite(value) and value > 0, f"{section}.{key} = {value!r}"
     assert doc["seed_gradients"]["traces_one_pass"] == 1
     assert set(doc["seed_gradients"]["traces_per_variable"]) == {1}
+    assert doc["input"]["traces"] == 1  # both feeds ran the one compiled step
     assert "| wire |" in done.stdout  # the table was printed
     assert "ratio_1w_vs_local, bf16" not in done.stdout  # the smoke plan skips those set-ups
 

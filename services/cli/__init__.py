@@ -82,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
             "export", help="write the newest checkpoint as a .keras file or a SavedModel"
         )
     )
+    from downpour.cli import data
+
+    data.add_arguments(
+        sub.add_parser(
+            "data",
+            help="write the shipped data as TFRecord or CSV shards (docs/data.md)",
+            description="Write MNIST-5k or scikit-learn's digits as TFRecord or CSV shards, "
+            "train and held-out, for input_fn pipelines (downpour.examples.mnist_tfrecord, "
+            "downpour.examples.digits_csv).",
+        )
+    )
     return parser
 
 
@@ -118,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         from downpour.cli import export
 
         return export.main(args)
+    if args.command == "data":
+        from downpour.cli import data
+
+        return data.main(args)
     raise AssertionError(args.command)
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench.py [--quick | --smoke] [--out bench-results.json]
 
-Four sections on the default Deep-MNIST model (13.1 MB of float32 parameters), each with
+Six sections on the default Deep-MNIST model (13.1 MB of float32 parameters), each with
 warm-up and the median of several repetitions, the compared variants interleaved or run
 back to back so that machine noise hits them alike (ratios, not absolute times, are the
 result):
@@ -13,6 +13,8 @@ result):
    the apply time against the memory-traffic floor; pull latency during the flood
 4. end to end: steps/s of local training, 1 and 2 downpour workers, TF ParameterServerStrategy
 5. shards: update capacity (applies/s, synthetic pushers) of 1 shard and of 2 shards
+6. input: steps/s of the worker's gradient step fed by the TFRecord example's input_fn
+   against the same step fed by in-memory arrays
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
 Modes: full (default, < 15 min), ``--quick`` (< 3 min), ``--smoke`` (one repetition, a few
@@ -39,6 +41,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parents[1]))
 
 import bench_e2e  # noqa: E402
+import bench_input  # noqa: E402
 import bench_seed  # noqa: E402
 import bench_server  # noqa: E402
 import bench_shards  # noqa: E402
@@ -72,6 +75,7 @@ REQUIRED: dict[str, list[str]] = {
         "ratio_1w_vs_tf_pss",
     ],
     "shards": ["one_shard_applies_per_s", "two_shards_applies_per_s", "ratio_two_vs_one"],
+    "input": ["memory_steps_per_s", "tfrecord_steps_per_s", "tfrecord_vs_memory"],
 }
 
 
@@ -96,6 +100,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         # the lever the issues name, bf16 (lossy, not the default): on the wire a push with
         # --compress bf16; end to end --compress bf16 and --pull-compress bf16 (full plan only)
         ("wire ratio_to_memcpy, bf16", w["bf16_ratio_to_memcpy"], "<=", 3.0),
+        ("input tfrecord_vs_memory", r["input"]["tfrecord_vs_memory"], ">=", 0.95),
     ]
     if "ratio_1w_bf16_vs_local" in e:
         rows += [
@@ -197,6 +202,12 @@ def table(r: dict[str, Any]) -> str:
         f"| shards | **2 shards / 1 shard** | **{r['shards']['ratio_two_vs_one']:.2f}x** "
         f"(server CPU {r['shards']['server_cpu_cores_one']:.2f} / "
         f"{r['shards']['server_cpu_cores_two']:.2f} cores) |",
+        f"| input | worker step fed by in-memory arrays | "
+        f"{r['input']['memory_steps_per_s']:.2f} steps/s |",
+        f"| input | worker step fed by TFRecord files (input_fn: interleave, parse, prefetch) | "
+        f"{r['input']['tfrecord_steps_per_s']:.2f} steps/s |",
+        f"| input | **TFRecord / memory** | **{r['input']['tfrecord_vs_memory']:.2f}** "
+        f"(per round: {_fmt_list(r['input']['tfrecord_vs_memory_per_round'])}) |",
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -221,7 +232,7 @@ def check(r: dict[str, Any]) -> list[str]:
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
-    """All four sections under ``plan``; child process logs go to ``logdir``."""
+    """All six sections under ``plan``; child process logs go to ``logdir``."""
     t_start = time.monotonic()
     spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
@@ -240,7 +251,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     timings = {}
     with Procs(logdir) as procs:
         t = time.monotonic()
-        log("[1/5] wire")
+        log("[1/6] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
         w = result["wire"]
         result["wire_curve"] = {  # measured interleaved with the plaintext push above
@@ -252,21 +263,25 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
-        log("[2/5] seed gradients")
+        log("[2/6] seed gradients")
         result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
         timings["seed_gradients"] = time.monotonic() - t
         t = time.monotonic()
-        log("[3/5] server")
+        log("[3/6] server")
         result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
         timings["server"] = time.monotonic() - t
         t = time.monotonic()
-        log("[4/5] end to end")
+        log("[4/6] end to end")
         result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
         t = time.monotonic()
-        log("[5/5] shards")
+        log("[5/6] shards")
         result["shards"] = bench_shards.run(plan, procs, names, grads)
         timings["shards"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[6/6] input")
+        result["input"] = bench_input.run(plan, spec, data)
+        timings["input"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}

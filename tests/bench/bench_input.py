@@ -1,0 +1,85 @@
+"""Section 6, input: is reading TFRecord files ever the bottleneck of a worker's step?
+
+The same model and the worker's ``GradientStep`` (loss and the whole gradient list in one
+compiled evaluation, the gradients copied out as the worker sends them), fed two ways in
+the same run:
+
+- memory: the worker's in-memory batches (``downpour.worker.service.batches``: NumPy arrays
+  of MNIST-5k, reshuffled every epoch);
+- tfrecord: ``downpour.examples.mnist_tfrecord.input_fn`` over the same 4,000 examples
+  written by ``downpour data tfrecord`` (4 files, interleave, shuffle, parse, prefetch), a new
+  epoch's dataset made whenever one ends, as a worker does.
+
+Windows of a fixed number of steps alternate between the two, each round starting with the
+other one; ``tfrecord_vs_memory`` is the median of the per-round ratios of steps/s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_util import Plan, median
+
+from downpour import InputContext
+from downpour.cli.data import mnist5k, write
+from downpour.data import Dataset
+from downpour.examples import mnist_tfrecord
+from downpour.models import build_model
+from downpour.spec import ModelSpec
+from downpour.worker.service import batches
+from downpour.worker.step import GradientStep
+
+# (rounds, steps per window, warm-up steps) per plan: short in quick and smoke
+SIZES = {"smoke": (1, 4, 2), "quick": (2, 15, 5), "full": (5, 60, 10)}
+
+
+def tfrecord_batches(data_dir: str, batch_size: int) -> Iterator[tuple[Any, Any]]:
+    """Endless batches of the TFRecord example's input_fn, one dataset per epoch."""
+    ctx = InputContext(seed=0, data_dir=data_dir, batch_size=batch_size)
+    for epoch in itertools.count():
+        yield from mnist_tfrecord.input_fn(ctx.for_epoch(epoch))
+
+
+def steps_per_s(step: GradientStep, source: Iterator[tuple[Any, Any]], steps: int) -> float:
+    """Steps per second over ``steps`` steps, each fed the next batch of ``source``."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(*next(source))
+    return steps / (time.perf_counter() - t0)
+
+
+def run(plan: Plan, spec: ModelSpec, data: Dataset) -> dict[str, Any]:
+    """memory_steps_per_s, tfrecord_steps_per_s (medians) and tfrecord_vs_memory."""
+    rounds, steps, warmup = SIZES[plan.name]
+    with tempfile.TemporaryDirectory(prefix="downpour-bench-input-") as tmp:
+        out = Path(tmp) / "mnist"
+        out.mkdir()
+        write(out, "tfrecord", mnist5k(), shards=4)
+        step = GradientStep(spec, build_model(spec, seed=0), data.x_train[:1])
+        sources = {
+            "memory": batches(data, spec.batch_size, seed=0),
+            "tfrecord": tfrecord_batches(str(out), spec.batch_size),
+        }
+        for source in sources.values():
+            steps_per_s(step, source, warmup)
+        rates: dict[str, list[float]] = {name: [] for name in sources}
+        for r in range(rounds):
+            order = list(sources) if r % 2 == 0 else list(sources)[::-1]
+            for name in order:
+                rates[name].append(steps_per_s(step, sources[name], steps))
+    ratios = [t / m for t, m in zip(rates["tfrecord"], rates["memory"], strict=True)]
+    return {
+        "memory_steps_per_s": median(rates["memory"]),
+        "tfrecord_steps_per_s": median(rates["tfrecord"]),
+        "tfrecord_vs_memory": median(ratios),
+        "tfrecord_vs_memory_per_round": [float(np.round(x, 3)) for x in ratios],
+        "rounds": rounds,
+        "steps_per_window": steps,
+        "traces": step.traces,
+    }
