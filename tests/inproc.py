@@ -55,6 +55,11 @@ class InprocServer:
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """Where it listens, as a process server's ready file says (``conftest.Service.info``)."""
+        return self.server.endpoints()
+
     def stop(self) -> None:
         """Stop the loop (it drains and writes its final checkpoint), join it, re-raise."""
         self.server.stop()
