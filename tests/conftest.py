@@ -190,6 +190,18 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.stop()
 
 
+@pytest.fixture(params=["inproc", pytest.param("process", marks=pytest.mark.slow)])
+def services(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """``inproc.Services``: the test runs in-process (fast tier) and with processes (slow)."""
+    from inproc import Services
+
+    s = Services(request.param, tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 def summary(worker: Service) -> dict[str, Any]:
     """The JSON summary line a finished worker printed on stdout."""
     assert worker.proc.stdout is not None

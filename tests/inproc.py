@@ -8,10 +8,12 @@ process (signals, exit codes, the command line, a kill) is left to the slow tier
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from downpour.server.service import Server, ServerConfig
@@ -65,8 +67,9 @@ class InprocServer:
         self.server.stop()
         self._thread.join(JOIN_S)
         assert not self._thread.is_alive(), f"server thread still running after {JOIN_S} s"
-        if self.error is not None:
-            raise self.error
+        error, self.error = self.error, None  # raised once, by the first stop()
+        if error is not None:
+            raise error
 
 
 @contextmanager
@@ -141,3 +144,131 @@ class WorkerThread:
             raise self.error
         assert self.summary is not None
         return self.summary
+
+
+class LogCapture(logging.Handler):
+    """Every record of the ``downpour`` loggers while attached, as text (a server's log)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+# The settings the two-mode tests use, as ``downpour server`` / ``downpour worker`` flags.
+SERVER_FLAGS = {
+    "policy": "--policy",
+    "optimizer": "--optimizer",
+    "learning_rate": "--lr",
+    "num_shards": "--num-shards",
+    "shard": "--shard",
+    "state_dir": "--state-dir",
+    "checkpoint_every": "--checkpoint-every",
+    "checkpoint_secs": "--checkpoint-secs",
+}
+WORKER_FLAGS = {
+    "steps": "--steps",
+    "sync_wait_s": "--sync-wait",
+    "compress": "--compress",
+    "pull_compress": "--pull-compress",
+    "n_push": "--n-push",
+    "n_fetch": "--n-fetch",
+}
+
+
+def _flags(table: dict[str, str], config: dict[str, Any]) -> list[str]:
+    return [item for k, v in config.items() for item in (table[k], str(v))]
+
+
+class Services:
+    """Servers and workers for a test that runs in both tiers: in this process (``inproc``,
+    the fast tier) or as ``downpour`` processes (``process``, the slow tier), with the same
+    settings (the keys of SERVER_FLAGS / WORKER_FLAGS)."""
+
+    def __init__(self, mode: str, tmp: Path) -> None:
+        from conftest import Cluster
+
+        self.mode = mode
+        self.cluster = Cluster(tmp) if mode == "process" else None
+        self.inproc: list[tuple[InprocServer, LogCapture]] = []
+
+    def server(self, model: str = "tiny_models:tiny", **config: Any) -> Any:
+        """A started server with ``rep``, ``status``, ``info`` and ``port``."""
+        if self.cluster is not None:
+            return self.cluster.server(*_flags(SERVER_FLAGS, config), model=model)
+        capture = LogCapture()
+        logger = logging.getLogger("downpour")
+        logger.addHandler(capture)
+        if logger.level == logging.NOTSET or logger.level > logging.INFO:
+            logger.setLevel(logging.INFO)
+        server = InprocServer(model, model_ref=model, **config)
+        self.inproc.append((server, capture))
+        return server
+
+    def train(
+        self,
+        ports: int | list[int],
+        workers: int = 1,
+        model: str = "tiny_models:tiny",
+        **config: Any,
+    ) -> list[dict[str, Any]]:
+        """``workers`` workers ("w0", "w1", ...) train to the end at once; their summaries."""
+        if self.cluster is not None:
+            from conftest import summary
+
+            procs = [
+                self.cluster.worker(
+                    ports, *_flags(WORKER_FLAGS, config), model=model, worker_id=f"w{i}"
+                )
+                for i in range(workers)
+            ]
+            for w in procs:
+                assert w.wait(timeout=300) == 0, w.log_text()
+            return [summary(w) for w in procs]
+        threads = [
+            WorkerThread(make_worker(ports, model, worker_id=f"w{i}", **config))
+            for i in range(workers)
+        ]
+        return [t.result(300) for t in threads]
+
+    def stop(self, server: Any) -> str:
+        """Stop ``server`` as an operator would (SIGTERM for a process); its log."""
+        if self.cluster is not None:
+            server.proc.terminate()
+            assert server.wait(timeout=60) == 0, server.log_text()
+            return server.log_text()
+        for s, capture in self.inproc:
+            if s is server:
+                s.stop()
+                return capture.text()
+        raise AssertionError("not a server of this test")
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        logger = logging.getLogger("downpour")
+        for s, capture in self.inproc:
+            logger.removeHandler(capture)
+            s.stop()
+
+
+def settle(status: str, summaries: list[dict[str, Any]], timeout: float = 30.0) -> None:
+    """Wait until the server at ``status`` has taken each finished worker's last push (its
+    ``last_seq``): a worker's run ends when its pushes are sent, not when they are applied."""
+    from conftest import wait_until
+
+    from downpour.cli.status import fetch_status
+
+    def taken() -> bool:
+        workers = fetch_status(status)["workers"]
+        return all(
+            workers.get(s["worker"], {}).get("last_seq", 0) >= s["last_seq"] for s in summaries
+        )
+
+    wait_until(taken, timeout, "the server to take every worker's last push")
