@@ -198,10 +198,18 @@ class Services:
         self.cluster = Cluster(tmp) if mode == "process" else None
         self.inproc: list[tuple[InprocServer, LogCapture]] = []
 
-    def server(self, model: str = "tiny_models:tiny", **config: Any) -> Any:
-        """A started server with ``rep``, ``status``, ``info`` and ``port``."""
+    def server(
+        self, model: str = "tiny_models:tiny", keys: Path | None = None, **config: Any
+    ) -> Any:
+        """A started server with ``rep``, ``status``, ``info`` and ``port`` (``keys``: the
+        key directory of ``downpour server --keys``)."""
         if self.cluster is not None:
-            return self.cluster.server(*_flags(SERVER_FLAGS, config), model=model)
+            flags = _flags(SERVER_FLAGS, config) + (["--keys", str(keys)] if keys else [])
+            return self.cluster.server(*flags, model=model)
+        if keys is not None:
+            from downpour.security import load_server_keys
+
+            config["keys"] = load_server_keys(keys)
         capture = LogCapture()
         logger = logging.getLogger("downpour")
         logger.addHandler(capture)
@@ -236,6 +244,22 @@ class Services:
             for i in range(workers)
         ]
         return [t.result(300) for t in threads]
+
+    def log(self, server: Any) -> str:
+        """The server's log so far."""
+        if self.cluster is not None:
+            return server.log_text()
+        return next(capture.text() for s, capture in self.inproc if s is server)
+
+    def reload_keys(self, server: Any) -> None:
+        """Make the server re-read its allow-lists, as SIGHUP does for a process."""
+        if self.cluster is not None:
+            import signal
+
+            server.proc.send_signal(signal.SIGHUP)
+        else:
+            assert server.server.auth is not None
+            server.server.auth.request_reload()
 
     def stop(self, server: Any) -> str:
         """Stop ``server`` as an operator would (SIGTERM for a process); its log."""
