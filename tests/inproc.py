@@ -171,6 +171,7 @@ SERVER_FLAGS = {
     "state_dir": "--state-dir",
     "checkpoint_every": "--checkpoint-every",
     "checkpoint_secs": "--checkpoint-secs",
+    "eval_every": "--eval-every",
 }
 WORKER_FLAGS = {
     "steps": "--steps",
@@ -179,6 +180,8 @@ WORKER_FLAGS = {
     "pull_compress": "--pull-compress",
     "n_push": "--n-push",
     "n_fetch": "--n-fetch",
+    "epochs": "--epochs",
+    "graph": "--graph",
 }
 
 
@@ -197,6 +200,7 @@ class Services:
         self.mode = mode
         self.cluster = Cluster(tmp) if mode == "process" else None
         self.inproc: list[tuple[InprocServer, LogCapture]] = []
+        self.workers: list[Any] = []  # the last train()'s worker processes (their logs)
 
     def server(
         self, model: str = "tiny_models:tiny", keys: Path | None = None, **config: Any
@@ -224,25 +228,34 @@ class Services:
         ports: int | list[int],
         workers: int = 1,
         model: str = "tiny_models:tiny",
+        ids: list[str] | None = None,
+        key: tuple[Path, Path] | None = None,
         **config: Any,
     ) -> list[dict[str, Any]]:
-        """``workers`` workers ("w0", "w1", ...) train to the end at once; their summaries."""
+        """``workers`` workers (``ids``, default "w0", "w1", ...) train to the end at once;
+        their summaries. ``key``: (client secret key file, server public key file)."""
+        ids = ids or [f"w{i}" for i in range(workers)]
         if self.cluster is not None:
             from conftest import summary
 
-            procs = [
+            flags = _flags(WORKER_FLAGS, config)
+            if key is not None:
+                flags += ["--key", str(key[0]), "--server-key", str(key[1])]
+            procs = [  # --id last: ids may hold "/", which a log file name may not
                 self.cluster.worker(
-                    ports, *_flags(WORKER_FLAGS, config), model=model, worker_id=f"w{i}"
+                    ports, *flags, "--id", i, model=model, worker_id=i.replace("/", "-")
                 )
-                for i in range(workers)
+                for i in ids
             ]
+            self.workers = procs
             for w in procs:
                 assert w.wait(timeout=300) == 0, w.log_text()
             return [summary(w) for w in procs]
-        threads = [
-            WorkerThread(make_worker(ports, model, worker_id=f"w{i}", **config))
-            for i in range(workers)
-        ]
+        if key is not None:
+            from downpour.security import load_client_keys
+
+            config["keys"] = load_client_keys(*key)
+        threads = [WorkerThread(make_worker(ports, model, worker_id=i, **config)) for i in ids]
         return [t.result(300) for t in threads]
 
     def log(self, server: Any) -> str:
