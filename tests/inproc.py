@@ -133,6 +133,10 @@ class WorkerThread:
         finally:
             self.worker.close()
 
+    def finished(self) -> bool:
+        """True once run() has returned or raised."""
+        return not self._thread.is_alive()
+
     def result(self, timeout: float = 120.0) -> dict[str, Any]:
         """The summary, waiting at most ``timeout`` seconds; re-raises the worker's error."""
         self._thread.join(timeout)
@@ -172,6 +176,8 @@ SERVER_FLAGS = {
     "checkpoint_every": "--checkpoint-every",
     "checkpoint_secs": "--checkpoint-secs",
     "eval_every": "--eval-every",
+    "missing_after_s": "--missing-after",
+    "gone_after_s": "--gone-after",
 }
 WORKER_FLAGS = {
     "steps": "--steps",
