@@ -53,8 +53,8 @@ test-all: $(VENV)/.stamp-test deploy-tools
 # (300 per fuzz test otherwise).
 test-faults: $(VENV)/.stamp-test
 	DOWNPOUR_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q -ra -m "slow or not slow" \
-		tests/test_protocol.py tests/test_bad_input.py tests/test_faults.py tests/test_network.py \
-		tests/test_relay_faults.py
+		tests/test_wire.py tests/test_bad_input.py tests/test_faults.py tests/test_inproc_faults.py \
+		tests/test_network.py tests/test_relay_faults.py
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check services shared tests
