@@ -6,15 +6,14 @@ Each test runs against a server in this process (fast tier) and a server process
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack  # tests may craft raw headers; the services never import msgpack
 import numpy as np
-import pytest
 import zmq
-from conftest import Cluster, pull_weights, wait_until
-from inproc import InprocServer, train
+from conftest import pull_weights, wait_until
+from inproc import Services, settle
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -38,38 +37,8 @@ def edit_header(frames: list[Any], change: Callable[[dict], None]) -> list[Any]:
     return [msgpack.packb(header), *frames[1:]]
 
 
-class Target:
-    """A default tiny-model server (in this process or a process) and an honest worker for it."""
-
-    def __init__(self, cluster: Cluster | None) -> None:
-        self.cluster = cluster
-        self.inproc = InprocServer() if cluster is None else None
-        self.server: Any = self.inproc if cluster is None else cluster.server()
-
-    def honest_worker(self, steps: int) -> None:
-        """Train ``steps`` steps as worker "w" to the end (fails the test if it cannot)."""
-        if self.cluster is None:
-            assert train(self.server.info["port"], steps=steps)["steps"] == steps
-            return
-        honest = self.cluster.worker(self.server.info["port"], "--steps", str(steps))
-        assert honest.wait(timeout=120) == 0, honest.log_text()
-
-
-@pytest.fixture(params=["inproc", pytest.param("process", marks=pytest.mark.slow)])
-def target(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Target]:
-    cluster = Cluster(tmp_path) if request.param == "process" else None
-    t = Target(cluster)
-    try:
-        yield t
-    finally:
-        if t.inproc is not None:
-            t.inproc.stop()
-        if cluster is not None:
-            cluster.stop()
-
-
-def test_every_kind_of_bad_gradient_is_rejected_and_changes_nothing(target: Target) -> None:
-    server = target.server
+def test_every_kind_of_bad_gradient_is_rejected_and_changes_nothing(services: Services) -> None:
+    server = services.server()
     version0, w = pull_weights(server.rep)
     zeros = [np.zeros_like(a) for a in w]
 
@@ -124,8 +93,8 @@ def test_every_kind_of_bad_gradient_is_rejected_and_changes_nothing(target: Targ
         ctx.term()
 
 
-def test_oversize_message_is_cut_off_before_allocation(target: Target) -> None:
-    server = target.server
+def test_oversize_message_is_cut_off_before_allocation(services: Services) -> None:
+    server = services.server()
     version0, w = pull_weights(server.rep)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -134,22 +103,22 @@ def test_oversize_message_is_cut_off_before_allocation(target: Target) -> None:
         # 64 MB: far more than this 4-variable model could ever need; ZMQ's MAXMSGSIZE on the
         # gradient socket drops the connection before the server process sees or allocates it
         sock.send_multipart([push([np.zeros_like(a) for a in w], 1)[0], bytes(64 << 20)])
-        target.honest_worker(10)
+        settle(server.status, services.train(server.info["port"], steps=10))
         doc = wait_until(
             lambda: (d := fetch_status(server.status))["version"] >= version0 + 10 and d,
             30,
             "the honest worker's updates",
         )
         assert doc["version"] == version0 + 10  # the honest worker's updates, nothing else
-        assert doc["workers"].keys() == {"w"}
+        assert doc["workers"].keys() == {"w0"}
         assert doc["bytes_in"] < 32 << 20  # the 64 MB never reached the server's loop
     finally:
         sock.close(0)
         ctx.term()
 
 
-def test_bad_requests_get_an_error_reply_and_a_counter(target: Target) -> None:
-    server = target.server
+def test_bad_requests_get_an_error_reply_and_a_counter(services: Services) -> None:
+    server = services.server()
     ctx = make_context()
     client = ReqClient(ctx, server.rep, timeout_s=10, retries=0)
     try:
