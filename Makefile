@@ -31,13 +31,14 @@ run-local: $(VENV)/.stamp-base
 
 # Two test tiers. `make test`: the fast tier, a few minutes on 2 cores (services in-process on
 # real loopback sockets; installs no system package). `make test-slow`: the slow tier (real
-# service processes, faults, network namespaces, bench/study smoke, run-local, deploy checks).
+# service processes, faults, network namespaces, bench/study smoke, run-local, systemd units).
 # `make test-all`: both in one run (CI). -ra lists every skip with its reason.
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -ra -m "not slow"
 
-# systemd-analyze for the unit-file tests (Debian package systemd): installed once when missing
-# and possible (root + apt-get); otherwise those tests skip and say why.
+# systemd-analyze for the slow tier's unit-file tests (Debian package systemd): test-slow and
+# test-all install it once when missing and possible (root + apt-get), `make test` never does;
+# otherwise those tests skip and say why.
 deploy-tools:
 	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; } \
