@@ -10,7 +10,7 @@ WORKERS ?= 2
 SHARDS  ?= 1
 ARGS   ?=
 
-.PHONY: run-local test docs test-slow test-faults lint bench bench-curve study clean venv deploy-tools
+.PHONY: run-local test docs test-slow test-all test-faults lint bench bench-curve study clean venv deploy-tools
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,24 +33,33 @@ venv: $(VENV)/.stamp-base
 run-local: $(VENV)/.stamp-base
 	$(VENV)/bin/downpour run-local --workers $(WORKERS) --shards $(SHARDS) $(if $(filter 1,$(SECURE)),--secure) $(ARGS)
 
-test: $(VENV)/.stamp-test deploy-tools
-	$(PY) -m pytest -q -ra
+# Two test tiers. `make test`: the fast tier, a few minutes on 2 cores (services in-process on
+# real loopback sockets; installs no system package). `make test-slow`: the slow tier (real
+# service processes, faults, network namespaces, bench/study smoke, run-local, systemd units).
+# `make test-all`: both in one run (CI). -ra lists every skip with its reason.
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest -q -ra -m "not slow"
 
-# systemd-analyze for the unit-file tests (Debian package systemd): installed once when missing
-# and possible (root + apt-get); otherwise those tests skip and say why.
+# systemd-analyze for the slow tier's unit-file tests (Debian package systemd): test-slow and
+# test-all install it once when missing and possible (root + apt-get), `make test` never does;
+# otherwise those tests skip and say why.
 deploy-tools:
 	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; } \
 		|| echo "deploy-tools: systemd-analyze unavailable; the unit-file tests will skip"
 
-test-slow: $(VENV)/.stamp-test
+test-slow: $(VENV)/.stamp-test deploy-tools
 	$(PY) -m pytest -q -ra -m slow
 
-# The long fault variants: slow-marked fault tests and 20,000 fuzz cases of the decoder.
+test-all: $(VENV)/.stamp-test deploy-tools
+	$(PY) -m pytest -q -ra -m "slow or not slow"
+
+# The long fault variants: fault tests of both tiers and 20,000 fuzz cases of the decoder
+# (300 per fuzz test otherwise).
 test-faults: $(VENV)/.stamp-test
 	DOWNPOUR_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q -ra -m "slow or not slow" \
-		tests/test_protocol.py tests/test_bad_input.py tests/test_faults.py tests/test_network.py \
-		tests/test_relay_faults.py
+		tests/test_wire.py tests/test_bad_input.py tests/test_faults.py tests/test_inproc_faults.py \
+		tests/test_network.py tests/test_relay_faults.py
 
 # The MkDocs site (mkdocs.yml, docs/) into site/; --strict turns every warning (a broken link,
 # a docstring that does not render) into a failure.

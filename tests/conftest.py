@@ -190,6 +190,30 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _log_context() -> Iterator[None]:
+    """Services run in this process bind the process-wide log context (worker, version):
+    restore it after each test, so one test's services never name another test's log lines."""
+    from downpour import logs
+
+    saved = dict(logs._context)
+    yield
+    logs._context.clear()
+    logs._context.update(saved)
+
+
+@pytest.fixture(params=["inproc", pytest.param("process", marks=pytest.mark.slow)])
+def services(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """``inproc.Services``: the test runs in-process (fast tier) and with processes (slow)."""
+    from inproc import Services
+
+    s = Services(request.param, tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 def summary(worker: Service) -> dict[str, Any]:
     """The JSON summary line a finished worker printed on stdout."""
     assert worker.proc.stdout is not None

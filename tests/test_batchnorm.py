@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import Cluster, pull_weights, summary
+from conftest import pull_weights, wait_until
+from inproc import Services, settle
 
 from downpour.cli.export import export
 from downpour.cli.status import fetch_status
@@ -16,18 +17,12 @@ MODEL = "tiny_models:batchnorm"
 
 
 def test_server_weights_with_recalibrated_statistics_reach_the_workers_accuracy(
-    cluster: Cluster, tmp_path: Path
+    services: Services, tmp_path: Path
 ) -> None:
-    server = cluster.server(
-        "--state-dir", str(tmp_path / "state"), "--eval-every", "100", model=MODEL, early=True
-    )
-    workers = [
-        cluster.worker(server.port, "--steps", "150", model=MODEL, worker_id=f"w{i}")
-        for i in range(2)
-    ]
-    for w in workers:
-        assert w.wait(timeout=180) == 0, w.log_text()
-    reported = [summary(w)["held_out"] for w in workers]  # each with its own statistics
+    server = services.server(MODEL, state_dir=str(tmp_path / "state"), eval_every=100)
+    sums = services.train(server.port, 2, MODEL, steps=150)
+    settle(server.status, sums)
+    reported = [s["held_out"] for s in sums]  # each with its own statistics
 
     spec = load_spec(MODEL)
     data = spec.load_data(None)
@@ -42,11 +37,14 @@ def test_server_weights_with_recalibrated_statistics_reach_the_workers_accuracy(
     assert recalibrated >= max(reported) - 0.01, (recalibrated, reported)
     assert recalibrated > 0.95 and stale < recalibrated - 0.2, (stale, recalibrated)
 
-    doc = fetch_status(server.status)  # the server's own --eval-every recomputes them too
-    assert doc["eval"]["accuracy"] > 0.9, doc["eval"]
+    # the server's own --eval-every recomputes them too (off the apply loop: waited for)
+    wait_until(
+        lambda: (ev := fetch_status(server.status)["eval"]) and ev["accuracy"] > 0.9,
+        60,
+        "a held-out evaluation by the server above 0.9",
+    )
 
-    server.proc.terminate()
-    assert server.wait(timeout=60) == 0
+    services.stop(server)
     result = export([tmp_path / "state"], tmp_path / "bn.keras", MODEL)
     assert result.batchnorm_recalibrated == 1
     assert result.accuracy is not None and abs(result.accuracy - recalibrated) < 1e-6

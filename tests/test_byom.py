@@ -4,11 +4,11 @@ its held-out wines with the server's weights, and exports to a file plain Tensor
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
-from conftest import Cluster, pull_weights
+from conftest import pull_weights
+from inproc import Services, settle
 from plain_tf import plain_tf_accuracy, save_eval_data
 
 from downpour import cli
@@ -36,15 +36,13 @@ def test_wine_data_and_model_are_deterministic_and_fingerprint_only_dense_layers
 
 
 def test_wine_trains_through_server_and_worker_and_exports(
-    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    services: Services, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = tmp_path / "state"
-    server = cluster.server(
-        "--lr", "0.01", "--state-dir", str(state), "--checkpoint-every", "0",
-        "--checkpoint-secs", "0", model=WINE, early=True,
-    )  # fmt: skip
-    w = cluster.worker(server.port, "--epochs", "40", model=WINE)  # 40 x 8 batches
-    assert w.wait(timeout=120) == 0, w.log_text()
+    server = services.server(
+        WINE, learning_rate=0.01, state_dir=str(state), checkpoint_every=0, checkpoint_secs=0.0
+    )
+    settle(server.status, services.train(server.port, 1, WINE, epochs=40))  # 40 x 8 batches
     version, weights = pull_weights(server.rep)
     assert version == 320
 
@@ -56,8 +54,7 @@ def test_wine_trains_through_server_and_worker_and_exports(
     accuracy = evaluate(spec, model, data.x_test, data.y_test)
     assert accuracy >= 0.85, accuracy  # chance: about 0.36 (the largest class)
 
-    server.proc.send_signal(signal.SIGTERM)  # writes the final checkpoint: version 320
-    assert server.wait(timeout=60) == 0, server.log_text()
+    services.stop(server)  # SIGTERM for a process: the final checkpoint, version 320
     out = tmp_path / "wine.keras"
     args = ["export", "--state-dir", str(state), "--out", str(out), "--model", WINE]
     assert cli.main(args) == 0

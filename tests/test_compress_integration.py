@@ -1,4 +1,5 @@
-"""Gradient compression between real processes (``downpour worker --compress``).
+"""Gradient compression between a server and a worker (``downpour worker --compress``),
+in-process (fast tier) and as real processes (slow tier), through the ``services`` fixture.
 
 ``tiny_models:wide`` (8.5 MB of float32 gradients per push, cheap to compute) makes the
 message headers negligible, so the byte ratios are those of the payload: bf16 about 2x,
@@ -15,7 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-from conftest import Cluster, pull_weights, summary, wait_until
+from conftest import Cluster, pull_weights, wait_until
+from inproc import Services, make_worker, settle
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -37,11 +39,10 @@ def wide_accuracy(arrays: list[np.ndarray]) -> float:
     return float(np.mean(np.argmax(h, axis=1) == data.y_test))
 
 
-def test_topk_sends_over_40x_fewer_bytes_and_trains(cluster: Cluster) -> None:
-    server = cluster.server(model=WIDE, early=True)
-    w = cluster.worker(server.port, "--steps", "30", "--compress", "topk:0.01", model=WIDE)
-    assert w.wait(timeout=120) == 0, w.log_text()
-    s = summary(w)
+def test_topk_sends_over_40x_fewer_bytes_and_trains(services: Services) -> None:
+    server = services.server(WIDE)
+    (s,) = services.train(server.port, 1, WIDE, steps=30, compress="topk:0.01")
+    settle(server.status, [s])
     assert s["compress"] == "topk:0.01" and s["pushes"] == 30
     ratio = s["bytes_raw"] / s["bytes_sent"]
     assert ratio >= 40, ratio
@@ -49,25 +50,22 @@ def test_topk_sends_over_40x_fewer_bytes_and_trains(cluster: Cluster) -> None:
 
     doc = fetch_status(server.status)
     assert doc["version"] == 30 and doc["rejected_total"] == 0
-    rep = doc["workers"]["w"]["reported"]  # sent with the pushes (the last one lags a push)
+    rep = doc["workers"]["w0"]["reported"]  # sent with the pushes (the last one lags a push)
     assert rep["bytes_raw"] / rep["bytes_sent"] >= 40
     # the server received the compressed messages, not the dense ones
     assert doc["bytes_in"] < s["bytes_sent"] + 200_000
     assert wide_accuracy(pull_weights(server.rep)[1]) > 0.8
 
 
-def test_bf16_halves_the_bytes_and_trains_on_two_shards(cluster: Cluster) -> None:
+def test_bf16_halves_the_bytes_and_trains_on_two_shards(services: Services) -> None:
     from downpour.cli.local import Evaluator
 
-    shards = [
-        cluster.server("--num-shards", "2", "--shard", str(i), model=WIDE, early=True)
-        for i in range(2)
-    ]
+    shards = [services.server(WIDE, num_shards=2, shard=i) for i in range(2)]
     ports = [sh.port for sh in shards]
-    w = cluster.worker(ports, "--steps", "30", "--compress", "bf16", model=WIDE)
-    evaluator = Evaluator(WIDE, None)  # builds the model while the worker trains
-    assert w.wait(timeout=120) == 0, w.log_text()
-    s = summary(w)
+    (s,) = services.train(ports, 1, WIDE, steps=30, compress="bf16")
+    for sh in shards:
+        settle(sh.status, [s])
+    evaluator = Evaluator(WIDE, None)
     assert s["compress"] == "bf16" and s["pushes"] == 30
     assert 1.95 <= s["bytes_raw"] / s["bytes_sent"] <= 2.0
     docs = [fetch_status(sh.status) for sh in shards]
@@ -80,21 +78,16 @@ def test_bf16_halves_the_bytes_and_trains_on_two_shards(cluster: Cluster) -> Non
     assert version == 30 and acc > 0.8
 
 
-def test_bf16_pulls_halve_the_weight_bytes_and_train(cluster: Cluster) -> None:
+def test_bf16_pulls_halve_the_weight_bytes_and_train(services: Services) -> None:
     """``--pull-compress bf16``: the server rounds its float32 weights to bfloat16 for the
     pull (once per version), the worker widens them back and computes there."""
     import ml_dtypes
 
     from downpour.transport import RemoteError
 
-    server = cluster.server(model=WIDE, early=True)
-    w = cluster.worker(
-        server.port,
-        "--steps", "30", "--compress", "bf16", "--pull-compress", "bf16",
-        model=WIDE,
-    )  # fmt: skip
-    assert w.wait(timeout=120) == 0, w.log_text()
-    s = summary(w)
+    server = services.server(WIDE)
+    (s,) = services.train(server.port, 1, WIDE, steps=30, compress="bf16", pull_compress="bf16")
+    settle(server.status, [s])
     assert s["pull_compress"] == "bf16" and s["pushes"] == 30
     doc = fetch_status(server.status)
     assert doc["version"] == 30 and doc["rejected_total"] == 0
@@ -163,7 +156,20 @@ def old_server() -> Iterator[int]:
         ctx.term()
 
 
-def test_worker_refuses_a_compression_the_server_cannot_decode(
+def test_worker_refuses_a_compression_the_server_cannot_decode(old_server: int) -> None:
+    from downpour.worker.service import WorkerError
+
+    worker = make_worker(old_server, steps=5, compress="topk:0.01")
+    try:
+        with pytest.raises(WorkerError, match="cannot decode the topk encoding") as err:
+            worker.run()
+    finally:
+        worker.close()
+    assert "--compress none" in str(err.value)
+
+
+@pytest.mark.slow
+def test_worker_process_refuses_a_compression_the_server_cannot_decode(
     cluster: Cluster, old_server: int
 ) -> None:
     w = cluster.worker(old_server, "--steps", "5", "--compress", "topk:0.01")

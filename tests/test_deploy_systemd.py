@@ -1,13 +1,13 @@
 """systemd deployment (issue 9): the notify protocol, and the unit files checked offline.
 
 - ``downpour.systemd`` against real AF_UNIX datagram sockets (a path and an abstract name).
-- A real server process with ``$NOTIFY_SOCKET`` and ``$WATCHDOG_USEC``: READY=1 arrives when
-  its three ports already accept connections, WATCHDOG=1 while it serves, STOPPING=1 on
-  SIGTERM, then exit 0.
+- A server with ``$NOTIFY_SOCKET`` and ``$WATCHDOG_USEC``: READY=1 arrives when its three
+  ports already accept connections, WATCHDOG=1 while it serves, STOPPING=1 when stopped; in
+  this process (fast tier) and as a real process stopped by SIGTERM, then exit 0 (slow tier).
 - ``systemd-analyze verify`` on each unit must print nothing at all (it exits 0 on some
   errors), and ``systemd-analyze security --offline=yes`` must rate each unit at or below
-  EXPOSURE_MAX. Skipped, with the reason, where systemd-analyze is missing (``make
-  deploy-tools`` installs it: Debian package ``systemd``).
+  EXPOSURE_MAX. Slow tier (``make test-slow`` / ``test-all`` run ``make deploy-tools``, which
+  installs it: Debian package ``systemd``); skipped, with the reason, where it is missing.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def test_watchdog_pings_at_half_the_interval_while_healthy(
     assert not systemd.Watchdog({"NOTIFY_SOCKET": path}).tick()  # no WatchdogSec=
 
 
+@pytest.mark.slow
 def test_server_notifies_ready_watchdog_and_stopping(
     cluster: Cluster, notify_socket: tuple[socket.socket, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,6 +142,33 @@ def test_server_notifies_ready_watchdog_and_stopping(
     server.proc.send_signal(signal.SIGTERM)
     receive_until(sock, lambda m: m.startswith("STOPPING=1"), 30, server.proc, seen)
     assert server.wait(timeout=60) == 0
+
+
+def test_inprocess_server_notifies_ready_watchdog_and_stopping(
+    notify_socket: tuple[socket.socket, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from inproc import InprocServer
+
+    sock, path = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # a ping every 0.2 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    server = InprocServer()
+    try:
+        seen: list[str] = []
+        ready = receive_until(sock, lambda m: "READY=1" in m, 60, None, seen)
+        assert seen == [ready], "nothing may come before READY=1"
+        fields = dict(line.split("=", 1) for line in ready.splitlines())
+        assert fields["MAINPID"] == str(os.getpid())
+        ports = re.search(r"ports (\d+)/(\d+)/(\d+)", fields["STATUS"])
+        assert ports, fields
+        for port in map(int, ports.groups()):  # every socket already accepts connections
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert fetch_status(f"tcp://127.0.0.1:{ports.group(3)}", timeout_s=5)["version"] == 0
+        receive_until(sock, lambda m: m == "WATCHDOG=1", 10, None, seen)
+    finally:
+        server.stop()
+    receive_until(sock, lambda m: m.startswith("STOPPING=1"), 30, None, seen)
 
 
 # ---------------------------------------------------------------- the unit files
@@ -174,6 +202,7 @@ def units(tmp_path: Path) -> Path:
 UNIT_NAMES = ["downpour-server.service", "downpour-worker@w0.service"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNIT_NAMES)
 def test_unit_passes_systemd_analyze_verify_silently(units: Path, name: str) -> None:
     r = subprocess.run(
@@ -186,6 +215,7 @@ def test_unit_passes_systemd_analyze_verify_silently(units: Path, name: str) -> 
     assert r.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNIT_NAMES)
 def test_unit_exposure_is_at_most_the_documented_threshold(units: Path, name: str) -> None:
     r = subprocess.run(

@@ -1,14 +1,14 @@
-"""``downpour export``: a real server's checkpoint out as a .keras file and a SavedModel that
-plain TensorFlow loads (no downpour import) and that scores exactly what the checkpoint does."""
+"""``downpour export``: a server's checkpoint (in-process; in the slow tier a process's) out as
+a .keras file and a SavedModel that plain TensorFlow loads (no downpour import) and that scores
+exactly what the checkpoint does."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Cluster
+from inproc import Services, settle
 from plain_tf import plain_tf_accuracy, save_eval_data
 
 from downpour import cli
@@ -42,17 +42,14 @@ def _synthetic_checkpoint(
 
 
 def test_export_of_a_trained_server_loads_in_plain_tensorflow(
-    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    services: Services, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = tmp_path / "state"
-    server = cluster.server(
-        "--state-dir", str(state), "--checkpoint-every", "0", "--checkpoint-secs", "0",
-        "--lr", "0.01", early=True,
-    )  # fmt: skip
-    w = cluster.worker(server.port, "--steps", "60")
-    assert w.wait(timeout=120) == 0, w.log_text()
-    server.proc.send_signal(signal.SIGTERM)  # the final checkpoint
-    assert server.wait(timeout=60) == 0, server.log_text()
+    server = services.server(
+        state_dir=str(state), checkpoint_every=0, checkpoint_secs=0.0, learning_rate=0.01
+    )
+    settle(server.status, services.train(server.port, 1, steps=60))
+    services.stop(server)  # SIGTERM for a process: the final checkpoint
     accuracy, version = _checkpoint_accuracy("tiny_models:tiny", state)
     assert version == 60 and accuracy >= 0.8  # chance is 0.25
 

@@ -1,5 +1,6 @@
 """Faults with real processes and real signals: nothing hangs, nothing is lost, nothing bad
-is applied. Long variants are marked slow (``make test-faults``)."""
+is applied. The process scenarios are in the slow tier; their in-process counterparts for the
+fast tier are in tests/test_inproc_faults.py."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def _applied_at_least(server: Service, n: int) -> bool:
     return _status(server)["version"] >= n
 
 
+@pytest.mark.slow
 def test_sigterm_applies_what_was_received_and_checkpoints(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -105,6 +107,7 @@ def test_sigterm_applies_what_was_received_and_checkpoints(
     assert doc["workers"]["w0"]["last_seq"] == 30
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
     cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,6 +148,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
     assert len(store.list()) <= 2
 
 
+@pytest.mark.slow
 def test_killed_worker_shows_missing_others_unaffected_and_it_rejoins(cluster: Cluster) -> None:
     server = cluster.server(
         "--missing-after", "1", "--gone-after", "30", model="tiny_models:wide", early=True
@@ -188,6 +192,7 @@ def test_killed_worker_shows_missing_others_unaffected_and_it_rejoins(cluster: C
     assert doc["version"] == sum(w["applied"] for w in doc["workers"].values())
 
 
+@pytest.mark.slow
 def test_server_killed_and_restarted_workers_reconnect_and_continue(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -226,6 +231,7 @@ def test_server_killed_and_restarted_workers_reconnect_and_continue(
     assert all(summary(w)["steps"] == 60 for w in workers)
 
 
+@pytest.mark.slow
 def test_sync_round_dies_with_its_server_and_workers_push_again_at_once(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -265,6 +271,7 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_stopped_server_gives_backpressure_then_training_resumes(cluster: Cluster) -> None:
     server = cluster.server(model="tiny_models:wide", early=True)
     w = cluster.worker(

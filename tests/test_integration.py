@@ -1,4 +1,6 @@
-"""Real processes, real sockets on 127.0.0.1: a server and workers train together."""
+"""Slow tier: real processes, real sockets on 127.0.0.1: a server and workers train together.
+
+The same behaviours in-process, for the fast tier: tests/test_inproc_training.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import zmq
 from conftest import ROOT, Cluster, env, summary, wait_until
 
 from downpour.cli.status import fetch_status
+
+pytestmark = pytest.mark.slow
 
 
 def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> None:

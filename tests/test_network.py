@@ -18,7 +18,10 @@ import pytest
 from conftest import ROOT, Cluster, Service, env, summary, wait_until
 
 REASON = netns.available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [  # slow tier: real processes in network namespaces
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+]
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
-"""Observability on real processes (127.0.0.1): status under abuse, Prometheus, TensorBoard,
-held-out evaluation, JSON logs and the multi-server status view.
+"""Observability (127.0.0.1): status under abuse, Prometheus, TensorBoard, held-out
+evaluation, JSON logs and the multi-server status view.
 
-One module-scoped cluster serves every test here: server A (tiny model, with --metrics-port,
---logdir, --eval-every and JSON logs) with workers w0 and w1, and server B (another server of
-the same model, no workers: merging the workers of several shards is unit-tested in
-test_metrics_logs.py). The workers train until the module ends.
+One module-scoped cluster serves every test here, in-process (fast tier: servers and workers
+on threads of this process) and as real processes (slow tier): server A (tiny model, with
+--metrics-port, --logdir, --eval-every and JSON logs) with workers w0 and w1, and server B
+(another server of the same model, no workers: merging the workers of several shards is
+unit-tested in test_metrics_logs.py). The workers train until the module ends. JSON log files
+are written by service processes: that test runs with the processes only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 import zmq
 from conftest import ROOT, Cluster, Service, env, wait_until
+from inproc import InprocServer, WorkerThread, make_worker
 
 from downpour import wire
 from downpour.cli.local import wait_ready
@@ -41,10 +44,13 @@ FOREVER = "1000000"  # steps: the workers train until the fixture stops them
 class Obs:
     """The running cluster and where server A writes its observability output."""
 
-    a: Service
-    b: Service
+    a: Any  # conftest.Service or inproc.InprocServer
+    b: Any
     logdir: Path
-    workers: dict[str, Service]
+    workers: dict[str, Any]
+
+
+PROCESS = pytest.param("process", marks=pytest.mark.slow)
 
 
 def _free_port() -> int:
@@ -58,11 +64,14 @@ def _server(cluster: Cluster, name: str, port: int, *args: str) -> tuple[Service
     return cluster.server(*args, "--ready-file", str(ready), port=port, wait=False), ready
 
 
-@pytest.fixture(scope="module")
-def obs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Obs]:
+@pytest.fixture(scope="module", params=["inproc", PROCESS])
+def obs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Obs]:
     import tensorflow  # noqa: F401  (_events needs it: import it before the cluster loads the CPU)
 
     tmp = tmp_path_factory.mktemp("obs")
+    if request.param == "inproc":
+        yield from _inproc_obs(tmp)
+        return
     cluster = Cluster(tmp)
     logdir = tmp / "tb"
     workers: dict[str, Service] = {}
@@ -106,6 +115,37 @@ def obs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Obs]:
             with contextlib.suppress(subprocess.TimeoutExpired):  # cluster.stop() kills it
                 w.wait(timeout=30)
         cluster.stop()
+
+
+def _inproc_obs(tmp: Path) -> Iterator[Obs]:
+    """Obs with servers and workers on threads of this process."""
+    logdir = tmp / "tb"
+    servers: list[InprocServer] = []
+    workers: dict[str, WorkerThread] = {}
+    try:
+        a = InprocServer(metrics_port=0, logdir=str(logdir), summary_interval_s=1.0, eval_every=50)
+        servers.append(a)
+        servers.append(InprocServer())
+        workers = {
+            wid: WorkerThread(make_worker(a.port, worker_id=wid, steps=int(FOREVER)))
+            for wid in ("w0", "w1")
+        }
+        wait_until(
+            lambda: (
+                (doc := fetch_status(a.status))["version"] > 20
+                and set(doc["workers"]) == {"w0", "w1"}
+            ),
+            60,
+            "workers w0 and w1 training",
+        )
+        yield Obs(a, servers[1], logdir, workers)
+    finally:
+        for w in workers.values():
+            w.worker.stop()
+        for w in workers.values():
+            w.result()
+        for s in servers:
+            s.stop()
 
 
 def _version(endpoint: str) -> int:
@@ -310,6 +350,7 @@ def _json_lines(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
+@pytest.mark.parametrize("obs", [PROCESS], indirect=True)
 def test_json_logs_carry_service_worker_and_version(obs: Obs) -> None:
     server_lines = wait_until(
         lambda: (

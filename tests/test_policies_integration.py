@@ -1,9 +1,10 @@
-"""Staleness policies in a real server process (``downpour server --policy``).
+"""Staleness policies in a server (``downpour server --policy``), in-process (fast tier) and as
+a real process (slow tier), through the ``services`` fixture.
 
 Each test starts one server with SGD (so a step is exactly ``lr * scale * gradient``) and
 first drives it with hand-made pushes from a probe on the gradient socket, whose staleness
 the test chooses, checking the policy's arithmetic in the weights and its counters in the
-status document; then real worker processes train the tiny model under the same policy and
+status document; then real workers train the tiny model under the same policy and
 the held-out accuracy of the pulled weights must be well above chance (0.25).
 """
 
@@ -16,7 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ROOT, Cluster, Service, env, pull_weights, summary, wait_until
+from conftest import ROOT, env, pull_weights, wait_until
+from inproc import Services, settle
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -24,7 +26,7 @@ from downpour.client import ShardClient, Weights
 from downpour.transport import PushSocket, make_context
 
 LR = 0.1
-SGD = ("--optimizer", "sgd", "--lr", str(LR))
+SGD = {"optimizer": "sgd", "learning_rate": LR}
 
 
 def held_out_accuracy(arrays: list[np.ndarray]) -> float:
@@ -40,7 +42,7 @@ def held_out_accuracy(arrays: list[np.ndarray]) -> float:
 class Probe:
     """Hand-made pushes and pulls: chosen senders, base versions and gradient values."""
 
-    def __init__(self, server: Service) -> None:
+    def __init__(self, server: Any) -> None:
         self.server = server
         self.ctx = make_context()
         self.clients: dict[str, ShardClient] = {}  # one per sender: a pull speaks as one
@@ -94,7 +96,7 @@ class Probe:
 def probe_of() -> Iterator[Any]:
     probes: list[Probe] = []
 
-    def make(server: Service) -> Probe:
+    def make(server: Any) -> Probe:
         probes.append(Probe(server))
         return probes[-1]
 
@@ -110,17 +112,12 @@ def fresh(probe: Probe, n: int, sender: str = "z") -> None:
         probe.settled()
 
 
-def train(
-    cluster: Cluster, server: Service, workers: int, steps: int, *args: str
-) -> list[dict[str, Any]]:
-    """``workers`` real workers train ``steps`` steps each; their summaries."""
-    procs = [
-        cluster.worker(server.info["port"], "--steps", str(steps), *args, worker_id=f"w{i}")
-        for i in range(workers)
-    ]
-    for w in procs:
-        assert w.wait(timeout=120) == 0, w.log_text()
-    return [summary(w) for w in procs]
+def train(services: Services, server: Any, workers: int, steps: int, **config: Any) -> list[Any]:
+    """``workers`` real workers train ``steps`` steps each; their summaries, once the server
+    has taken their last pushes."""
+    sums = services.train(server.info["port"], workers, steps=steps, **config)
+    settle(server.status, sums)
+    return sums
 
 
 def test_apply_step_scales_the_learning_rate_and_is_traced_once() -> None:
@@ -144,8 +141,8 @@ def test_apply_step_scales_the_learning_rate_and_is_traced_once() -> None:
     assert adam.apply_traces == 1
 
 
-def test_async_applies_every_gradient_at_full_rate(cluster: Cluster, probe_of: Any) -> None:
-    server = cluster.server("--policy", "async", *SGD)
+def test_async_applies_every_gradient_at_full_rate(services: Services, probe_of: Any) -> None:
+    server = services.server(policy="async", **SGD)
     probe = probe_of(server)
     fresh(probe, 4)
     w0 = pull_weights(server.rep)[1]
@@ -157,7 +154,7 @@ def test_async_applies_every_gradient_at_full_rate(cluster: Cluster, probe_of: A
     assert doc["policy"]["policy"] == "async"
     assert doc["policy"]["counters"]["updates"] == doc["policy"]["counters"]["applied"] == 5
 
-    sums = train(cluster, server, 2, 40)
+    sums = train(services, server, 2, 40)
     doc = fetch_status(server.status)
     assert doc["version"] == 5 + 80  # every push applied
     assert doc["policy"]["counters"]["offered"] == 85
@@ -168,9 +165,9 @@ def test_async_applies_every_gradient_at_full_rate(cluster: Cluster, probe_of: A
 
 
 def test_staleness_aware_divides_the_learning_rate_by_staleness(
-    cluster: Cluster, probe_of: Any
+    services: Services, probe_of: Any
 ) -> None:
-    server = cluster.server("--policy", "staleness-aware", *SGD)
+    server = services.server(policy="staleness-aware", **SGD)
     probe = probe_of(server)
     fresh(probe, 4)
     w0 = pull_weights(server.rep)[1]
@@ -184,7 +181,7 @@ def test_staleness_aware_divides_the_learning_rate_by_staleness(
     np.testing.assert_allclose(w1[0] - w2[0], LR * 0.5, rtol=1e-5)
     assert doc["policy"]["counters"]["scaled"] == 1 and doc["version"] == 6
 
-    train(cluster, server, 2, 40)
+    train(services, server, 2, 40)
     doc = fetch_status(server.status)
     c = doc["policy"]["counters"]
     assert doc["version"] == c["updates"] == c["applied"] == 6 + 80
@@ -196,9 +193,9 @@ def test_staleness_aware_divides_the_learning_rate_by_staleness(
 
 
 def test_bounded_drops_stale_gradients_and_tells_the_worker(
-    cluster: Cluster, probe_of: Any
+    services: Services, probe_of: Any
 ) -> None:
-    server = cluster.server("--policy", "bounded:0", *SGD)  # only gradients from current weights
+    server = services.server(policy="bounded:0", **SGD)  # only gradients from current weights
     probe = probe_of(server)
     fresh(probe, 1)
     w0 = pull_weights(server.rep)[1]
@@ -216,7 +213,7 @@ def test_bounded_drops_stale_gradients_and_tells_the_worker(
     np.testing.assert_allclose(w0[0] - pull_weights(server.rep)[1][0], LR * 0.5, rtol=1e-5)
 
     # two real workers: some of their gradients are a version old, and dropped
-    sums = train(cluster, server, 2, 60)
+    sums = train(services, server, 2, 60)
     doc = fetch_status(server.status)
     c = doc["policy"]["counters"]
     dropped = sum(doc["workers"][s["worker"]]["dropped"] for s in sums)
@@ -230,9 +227,9 @@ def test_bounded_drops_stale_gradients_and_tells_the_worker(
 
 
 def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
-    cluster: Cluster, probe_of: Any
+    services: Services, probe_of: Any
 ) -> None:
-    server = cluster.server("--policy", "sync:2/3", *SGD)
+    server = services.server(policy="sync:2/3", **SGD)
     probe = probe_of(server)
     w0 = pull_weights(server.rep)[1]
     probe.push("a", 0, 0.2)  # held
@@ -251,7 +248,7 @@ def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
     assert (workers["a"]["held"], workers["a"]["applied"], workers["a"]["dropped"]) == (1, 1, 1)
     assert (workers["b"]["applied"], workers["c"]["dropped"]) == (1, 1)
 
-    sums = train(cluster, server, 3, 40, "--sync-wait", "8")  # covers start-up skew
+    sums = train(services, server, 3, 40, sync_wait_s=8.0)  # covers start-up skew
     doc = fetch_status(server.status)
     c = doc["policy"]["counters"]
     assert c["offered"] == 4 + 120
@@ -271,9 +268,8 @@ def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
             break
     doc = probe.settled()
     assert doc["policy"]["pending"] == 1, doc["policy"]
-    server.proc.terminate()
-    assert server.wait(timeout=60) == 0
-    assert "applying a partial sync:2/3 round of 1 gradients" in server.log_text(), doc["policy"]
+    log = services.stop(server)
+    assert "applying a partial sync:2/3 round of 1 gradients" in log, doc["policy"]
 
 
 def test_bad_policy_is_refused_at_start() -> None:

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, env
+
+pytestmark = pytest.mark.slow  # slow tier: `downpour run-local` starts every service process
 
 
 def test_run_local_writes_history_status_tensorboard_and_plots(tmp_path: Path) -> None:

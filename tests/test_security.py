@@ -1,6 +1,7 @@
 """Security (issue 5): CURVE on every socket, allow-listed keys, identity binding, key hygiene.
 
-Real server processes on 127.0.0.1 with the tiny model; raw sockets play the attackers.
+Servers on 127.0.0.1 with the tiny model, in-process (fast tier) and as real processes (slow
+tier) through the ``services`` fixture; raw sockets play the attackers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import zmq
 import zmq.auth
 from conftest import ROOT, Cluster, Service, env, summary, wait_until
+from inproc import InprocServer, Services, WorkerThread, make_worker, serving
 from relay import UP, Relay
 
 from downpour import security, wire
@@ -203,6 +205,7 @@ def test_server_refuses_to_start_when_the_authenticator_cannot(
 # ---------------------------------------------------------------- real processes
 
 
+@pytest.mark.slow
 def test_unknown_key_gets_nothing_while_an_honest_worker_trains(
     cluster: Cluster, keys: Path, tmp_path: Path, ctx: zmq.Context
 ) -> None:
@@ -254,9 +257,9 @@ def test_unknown_key_gets_nothing_while_an_honest_worker_trains(
 
 
 def test_null_clients_are_refused_on_all_three_sockets(
-    cluster: Cluster, keys: Path, ctx: zmq.Context
+    services: Services, keys: Path, ctx: zmq.Context
 ) -> None:
-    server = cluster.server("--keys", str(keys))
+    server = services.server(keys=keys)
     plain = ShardClient(ctx, server.rep, sender="w0", timeout_s=1)
     assert refused(lambda: plain.hello(wire.HelloRequest()))
     plain.close()
@@ -267,7 +270,9 @@ def test_null_clients_are_refused_on_all_three_sockets(
     # each refusal is seen as a mechanism mismatch, or as the client hanging up when it
     # noticed the mismatch first: either way counted and logged for that socket
     wait_until(
-        lambda: all(f"on the {s} socket" in server.log_text() for s in ("rep", "push", "status")),
+        lambda: all(
+            f"on the {s} socket" in services.log(server) for s in ("rep", "push", "status")
+        ),
         30,
         "a denial logged for each socket",
     )
@@ -279,8 +284,8 @@ def test_null_clients_are_refused_on_all_three_sockets(
     assert doc["workers"] == {}
 
 
-def test_reader_keys_read_status_only(cluster: Cluster, keys: Path, ctx: zmq.Context) -> None:
-    server = cluster.server("--keys", str(keys))
+def test_reader_keys_read_status_only(services: Services, keys: Path, ctx: zmq.Context) -> None:
+    server = services.server(keys=keys)
     reader = client_keys(keys, "status")
     assert status(server, keys, "status")["version"] == 0
     assert status(server, keys, "w0")["version"] == 0  # a worker may read status too
@@ -291,9 +296,9 @@ def test_reader_keys_read_status_only(cluster: Cluster, keys: Path, ctx: zmq.Con
 
 
 def test_push_under_another_workers_name_is_rejected(
-    cluster: Cluster, keys: Path, ctx: zmq.Context
+    services: Services, keys: Path, ctx: zmq.Context
 ) -> None:
-    server = cluster.server("--keys", str(keys))
+    server = services.server(keys=keys)
     w1 = client_keys(keys, "w1")
     version0, before = pull(ctx, server, client_keys(keys, "w0"))
     push = push_socket(ctx, f"tcp://127.0.0.1:{server.info['push_port']}", w1)
@@ -316,12 +321,26 @@ def test_push_under_another_workers_name_is_rejected(
     doc = status(server, keys)
     assert set(doc["workers"]) == {"w1"} and doc["rejected"] == {"identity": 1}
 
-    # a worker process started with another worker's name is refused at hello
-    w = cluster.worker(server.info["port"], "--steps", "3", *key_args(keys, "w1"), worker_id="w0")
-    assert w.wait(timeout=120) == 3
-    assert "refused" in w.log_text() and "w1" in w.log_text()
+    # a worker started with another worker's name is refused at hello
+    if services.cluster is not None:
+        w = services.cluster.worker(
+            server.info["port"], "--steps", "3", *key_args(keys, "w1"), worker_id="w0"
+        )
+        assert w.wait(timeout=120) == 3
+        assert "refused" in w.log_text() and "w1" in w.log_text()
+    else:
+        from downpour.worker.service import WorkerError
+
+        worker = make_worker(server.port, steps=3, keys=client_keys(keys, "w1"), worker_id="w0")
+        try:
+            with pytest.raises(WorkerError, match="refused") as err:
+                worker.run()
+        finally:
+            worker.close()
+        assert "w1" in str(err.value)
 
 
+@pytest.mark.slow
 def test_non_loopback_bind_without_keys_is_refused(cluster: Cluster) -> None:
     server = cluster.server("--host", "0.0.0.0", wait=False)
     assert server.wait(timeout=120) == 2
@@ -329,6 +348,7 @@ def test_non_loopback_bind_without_keys_is_refused(cluster: Cluster) -> None:
     assert "--insecure" in log and "refusing to bind 0.0.0.0" in log
 
 
+@pytest.mark.slow
 def test_loopback_without_keys_serves_and_warns(cluster: Cluster) -> None:
     server = cluster.server()
     assert "without authentication or encryption" in server.log_text()
@@ -349,15 +369,15 @@ def test_secret_key_readable_by_others_refuses_to_start(cluster: Cluster, keys: 
 
 
 def test_sighup_applies_removed_and_added_keys(
-    cluster: Cluster, keys: Path, ctx: zmq.Context
+    services: Services, keys: Path, ctx: zmq.Context
 ) -> None:
-    server = cluster.server("--keys", str(keys))
+    server = services.server(keys=keys)
     w1 = client_keys(keys, "w1")
     assert pull(ctx, server, w1)[0] == 0  # w1 is let in
 
     (keys / "workers" / "w1.key").unlink()
     security.generate_keys(keys, ["w2"])
-    server.proc.send_signal(signal.SIGHUP)
+    services.reload_keys(server)  # SIGHUP for a process
     wait_until(lambda: status(server, keys)["auth"]["reloads"] == 1, 5, "the reload")
     wait_until(
         lambda: refused(lambda: pull(ctx, server, w1, timeout_s=0.5)),
@@ -368,14 +388,13 @@ def test_sighup_applies_removed_and_added_keys(
     assert pull(ctx, server, client_keys(keys, "w0"))[0] == 0  # the others are untouched
     doc = status(server, keys)
     assert doc["auth_denied"]["unknown_key"] >= 1 and doc["auth"]["workers"] == 2
-    assert server.proc.poll() is None
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "curve"])
 def test_curve_encrypts_gradients_on_the_wire(
-    cluster: Cluster, keys: Path, ctx: zmq.Context, secure: bool
+    services: Services, keys: Path, ctx: zmq.Context, secure: bool
 ) -> None:
-    server = cluster.server(*(["--keys", str(keys)] if secure else []))
+    server = services.server(keys=keys if secure else None)
     read = (lambda: status(server, keys)) if secure else (lambda: fetch_status(server.status))
     needle = PATTERN.tobytes()
     with Relay(("127.0.0.1", server.info["push_port"]), record=True) as relay:
@@ -385,3 +404,65 @@ def test_curve_encrypts_gradients_on_the_wire(
         recorded = relay.recorded(UP)
     assert len(recorded) > 16 * 32 * 4  # the whole gradient list went through the relay
     assert (needle in recorded) is not secure
+
+
+def test_loopback_without_keys_serves_in_plaintext(services: Services) -> None:
+    server = services.server()
+    doc = fetch_status(server.status)
+    assert doc["auth"] == {"mechanism": "null"} and doc["auth_denied"] == {}
+
+
+def test_unknown_key_gets_nothing_while_an_honest_worker_trains_in_process(
+    keys: Path, tmp_path: Path, ctx: zmq.Context
+) -> None:
+    """The in-process counterpart of the process test above, for the fast tier."""
+    with serving(keys=security.load_server_keys(keys)) as server:
+        unknown_key_scenario(server, keys, tmp_path, ctx)
+
+
+def unknown_key_scenario(
+    server: InprocServer, keys: Path, tmp_path: Path, ctx: zmq.Context
+) -> None:
+    """An intruder's worker and raw push are denied while w0 trains, all in-process."""
+    from downpour.worker.service import WorkerError
+
+    stranger_dir = tmp_path / "stranger"  # a well-formed key pair the server never listed
+    security.generate_keys(stranger_dir, ["intruder"])
+    stranger = client_keys(stranger_dir, "intruder", server_dir=keys)
+    honest = WorkerThread(
+        make_worker(server.port, steps=100_000, keys=client_keys(keys, "w0"), worker_id="w0")
+    )
+    try:
+        raw = push_socket(ctx, f"tcp://127.0.0.1:{server.info['push_port']}", stranger)
+        raw.send_multipart(gradients("intruder", 1, fill=1e3))
+        intruder = make_worker(
+            server.port,
+            steps=5,
+            keys=stranger,
+            worker_id="intruder",
+            request_timeout_s=1.0,
+            server_timeout_s=3.0,
+        )
+        try:
+            with pytest.raises(WorkerError, match="did not answer"):
+                intruder.run()
+        finally:
+            intruder.close()
+        denied = wait_until(
+            lambda: (d := status(server, keys))["auth_denied"].get("unknown_key", 0) >= 2 and d,
+            30,
+            "the intruder's worker and raw push to be denied",
+        )
+        assert refused(lambda: pull(ctx, server, stranger, timeout_s=1))
+        v = denied["version"]
+        wait_until(lambda: status(server, keys)["version"] >= v + 20, 60, "w0 to keep training")
+    finally:
+        honest.worker.stop()
+    pushes = honest.result()["pushes"]
+    doc = wait_until(
+        lambda: (d := status(server, keys))["pushes_received"] >= pushes and d, 30, "all pushes"
+    )
+    assert set(doc["workers"]) == {"w0"}  # the intruder never registered
+    assert doc["version"] == doc["workers"]["w0"]["applied"] == pushes  # only w0's pushes
+    assert doc["pushes_received"] == pushes and doc["rejected_total"] == 0
+    assert doc["auth"]["mechanism"] == "curve"

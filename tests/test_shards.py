@@ -1,6 +1,7 @@
 """Sharded parameter servers: the same arithmetic as one server, training through real shard
 processes, refusal of a worker that splits the model differently, and a shard killed and
-restarted while the other keeps serving."""
+restarted while the other keeps serving. The process scenarios are in the slow tier; their
+in-process counterparts for the fast tier are in tests/test_inproc_shards.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import ROOT, Cluster, Service, env, free_ports, pull_weights, summary, wait_until
 
 from downpour.cli.status import fetch_status
@@ -63,6 +65,7 @@ def held_out_accuracy(
     return versions, float(evaluate(spec, keras_model, data.x_test, data.y_test))
 
 
+@pytest.mark.slow
 def test_two_shards_two_workers_train_and_show_one_cluster(cluster: Cluster) -> None:
     servers = start_shards(cluster, 2)
     ports = [s.port for s in servers]
@@ -100,6 +103,7 @@ def test_two_shards_two_workers_train_and_show_one_cluster(cluster: Cluster) -> 
     assert "0/2" in out.stdout and "1/2" in out.stdout
 
 
+@pytest.mark.slow
 def test_worker_with_another_partition_is_refused(cluster: Cluster) -> None:
     servers = start_shards(cluster, 2)
     ports = [s.port for s in servers]
@@ -112,6 +116,7 @@ def test_worker_with_another_partition_is_refused(cluster: Cluster) -> None:
     assert doc["rejected"].get("partition", 0) >= 1 and doc["version"] == 0
 
 
+@pytest.mark.slow
 def test_show_partition_prints_the_table() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "downpour", "server", "--show-partition", "--num-shards", "2"],
@@ -126,6 +131,7 @@ def test_show_partition_prints_the_table() -> None:
     assert "shard 0:" in out.stdout and "shard 1:" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_shard_killed_and_restarted_resumes_while_the_other_keeps_serving(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -182,6 +188,7 @@ def servers_partition():  # noqa: ANN201
     return partition_of(build_model(load_spec("tiny_models:tiny")).trainable_variables, 2)
 
 
+@pytest.mark.slow
 def test_more_shards_than_the_model_can_fill_is_refused_at_start(cluster: Cluster) -> None:
     """tiny's 4 variables make at most 81 row pieces: 100 shards cannot all hold something."""
     server = cluster.server("--shard", "0", "--num-shards", "100", wait=False)

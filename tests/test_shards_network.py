@@ -21,7 +21,10 @@ from downpour import security
 from downpour.cli.export import export
 
 REASON = netns.available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [  # slow tier: real processes in network namespaces
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+]
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import Cluster, pull_weights, summary
+from conftest import pull_weights
+from inproc import Services, settle
 
 from downpour.cli.status import fetch_status
 from downpour.models import build_model, evaluate
@@ -39,12 +40,11 @@ def test_sparse_apply_touches_only_its_rows_and_equals_the_dense_apply(optimizer
     assert sparse.apply_traces == 1  # one trace for every number of rows
 
 
-def test_a_large_table_pushes_bytes_in_proportion_to_rows_touched(cluster: Cluster) -> None:
+def test_a_large_table_pushes_bytes_in_proportion_to_rows_touched(services: Services) -> None:
     model = "tiny_models:big_embedding"
-    server = cluster.server("--optimizer", "adagrad", "--lr", "0.5", model=model, early=True)
-    w = cluster.worker(server.port, "--steps", "60", model=model, worker_id="w0")
-    assert w.wait(timeout=180) == 0, w.log_text()
-    s = summary(w)
+    server = services.server(model, optimizer="adagrad", learning_rate=0.5)
+    (s,) = services.train(server.port, 1, model, steps=60)
+    settle(server.status, [s])
     doc = fetch_status(server.status)
     assert doc["version"] == 60 and doc["rejected_total"] == 0
     table = 100_000 * 16 * 4

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import run_script
 
+pytestmark = pytest.mark.slow  # slow tier: a smoke run of the whole script
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "tests" / "bench" / "study.py"
 

@@ -4,13 +4,15 @@ Keras model, and training through the same server beside a TF2 worker."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import Cluster, pull_weights, summary
+from conftest import pull_weights
+from inproc import Services, settle
 
 from downpour.cli.status import fetch_status
 from downpour.models import build_model, evaluate, fingerprint
@@ -92,28 +94,31 @@ def test_a_model_without_a_matching_tf1_graph_is_refused_clearly() -> None:
         Tf1Step(wrong, model)
 
 
-def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> None:
+def test_a_tf1_worker_and_a_tf2_worker_train_one_server(
+    services: Services, caplog: pytest.LogCaptureFixture
+) -> None:
     from downpour.cli.local import Evaluator
 
+    caplog.set_level(logging.INFO, logger="downpour.worker")
     steps = 60
     t0 = time.monotonic()
-    server = cluster.server(model=MODEL, early=True)
+    server = services.server(MODEL)
     port = server.port
-    tf1 = cluster.worker(
-        port, "--steps", str(steps), "--graph", "tf1", model=MODEL, worker_id="tf1"
-    )
-    tf2 = cluster.worker(port, "--steps", str(steps), model=MODEL, worker_id="tf2")
-    evaluator = Evaluator(MODEL, None)  # loads TF while the workers train
-    for w in (tf1, tf2):
-        assert w.wait(timeout=240) == 0, w.log_text()
-    sums = {name: summary(w) for name, w in (("tf1", tf1), ("tf2", tf2))}
+    logs = {}
+    sums = {}
+    for name, graph in (("tf1", "tf1"), ("tf2", "tf2")):  # one after the other
+        caplog.clear()
+        (sums[name],) = services.train(port, 1, MODEL, ids=[name], steps=steps, graph=graph)
+        logs[name] = services.workers[0].log_text() if services.cluster else caplog.text
+    settle(server.status, list(sums.values()))
+    evaluator = Evaluator(MODEL, None)
     for s in sums.values():
         assert s["steps"] == steps and s["pushes"] == steps
         # trained: the last 20 batches' mean loss is well below the untrained ln(10) = 2.30
         # (one batch alone is noise under dropout: CI once saw a last batch at 2.43)
         assert s["loss_recent"] < 2.0, s
-    assert "TF1 graph of model deep_mnist: one sess.run per batch" in tf1.log_text()
-    assert "TF1 graph" not in tf2.log_text()
+    assert "TF1 graph of model deep_mnist: one sess.run per batch" in logs["tf1"]
+    assert "TF1 graph" not in logs["tf2"]
 
     doc = fetch_status(server.status)
     assert doc["version"] == doc["updates_applied"] == 2 * steps  # every push of both applied
@@ -129,7 +134,7 @@ def test_a_tf1_worker_and_a_tf2_worker_train_one_server(cluster: Cluster) -> Non
     print(f"{2 * steps} updates, accuracy {acc:.3f}, recent losses {losses}, {took:.0f} s")
 
 
-def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(cluster: Cluster) -> None:
+def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(services: Services) -> None:
     """A row-sparse variable in a TF1 graph: ``embedding_lookup``'s gradient comes out of the
     one ``sess.run`` as an IndexedSlicesValue, travels as rows (``Sparse``), equals the Keras
     model's gradient, and a TF1 worker trains a server that applies it as rows."""
@@ -158,13 +163,10 @@ def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(cluster: Clu
         np.testing.assert_allclose(g, r.numpy(), rtol=1e-5, atol=1e-7)
     step.close()
 
-    server = cluster.server("--optimizer", "adagrad", "--lr", "0.5", model=ref_model, early=True)
+    server = services.server(ref_model, optimizer="adagrad", learning_rate=0.5)
     steps = 100
-    w = cluster.worker(
-        server.port, "--steps", str(steps), "--graph", "tf1", model=ref_model, worker_id="tf1"
-    )
-    assert w.wait(timeout=180) == 0, w.log_text()
-    s = summary(w)
+    (s,) = services.train(server.port, 1, ref_model, ids=["tf1"], steps=steps, graph="tf1")
+    settle(server.status, [s])
     assert s["steps"] == s["pushes"] == steps
     doc = fetch_status(server.status)
     assert doc["version"] == steps and doc["rejected_total"] == 0

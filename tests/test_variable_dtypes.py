@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import Cluster, pull_weights
+from inproc import InprocServer, Services, make_worker, settle
 
 from downpour.models import build_model, check_variables, evaluate
 from downpour.spec import load_spec
@@ -41,11 +42,12 @@ def test_float16_float64_and_int_state_pass_the_check() -> None:
     ]
 
 
-def test_float16_and_float64_variables_train_through_server_and_worker(cluster: Cluster) -> None:
+def test_float16_and_float64_variables_train_through_server_and_worker(
+    services: Services,
+) -> None:
     ref = "dtype_models:mixed"
-    server = cluster.server("--lr", "0.01", model=ref, early=True)
-    w = cluster.worker(server.port, "--steps", "80", model=ref)
-    assert w.wait(timeout=120) == 0, w.log_text()
+    server = services.server(ref, learning_rate=0.01)
+    settle(server.status, services.train(server.port, 1, ref, steps=80))
     version, weights = pull_weights(server.rep)
     assert version == 80
     assert [a.dtype.name for a in weights] == [
@@ -61,6 +63,16 @@ def test_float16_and_float64_variables_train_through_server_and_worker(cluster: 
     assert evaluate(spec, model, data.x_test, data.y_test) >= 0.8  # chance: 0.25
 
 
+def test_server_and_worker_refuse_a_bfloat16_model_in_process() -> None:
+    ref = "dtype_models:bfloat16"
+    message = "trainable variable 'brain/kernel' has dtype bfloat16"
+    with pytest.raises(ValueError, match=message):
+        InprocServer(ref)
+    with pytest.raises(ValueError, match=message):
+        make_worker(1, ref)
+
+
+@pytest.mark.slow
 def test_server_and_worker_refuse_a_bfloat16_model_at_start(cluster: Cluster) -> None:
     ref = "dtype_models:bfloat16"
     server = cluster.server(model=ref, wait=False)

@@ -60,7 +60,7 @@ from downpour.wire import (
     error_message,
 )
 
-FUZZ_EXAMPLES = int(os.environ.get("DOWNPOUR_FUZZ_EXAMPLES", "1000"))
+FUZZ_EXAMPLES = int(os.environ.get("DOWNPOUR_FUZZ_EXAMPLES", "300"))
 DTYPES = sorted(ALLOWED_DTYPES)
 ALL_CODES = [
     R_TRUNCATED,
