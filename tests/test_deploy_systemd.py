@@ -276,14 +276,26 @@ MDWE_EXEC = (
 )
 
 
+def unit_environment(unit: str) -> list[str]:
+    """The ``KEY=VALUE`` assignments of a unit's ``Environment=`` lines, in order."""
+    return [
+        pair
+        for line in unit.splitlines()
+        if line.startswith("Environment=")
+        for pair in line.removeprefix("Environment=").split()
+    ]
+
+
 @pytest.mark.slow
 def test_worker_trains_under_memory_deny_write_execute(cluster: Cluster) -> None:
-    """The worker unit sets MemoryDenyWriteExecute=yes: the real model's step must run."""
+    """The worker unit sets MemoryDenyWriteExecute=yes: with the unit's environment the real
+    model's step must run under the kernel's MDWE (oneDNN's JIT kernels would not)."""
+    unit = (UNITS / "downpour-worker@.service").read_text()
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in unit_environment(unit)
     model = "downpour.models:deep_mnist"  # convolutions: where a JIT would show up
     server = cluster.server(model=model)
-    w = cluster.worker(
-        server.info["port"], "--steps", "2", model=model, prefix=[sys.executable, "-c", MDWE_EXEC]
-    )
+    prefix = ["env", *unit_environment(unit), sys.executable, "-c", MDWE_EXEC]
+    w = cluster.worker(server.info["port"], "--steps", "2", model=model, prefix=prefix)
     code = w.wait(timeout=300)
     if code == 99:
         pytest.skip("this kernel has no PR_SET_MDWE")
