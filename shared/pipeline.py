@@ -70,7 +70,12 @@ def build_dataset(fn: InputFn, ctx: InputContext, what: str = "input_fn") -> tf.
     """``fn(ctx)``, refused unless it is a ``tf.data.Dataset``; sharded by batch when a
     training function with several workers called neither ``ctx.shard_files`` nor
     ``ctx.shard``."""
-    ds = fn(ctx)
+    try:
+        ds = fn(ctx)
+    except InputError:
+        raise
+    except Exception as exc:  # the model's own code: reported as bad input, not a crash
+        raise InputError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(ds, tf.data.Dataset):
         raise InputError(
             f"{what} returned {type(ds).__module__}.{type(ds).__qualname__}, not a "

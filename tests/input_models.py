@@ -54,9 +54,12 @@ def ids_input_fn(ctx: InputContext) -> tf.data.Dataset:
     if os.environ.get(IDS_DIR_ENV):
 
         def record(features: dict, labels: tf.Tensor) -> tuple[dict, tf.Tensor]:
-            done = tf.py_function(lambda i: _record(i, ctx.worker_index), [features["id"]], [])
-            with tf.control_dependencies(done):
-                return {k: tf.identity(v) for k, v in features.items()}, labels
+            def write(ids: tf.Tensor) -> tf.Tensor:
+                _record(ids, ctx.worker_index)
+                return ids
+
+            ids = tf.py_function(write, [features["id"]], tf.int64)
+            return {"x": features["x"], "id": tf.ensure_shape(ids, (None,))}, labels
 
         ds = ds.map(record)
     return ds.prefetch(tf.data.AUTOTUNE)
