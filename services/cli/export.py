@@ -284,7 +284,9 @@ def export(
     recalibrated = 0
     if batchnorm_layers(model):  # their statistics are recomputed for these weights
         try:
-            first = training_features(resolve_inputs(spec, data_dir).train, context(spec), 20)
+            first = training_features(
+                resolve_inputs(spec, data_dir).train, context(spec, data_dir), 20
+            )
             recalibrated = recalibrate_batchnorm(model, first)
         except (OSError, ValueError) as exc:
             raise ExportError(
