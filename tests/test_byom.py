@@ -43,10 +43,10 @@ def test_wine_trains_through_server_and_worker_and_exports(
         "--lr", "0.01", "--state-dir", str(state), "--checkpoint-every", "0",
         "--checkpoint-secs", "0", model=WINE, early=True,
     )  # fmt: skip
-    w = cluster.worker(server.port, "--epochs", "40", model=WINE)  # 40 x 8 batches
+    w = cluster.worker(server.port, "--epochs", "40", model=WINE)  # 40 x 9 batches (134 = 8 x 16 + 6)
     assert w.wait(timeout=120) == 0, w.log_text()
     version, weights = pull_weights(server.rep)
-    assert version == 320
+    assert version == 360
 
     spec = load_spec(WINE)
     model = build_model(spec, seed=1)
@@ -56,7 +56,7 @@ def test_wine_trains_through_server_and_worker_and_exports(
     accuracy = evaluate(spec, model, data.x_test, data.y_test)
     assert accuracy >= 0.85, accuracy  # chance: about 0.36 (the largest class)
 
-    server.proc.send_signal(signal.SIGTERM)  # writes the final checkpoint: version 320
+    server.proc.send_signal(signal.SIGTERM)  # writes the final checkpoint: version 360
     assert server.wait(timeout=60) == 0, server.log_text()
     out = tmp_path / "wine.keras"
     args = ["export", "--state-dir", str(state), "--out", str(out), "--model", WINE]
