@@ -60,11 +60,14 @@ Message types (REQ/REP unless noted)::
                            dropped n of the sender's gradients as too old since its last pull.
                            A pull body may carry "encoding": "bf16" (default "dense"): the
                            weights then travel as bf16 tensors (half the bytes).
-    push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps"}
+    push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps",
+                           "stats"}
     heartbeat -> heartbeat a worker that is otherwise silent says it is alive; body = its
                            figures; reply base_version = current version
     status   -> status     body = metrics snapshot (status socket)
     any      -> error      body {"code": reason, "message": text}
+    Bodies are built and read by the typed classes below (``HelloRequest`` ... ``ErrorReply``);
+    a body field of the wrong type is refused as "bad_header".
 
 Decoding validates before it allocates: dtype in ``ALLOWED_DTYPES``, ``nbytes`` against the
 shape, frame lengths, tensor counts and totals against ``Limits`` before any array is made;

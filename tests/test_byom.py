@@ -43,7 +43,9 @@ def test_wine_trains_through_server_and_worker_and_exports(
         "--lr", "0.01", "--state-dir", str(state), "--checkpoint-every", "0",
         "--checkpoint-secs", "0", model=WINE, early=True,
     )  # fmt: skip
-    w = cluster.worker(server.port, "--epochs", "40", model=WINE)  # 40 x 9 batches (134 = 8 x 16 + 6)
+    w = cluster.worker(
+        server.port, "--epochs", "40", model=WINE
+    )  # 40 x 9 batches (134 = 8 x 16 + 6)
     assert w.wait(timeout=120) == 0, w.log_text()
     version, weights = pull_weights(server.rep)
     assert version == 360

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,19 +278,18 @@ def test_status_reads_the_document_from_the_status_socket(
 # ------------------------------------------------------------ pushes
 
 
-def unreachable_endpoint(ctx: zmq.Context) -> str:
-    """A loopback endpoint with nothing bound: a PUSH there queues up to its HWM, no more."""
-    probe = ctx.socket(zmq.PULL)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(linger=0)
-    return tcp("127.0.0.1", port)
+def unreachable_endpoint(directory: Path) -> str:
+    """An endpoint nothing is bound to, nor can be (a path in this test's own directory): a
+    PUSH there queues up to its HWM, no more. A loopback port freed for the test could be
+    taken by another process, or still be accepting while the PUSH connects."""
+    return f"ipc://{directory}/nobody-listens"
 
 
 def test_a_push_at_the_high_water_mark_counts_backpressure_then_gives_up(
-    ctx: zmq.Context,
+    ctx: zmq.Context, tmp_path: Path
 ) -> None:
     counters: dict[str, float] = {}
-    push = PushSocket(ctx, unreachable_endpoint(ctx), hwm=1, timeout_s=0.05, counters=counters)
+    push = PushSocket(ctx, unreachable_endpoint(tmp_path), hwm=1, timeout_s=0.05, counters=counters)
     frames = wire.encode(Message(wire.PUSH, "t", seq=1))
     try:
         sent = 0

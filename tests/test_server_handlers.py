@@ -183,6 +183,57 @@ def test_liveness_follows_the_time_since_the_worker_was_last_heard(spec: Any) ->
     assert rec.reported == {"q": 1.5}
 
 
+# Each request with one body field of the wrong type: the server answers ERROR bad_header,
+# counts it, and nothing it holds about the sender changes.
+BAD_REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hello fingerprint": (wire.HELLO, {"fingerprint": 12345}),
+    "hello variables": (wire.HELLO, {"variables": "eight"}),
+    "hello shard": (wire.HELLO, {"shard": "0", "num_shards": 1}),
+    "hello partition": (wire.HELLO, {"partition": ["p"]}),
+    "pull have": (wire.PULL, {"have": "0", "incarnation": "inc-1"}),
+    "pull incarnation": (wire.PULL, {"have": 0, "incarnation": 1}),
+    "pull encoding": (wire.PULL, {"encoding": 16}),
+    "heartbeat stats": (wire.HEARTBEAT, {"stats": [1.0, 2.0]}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_a_request_with_a_wrongly_typed_body_field_is_refused_as_bad_header(
+    spec: Any, case: str
+) -> None:
+    ctx = make_ctx(spec, policy="bounded:0")
+    assert offer(ctx, push(ctx, 1, body={"steps": 3})).decision is not None
+    stale = offer(ctx, push(ctx, 2, base_version=0))  # a stale drop the next pull reports
+    assert stale.decision is not None and stale.decision.action == DROP
+    rec = ctx.registry.get("w0")
+    assert rec is not None
+    seen = (rec.last_seen, rec.pulls, rec.reported, rec.dropped_unreported, rec.last_seq)
+    before = weights(ctx)
+    mtype, body = BAD_REQUESTS[case]
+    if mtype == wire.HELLO:
+        body = {"fingerprint": ctx.state.fingerprint, "model": ctx.model, **body}
+    ctx.clock.now += 5.0  # type: ignore[attr-defined]
+    reply = handle_request(frames(Message(mtype, "w0", body=body)), ctx)
+    got = wire.decode(frames(reply.message))
+    assert got.type == wire.ERROR and got.body["code"] == wire.R_HEADER
+    field_name = case.split()[1]
+    assert field_name in got.body["message"]  # names the field
+    assert reply.rejection is not None and reply.rejection.code == wire.R_HEADER
+    assert ctx.stats.rejected == {wire.R_HEADER: 1}
+    assert (rec.last_seen, rec.pulls, rec.reported, rec.dropped_unreported, rec.last_seq) == seen
+    assert ctx.state.version == 1 and weights(ctx) == before
+    # the worker's stale drop is still reported by its next well-formed pull
+    assert request(ctx, Message(wire.PULL, "w0")).body["dropped_stale"] == 1
+
+
+def test_a_body_that_is_not_a_map_is_refused_as_bad_header(ctx: HandlerContext) -> None:
+    raw = _edit_header(frames(Message(wire.PULL, "w0")), lambda h: h.update(body=[1, 2]))
+    reply = handle_request(raw, ctx)
+    assert reply.message.type == wire.ERROR
+    assert reply.message.body["code"] == wire.R_HEADER
+    assert ctx.stats.rejected == {wire.R_HEADER: 1}
+
+
 # ---------------------------------------------------------------- pull
 
 
@@ -297,6 +348,38 @@ BAD_PUSHES: dict[str, Callable[[HandlerContext], list[bytes]]] = {
 }
 
 
+# A push whose tensors are fine but one body field has the wrong type.
+BAD_PUSH_BODIES: dict[str, dict[str, Any]] = {
+    "loss": {"loss": "0.5", "steps": 2},
+    "steps": {"loss": 0.5, "steps": 2.5},
+    "stats": {"loss": 0.5, "steps": 2, "stats": [["steps_per_s", 3.0]]},
+    "batch_size": {"batch_size": "32"},
+}
+
+
+@pytest.mark.parametrize("field_name", list(BAD_PUSH_BODIES))
+def test_a_push_with_a_wrongly_typed_body_field_is_refused_and_changes_nothing(
+    ctx: HandlerContext, field_name: str
+) -> None:
+    first = push(ctx, 1, body={"loss": 0.25, "steps": 1, "stats": {"steps_per_s": 2.0}})
+    assert offer(ctx, first).decision is not None
+    before = weights(ctx)
+    rec = ctx.registry.get("w0")
+    assert rec is not None
+    out = offer(ctx, push(ctx, 2, body=BAD_PUSH_BODIES[field_name]))
+    assert out.decision is None and out.rejection is not None
+    assert out.rejection.code == wire.R_HEADER and field_name in out.rejection.message
+    assert out.rejection.sender == "w0"
+    assert ctx.stats.rejected == {wire.R_HEADER: 1}
+    assert ctx.state.version == 1 and weights(ctx) == before
+    assert (rec.last_seq, rec.applied, rec.rejected) == (1, 1, 1)
+    assert (rec.loss, rec.steps, rec.reported) == (0.25, 1, {"steps_per_s": 2.0})
+    assert ctx.stats.loss.value == 0.25  # the refused loss never reaches the server's figure
+    # the same seq with a well-formed body is still accepted: the refusal consumed nothing
+    assert offer(ctx, push(ctx, 2, body={"loss": 0.5, "steps": 2})).decision is not None
+    assert ctx.state.version == 2 and (rec.last_seq, rec.steps, rec.loss) == (2, 2, 0.5)
+
+
 @pytest.mark.parametrize("reason", list(BAD_PUSHES))
 def test_every_bad_push_is_refused_counted_and_changes_nothing(
     ctx: HandlerContext, reason: str
@@ -333,11 +416,22 @@ def test_a_push_under_another_keys_name_is_refused_as_identity(spec: Any) -> Non
 
 # The gradient handler's checks in its documented order; "policy" is the last step (here a
 # bounded:0 policy drops a stale gradient: accepted, not refused).
-CHECK_ORDER = ["decode", "socket", "identity", "duplicate", "future", "shape", "finite", "policy"]
+CHECK_ORDER = [
+    "decode",
+    "socket",
+    "identity",
+    "body",
+    "duplicate",
+    "future",
+    "shape",
+    "finite",
+    "policy",
+]
 REASON = {
     "decode": wire.R_VERSION,
     "socket": wire.R_WRONG_SOCKET,
     "identity": security.R_IDENTITY,
+    "body": wire.R_HEADER,
     "duplicate": wire.R_DUPLICATE,
     "future": wire.R_FUTURE,
     "shape": wire.R_SHAPE,
@@ -362,6 +456,7 @@ def _faulty(ctx: HandlerContext, faults: set[str]) -> tuple[list[bytes], str]:
         seq=1 if "duplicate" in faults else 2,
         base_version=base,
         tensors=dict(zip(ctx.state.names, arrays, strict=True)),
+        body={"loss": "high"} if "body" in faults else {},
     )
     raw = frames(msg)
     if "decode" in faults:

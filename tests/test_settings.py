@@ -176,6 +176,13 @@ def test_worker_cross_setting_checks() -> None:
     for change in ({"key_file": "w.key_secret"}, {"server_key_file": "server.key"}):
         problems = refused(validate_worker, WorkerConfig(**change))
         assert problems and "--key and --server-key go together" in problems[0]
+    # a push endpoint override names one server's gradient port: not one per shard
+    relayed = WorkerConfig(push_endpoint=("nat", 7000))
+    assert refused(validate_worker, relayed) == []
+    sharded = dataclasses.replace(relayed, servers=(("a", 6000), ("b", 6001)))
+    assert refused(validate_worker, sharded) == [
+        "--push-endpoint works with one server, not with shards"
+    ]
 
 
 def test_optimizer_choices_are_the_optimizers_the_server_builds() -> None:

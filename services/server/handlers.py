@@ -152,47 +152,50 @@ def check_status_request(frames: Sequence[Any]) -> None:
 
 def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
     """Enrol a worker whose model fingerprint and partition match this server's; the reply
-    tells it the gradient and status ports, its last accepted seq and the server's version."""
+    tells it the gradient and status ports, its last accepted seq and the server's version.
+    Raises ProtocolError(R_HEADER) for a body field of the wrong type."""
     ctx.stats.counters["hellos"] += 1
+    req = wire.HelloRequest.from_body(msg.body)
     fp = ctx.state.fingerprint
-    theirs = msg.body.get("fingerprint")
-    if theirs != fp:
+    if req.fingerprint != fp:
         return _refuse_hello(
             ctx,
             msg,
             wire.R_FINGERPRINT,
-            f"worker model {msg.body.get('model')!r} (fingerprint {theirs}) differs from the "
+            f"worker model {req.model!r} (fingerprint {req.fingerprint}) differs from the "
             f"server's {ctx.model!r} (fingerprint {fp}): start the worker with the same "
             f"--model as the server",
         )
     mine = ctx.shard
-    theirs_part = {k: msg.body.get(k) for k in mine}
+    theirs = {"shard": req.shard, "num_shards": req.num_shards, "partition": req.partition}
     # A client that sends no partition (a plain hello) is accepted by an unsharded server.
-    unsharded_client = theirs_part["partition"] is None and mine["num_shards"] == 1
-    if theirs_part != mine and not unsharded_client:
+    unsharded_client = req.partition is None and mine["num_shards"] == 1
+    if theirs != mine and not unsharded_client:
         return _refuse_hello(
             ctx,
             msg,
             wire.R_PARTITION,
-            f"worker expects shard {theirs_part['shard']} of {theirs_part['num_shards']} "
-            f"(partition {theirs_part['partition']}), this is shard {mine['shard']} of "
-            f"{mine['num_shards']} (partition {mine['partition']}): list every shard's "
-            f"endpoint in shard order in the worker's --server",
+            f"worker expects shard {req.shard} of {req.num_shards} (partition "
+            f"{req.partition}), this is shard {mine['shard']} of {mine['num_shards']} "
+            f"(partition {mine['partition']}): list every shard's endpoint in shard order in "
+            f"the worker's --server",
         )
     rec = ctx.registry.enrol(msg.sender, ctx.clock())
-    body = {
-        "push_port": ctx.push_port,
-        "status_port": ctx.status_port,
-        "fingerprint": fp,
-        "model": ctx.model,
-        "last_seq": rec.last_seq,
-        "payload_bytes": ctx.state.payload_bytes,
-        "incarnation": ctx.incarnation,
-        "encodings": sorted(wire.ENCODINGS),
-        "policy": ctx.policy.spec,
-        **mine,
-    }
-    return Reply(Message(wire.HELLO, "server", base_version=ctx.state.version, body=body))
+    body = wire.HelloReply(
+        push_port=ctx.push_port,
+        status_port=ctx.status_port,
+        fingerprint=fp,
+        model=ctx.model,
+        last_seq=rec.last_seq,
+        payload_bytes=ctx.state.payload_bytes,
+        incarnation=ctx.incarnation,
+        encodings=tuple(sorted(wire.ENCODINGS)),
+        policy=ctx.policy.spec,
+        shard=mine["shard"],
+        num_shards=mine["num_shards"],
+        partition=mine["partition"],
+    )
+    return Reply(wire.hello_reply(ctx.state.version, body))
 
 
 def _refuse_hello(ctx: HandlerContext, msg: Message, code: str, text: str) -> Reply:
@@ -202,53 +205,47 @@ def _refuse_hello(ctx: HandlerContext, msg: Message, code: str, text: str) -> Re
 
 
 def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
-    """A silent worker says it is alive (and may report its figures)."""
+    """A silent worker says it is alive (and may report its figures). Raises
+    ProtocolError(R_HEADER) for a body field of the wrong type, before anything is noted."""
+    req = wire.HeartbeatRequest.from_body(msg.body)
     rec = ctx.registry.enrol(msg.sender, ctx.clock())
-    if "stats" in msg.body:
-        rec.reported = clean_reported(msg.body["stats"])
-    return Message(
-        wire.HEARTBEAT,
-        "server",
-        base_version=ctx.state.version,
-        body={"incarnation": ctx.incarnation},
-    )
+    if req.stats is not None:
+        rec.reported = clean_reported(req.stats)
+    return wire.heartbeat_reply(ctx.state.version, wire.HeartbeatReply(ctx.incarnation))
 
 
 def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     """A weight pull -> the current weights (dense or bf16), or ``unchanged`` when the sender
-    already holds this version of this incarnation. Raises ProtocolError for an encoding a
-    pull may not ask for."""
+    already holds this version of this incarnation. Raises ProtocolError(R_HEADER) for a
+    body field of the wrong type or an encoding a pull may not ask for; the sender's record
+    (and its unreported stale drops) is untouched then."""
     ctx.stats.counters["pulls"] += 1
+    req = wire.PullRequest.from_body(msg.body)
+    if req.encoding not in PULL_ENCODINGS:
+        raise ProtocolError(
+            wire.R_HEADER,
+            f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, "
+            f"not {req.encoding!r}",
+        )
     rec = ctx.registry.get(msg.sender)
-    body: dict[str, Any] = {"incarnation": ctx.incarnation}
+    dropped = 0
     if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
         rec.pulls += 1
         rec.last_seen = ctx.clock()
-        if rec.dropped_unreported:  # its gradients were too old: it should refresh now
-            body["dropped_stale"] = rec.dropped_unreported
-            rec.dropped_unreported = 0
-    encoding = msg.body.get("encoding", wire.DENSE)
-    if encoding not in PULL_ENCODINGS:
-        raise ProtocolError(
-            wire.R_HEADER,
-            f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, not {encoding!r}",
-        )
+        dropped, rec.dropped_unreported = rec.dropped_unreported, 0  # told now: refresh
     version, arrays = ctx.state.weights()
-    if msg.body.get("have") == version and msg.body.get("incarnation") == ctx.incarnation:
+    if req.have == version and req.incarnation == ctx.incarnation:
         ctx.stats.counters["pulls_unchanged"] += 1
-        return Message(
-            wire.WEIGHTS, "server", base_version=version, body={**body, "unchanged": True}
-        )
+        body = wire.PullReply(ctx.incarnation, unchanged=True, dropped_stale=dropped)
+        return wire.weights_reply(version, body)
     tensors: Sequence[wire.WireTensor] = arrays
-    if encoding == wire.BF16:
+    if req.encoding == wire.BF16:
         ctx.stats.counters["pulls_bf16"] += 1
         tensors = bf16_weights(ctx, version, arrays)
-    return Message(
-        wire.WEIGHTS,
-        "server",
-        base_version=version,
-        body=body,
-        tensors=dict(zip(ctx.state.names, tensors, strict=True)),
+    return wire.weights_reply(
+        version,
+        wire.PullReply(ctx.incarnation, dropped_stale=dropped),
+        dict(zip(ctx.state.names, tensors, strict=True)),
     )
 
 
@@ -278,14 +275,16 @@ def handle_gradients(
     2. socket: the message is a push (``wrong_socket``);
     3. identity: under CURVE the sender is its key's name (``identity``); from here on a
        refusal counts against that key's owner;
-    4. duplicate seq: seq above the sender's last accepted one (``duplicate``);
-    5. future version: base_version not ahead of the server (``future_version``);
-    6. shape/dtype: tensor count, names, shapes and dtypes of the model (``count``,
+    4. body: ``loss``, ``batch_size``, ``steps`` and ``stats`` have their types
+       (``wire.PushBody``; ``bad_header``);
+    5. duplicate seq: seq above the sender's last accepted one (``duplicate``);
+    6. future version: base_version not ahead of the server (``future_version``);
+    7. shape/dtype: tensor count, names, shapes and dtypes of the model (``count``,
        ``name``, ``shape``, ``dtype``);
-    7. finite: no NaN or Inf unless ``allow_nonfinite`` (``nonfinite``);
-    8. policy: the staleness policy decides apply, drop or hold.
+    8. finite: no NaN or Inf unless ``allow_nonfinite`` (``nonfinite``);
+    9. policy: the staleness policy decides apply, drop or hold.
 
-    Checks 4 and 5 read only the header, so a replay is refused before any sparse gradient
+    Checks 4 to 6 read only the header, so a replay is refused before any sparse gradient
     is densified. An ``apply`` decision is for the caller to pass to ``apply_decision``.
     """
     ctx.stats.counters["pushes_received"] += 1
@@ -299,6 +298,7 @@ def handle_gradients(
         if ctx.authenticated:
             sender = peer_key
             check_identity(ctx, peer_key, msg.sender)
+        body = wire.PushBody.from_body(msg.body)
         rec = ctx.registry.enrol(msg.sender, ctx.clock())
         rec.pushes += 1
         if msg.seq <= rec.last_seq:
@@ -325,13 +325,13 @@ def handle_gradients(
             rec.dropped_unreported += 1
     elif decision.action != APPLY:
         rec.held += 1
-    rec.steps = int(msg.body.get("steps", rec.steps) or 0)
-    loss = msg.body.get("loss")
-    if isinstance(loss, float | int) and np.isfinite(loss):
-        rec.loss = float(loss)
-        ctx.stats.loss.update(float(loss))
-    if "stats" in msg.body:
-        rec.reported = clean_reported(msg.body["stats"])
+    if body.steps is not None:
+        rec.steps = body.steps
+    if body.loss is not None and np.isfinite(body.loss):
+        rec.loss = float(body.loss)
+        ctx.stats.loss.update(float(body.loss))
+    if body.stats is not None:
+        rec.reported = clean_reported(body.stats)
     return GradientOutcome(decision=decision)
 
 

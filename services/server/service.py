@@ -47,13 +47,13 @@ from downpour.server.handlers import (
 from downpour.server.observe import Observers
 from downpour.server.policies import APPLY, parse_policy
 from downpour.server.registry import WorkerRecord, WorkerRegistry
-from downpour.server.settings import ServerConfig
+from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import ServerSockets
 from downpour.server.state import ParameterState
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
 from downpour.spec import ModelSpec
-from downpour.wire import Message, ProtocolError
+from downpour.wire import ProtocolError
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -64,14 +64,12 @@ class Server:
     """A parameter server for one model. ``run()`` blocks until ``stop()`` or SIGTERM/SIGINT."""
 
     def __init__(self, spec: ModelSpec, config: ServerConfig) -> None:
+        """Build the server for ``spec`` from ``config``: ConfigError (``validate_server``)
+        for settings that contradict each other, ValueError for a policy it cannot parse."""
+        validate_server(config)  # the cross-field checks live there, and only there
         self.spec = spec
         self.config = config
         self.policy = parse_policy(config.policy)  # ValueError names the accepted forms
-        if config.num_shards > 1 and config.eval_every:
-            raise ValueError(
-                "--eval-every needs the whole model: a shard holds part of it (evaluate with "
-                "`downpour run-local` or from pulled weights instead)"
-            )
         self.state = ParameterState(
             spec,
             config.optimizer,
@@ -372,7 +370,7 @@ class Server:
                 counters["status_requests"] += 1
                 doc = self._published
                 if encoded is None or encoded[0] is not doc:
-                    encoded = (doc, wire.encode(Message(wire.STATUS, "server", body=doc)))
+                    encoded = (doc, wire.encode(wire.status_reply(doc)))
                 out = encoded[1]
             except ProtocolError as exc:
                 counters["status_rejected"] += 1  # only this thread writes it

@@ -128,7 +128,8 @@ class ParameterState:
         num_shards: int = 1,
         sparse_apply: bool = True,
     ) -> None:
-        if not 0 <= shard < num_shards:
+        if not 0 <= shard < num_shards:  # this class's own arguments (the settings' check
+            # of --shard against --num-shards is validate_server's)
             raise ValueError(f"shard must be in 0..{num_shards - 1}, got {shard}")
         self.spec = spec
         self.shard = shard

@@ -71,7 +71,7 @@ from downpour.transport import (
     make_context,
 )
 from downpour.worker.compress import Compressor, parse_compression
-from downpour.worker.settings import WorkerConfig
+from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.step import Accumulator, GradientStep
 from downpour.worker.tf1 import Tf1Step, check_tf1_inputs
 
@@ -179,7 +179,9 @@ class Worker:
         """Build the model and check the input against it: the first epoch's dataset is
         built and its ``element_spec`` traced into the step, so bad input (InputError) is
         refused here, before anything is sent to a server. ``inputs`` defaults to the spec's
-        (``downpour.pipeline.resolve_inputs``)."""
+        (``downpour.pipeline.resolve_inputs``). ConfigError (``validate_worker``) for settings
+        that contradict each other."""
+        validate_worker(config)  # the cross-field checks live there, and only there
         self.spec = spec
         self.config = config
         self.inputs = inputs if inputs is not None else resolve_inputs(spec, config.data_dir)
@@ -217,8 +219,6 @@ class Worker:
         )
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.payload_bytes)
         endpoints = config.endpoints()
-        if config.push_endpoint is not None and len(endpoints) > 1:
-            raise WorkerError("--push-endpoint works with one server, not with shards")
         self.partition = make_partition(
             self.names,
             [tuple(int(d) for d in v.shape) for v in variables],

@@ -269,4 +269,6 @@ def validate_worker(cfg: WorkerConfig) -> None:
             f"--worker-index {cfg.worker_index} is not below --num-workers {cfg.num_workers} "
             "(worker indices count from 0)"
         )
+    if cfg.push_endpoint is not None and len(cfg.servers) > 1:
+        problems.append("--push-endpoint works with one server, not with shards")
     refuse(problems)
