@@ -7,7 +7,7 @@ from pathlib import Path
 
 import input_models
 import pytest
-from conftest import Cluster, summary
+from conftest import Cluster, summary, wait_until
 
 from downpour.cli.status import fetch_status
 
@@ -90,3 +90,34 @@ def test_bad_input_exits_2_before_saying_hello(
     assert expected in bad.log_text()
     doc = fetch_status(server.status)
     assert doc["workers"] == {} and doc["version"] == 0  # no hello, no pull, no gradient
+
+
+@pytest.mark.parametrize(("model", "bar"), [("two_inputs", 0.9), ("multilabel", 0.9)])
+def test_dict_features_and_2d_labels_train_through_the_server(
+    cluster: Cluster, model: str, bar: float
+) -> None:
+    """Two workers on their shards; the worker's held-out score and the server's own
+    evaluation (--eval-every) both read the model's held_out_fn."""
+    ref = f"input_models:{model}"
+    server = cluster.server("--eval-every", "5", "--lr", "0.05", model=ref, early=True)
+    workers = [
+        cluster.worker(
+            server.port,
+            "--epochs",
+            "4",
+            "--num-workers",
+            "2",
+            "--worker-index",
+            str(i),
+            model=ref,
+            worker_id=f"w{i}",
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    for w in workers:
+        assert w.wait(timeout=300) == 0, w.log_text()
+    sums = [summary(w) for w in workers]
+    assert [s["steps"] for s in sums] == [4 * 19] * 2  # 600 examples each: 19 batches of 32
+    assert all(s["held_out"] >= bar for s in sums), sums
+    ev = wait_until(lambda: fetch_status(server.status)["eval"], 60, "a server evaluation")
+    assert ev["examples"] == 300 and ev["accuracy"] > 0.6  # chance: 0.25 and 0.5
