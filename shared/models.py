@@ -8,8 +8,10 @@ that a worker built the same model as the server. Plugins declare their model wi
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -85,10 +87,27 @@ def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
     return model
 
 
-def evaluate(spec: ModelSpec, model: keras.Model, x: np.ndarray, y: np.ndarray) -> float:
-    """The spec's metric on (x, y), in batches of 500, inference mode."""
-    outs = [model(x[i : i + 500], training=False).numpy() for i in range(0, len(x), 500)]
-    return spec.metric(y, np.concatenate(outs))
+def evaluate(spec: ModelSpec, model: keras.Model, x: Any, y: np.ndarray | None = None) -> float:
+    """The spec's metric, inference mode: on arrays ``(x, y)`` in batches of 500, or with
+    ``y`` None on ``x``, an iterable of ``(features, labels)`` batches (a held-out
+    ``tf.data.Dataset``)."""
+    labels, outputs = predict(model, x, y)
+    return spec.metric(labels, outputs)
+
+
+def predict(model: keras.Model, x: Any, y: np.ndarray | None = None) -> tuple[Any, np.ndarray]:
+    """(labels, model outputs) as arrays over every example, inference mode; ``x`` and ``y``
+    as for ``evaluate``."""
+    if y is not None:
+        outs = [model(x[i : i + 500], training=False).numpy() for i in range(0, len(x), 500)]
+        return y, np.concatenate(outs) if outs else np.zeros((0,))
+    ys, outs = [], []
+    for features, labels in x:
+        outs.append(np.asarray(model(features, training=False)))
+        ys.append(np.asarray(labels))
+    if not outs:
+        raise ValueError("no held-out batch to evaluate")
+    return np.concatenate(ys), np.concatenate(outs)
 
 
 def batchnorm_layers(model: keras.Model) -> list[keras.layers.BatchNormalization]:
@@ -101,7 +120,7 @@ def batchnorm_layers(model: keras.Model) -> list[keras.layers.BatchNormalization
 
 
 def recalibrate_batchnorm(
-    model: keras.Model, x: np.ndarray, batch_size: int = 250, max_batches: int = 20
+    model: keras.Model, x: Any, batch_size: int = 250, max_batches: int = 20
 ) -> int:
     """Re-estimate every BatchNormalization layer's moving mean and variance for the weights
     the model holds now; returns how many layers there were.
@@ -112,17 +131,24 @@ def recalibrate_batchnorm(
     server ever had. So whoever evaluates or exports the server's weights first recomputes
     the statistics with those weights, as SWA does (Izmailov et al. 2018, ``bn_update``):
     forward passes in training mode over up to ``max_batches`` training batches, with the
-    momentum set so that the result is the exact mean over the batches.
+    momentum set so that the result is the exact mean over the batches. ``x`` is an array
+    (cut into batches of ``batch_size``) or an iterable of feature batches (the first
+    batches of the training ``input_fn``: ``downpour.pipeline.training_features``).
     """
     layers = batchnorm_layers(model)
-    if not layers or len(x) == 0:
-        return len(layers)
+    if not layers:
+        return 0
+    if isinstance(x, np.ndarray):
+        stop = min(len(x), batch_size * max_batches)
+        feature_batches: Iterable[Any] = (x[i : i + batch_size] for i in range(0, stop, batch_size))
+    else:
+        feature_batches = itertools.islice(x, max_batches)
     saved = [layer.momentum for layer in layers]
     try:
-        for i, start in enumerate(range(0, min(len(x), batch_size * max_batches), batch_size)):
+        for i, features in enumerate(feature_batches):
             for layer in layers:
                 layer.momentum = i / (i + 1)  # running mean: batch i weighs 1/(i+1)
-            model(x[start : start + batch_size], training=True)
+            model(features, training=True)
     finally:
         for layer, m in zip(layers, saved, strict=True):
             layer.momentum = m

@@ -51,7 +51,10 @@ class ModelSpec:
     of ``(features, labels)`` batches for one epoch of this worker's share
     (``downpour.inputs``), and the held-out set from ``held_out_fn(ctx)``; or, for data that
     fits in memory, from ``load_data(data_dir)``, a NumPy ``downpour.Dataset`` that downpour
-    turns into both. ``label_dtype`` is a dtype name or a ``tf.DType``. ``tf1_graph`` is the
+    turns into both (``downpour.data.dataset_input_fn``), its labels cast to ``label_dtype``
+    (a dtype name or a ``tf.DType``; an ``input_fn``'s labels keep their own dtype: the step
+    takes the dataset's ``element_spec``). ``batch_size`` is ``ctx.batch_size``. With a
+    held_out_fn or load_data, the held-out set is scored with ``metric``. ``tf1_graph`` is the
     same model as a ``tf.compat.v1`` graph (``downpour.models_tf1.Tf1Graph``), for workers run
     with ``--graph tf1``.
     """

@@ -42,9 +42,9 @@ def test_wine_trains_through_server_and_worker_and_exports(
     server = services.server(
         WINE, learning_rate=0.01, state_dir=str(state), checkpoint_every=0, checkpoint_secs=0.0
     )
-    settle(server.status, services.train(server.port, 1, WINE, epochs=40))  # 40 x 8 batches
+    settle(server.status, services.train(server.port, 1, WINE, epochs=40))  # 40 x 9 batches (134 = 8 x 16 + 6)
     version, weights = pull_weights(server.rep)
-    assert version == 320
+    assert version == 360
 
     spec = load_spec(WINE)
     model = build_model(spec, seed=1)
@@ -54,7 +54,7 @@ def test_wine_trains_through_server_and_worker_and_exports(
     accuracy = evaluate(spec, model, data.x_test, data.y_test)
     assert accuracy >= 0.85, accuracy  # chance: about 0.36 (the largest class)
 
-    services.stop(server)  # SIGTERM for a process: the final checkpoint, version 320
+    services.stop(server)  # SIGTERM for a process: the final checkpoint, version 360
     out = tmp_path / "wine.keras"
     args = ["export", "--state-dir", str(state), "--out", str(out), "--model", WINE]
     assert cli.main(args) == 0

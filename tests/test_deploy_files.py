@@ -2,7 +2,8 @@
 
 - Dockerfile: hadolint reports nothing at warning level or above.
 - compose.yaml: valid against the Compose specification schema (check-jsonschema's vendored
-  copy), plus what ``--scale worker=N`` needs: no container name and no host port on workers.
+  copy), plus static sharding: workers worker-0 .. worker-(N-1), each with its own index and
+  the same count N.
 - deploy/k8s/*.yaml: every object valid for KUBERNETES_VERSIONS (kubernetes-validate, strict:
   unknown fields are errors), plus the shape the README promises.
 
@@ -81,16 +82,27 @@ def test_the_compose_schema_check_does_catch_mistakes(tmp_path: Path) -> None:
     assert r.returncode != 0 and "stop_grace_perod" in r.stdout
 
 
-def test_compose_scales_workers_and_keeps_keys_and_state_out_of_the_image() -> None:
+def test_compose_shards_the_data_and_keeps_keys_and_state_out_of_the_image() -> None:
     doc = documents(DOCKER / "compose.yaml")[0]
-    server, worker = doc["services"]["server"], doc["services"]["worker"]
-    for key in ("container_name", "ports", "hostname"):
-        assert key not in worker, f"worker {key} would break --scale worker=N"
+    server = doc["services"]["server"]
+    workers = {k: v for k, v in doc["services"].items() if k.startswith("worker")}
+    assert len(workers) >= 2
+    # worker I of N reads shard I: the indices are 0 .. N-1 and every worker says N
+    for name, worker in workers.items():
+        env = worker["environment"]
+        assert name == f"worker-{env['DOWNPOUR_WORKER_INDEX']}"
+        assert env["DOWNPOUR_NUM_WORKERS"] == str(len(workers))
+        assert env["DOWNPOUR_ID"] == f"pool/{name}"
+        assert env["DOWNPOUR_KEY"].startswith("/run/secrets/")
+        assert "ports" not in worker
+    assert sorted(int(w["environment"]["DOWNPOUR_WORKER_INDEX"]) for w in workers.values()) == (
+        list(range(len(workers)))
+    )
     assert any(v.startswith("state:") for v in server["volumes"]) and "state" in doc["volumes"]
-    secrets = {s["source"] for s in server["secrets"]} | {s["source"] for s in worker["secrets"]}
+    secrets = {s["source"] for s in server["secrets"]}
+    secrets |= {s["source"] for w in workers.values() for s in w["secrets"]}
     assert secrets == set(doc["secrets"])
     assert server["environment"]["DOWNPOUR_KEY"].startswith("/run/secrets/")
-    assert worker["environment"]["DOWNPOUR_KEY"].startswith("/run/secrets/")
     assert server["healthcheck"]["test"][1:3] == ["downpour", "status"]
 
 
@@ -127,7 +139,10 @@ def test_kubernetes_objects_are_the_ones_the_readme_describes() -> None:
     for probe in ("readinessProbe", "livenessProbe"):
         assert server[probe]["exec"]["command"][:2] == ["downpour", "status"]
     assert server["resources"]["requests"]
-    workers = objects[("Deployment", "downpour-worker")]["spec"]["template"]["spec"]
+    worker_sts = objects[("StatefulSet", "downpour-worker")]["spec"]
+    assert worker_sts["serviceName"] == "downpour-worker"
+    assert objects[("Service", "downpour-worker")]["spec"]["clusterIP"] == "None"
+    workers = worker_sts["template"]["spec"]
     worker = workers["containers"][0]
     assert worker["resources"]["requests"]
     # sharded: pod N serves shard N of replicas, and the workers list every shard in order
@@ -142,6 +157,12 @@ def test_kubernetes_objects_are_the_ones_the_readme_describes() -> None:
         f"downpour-server-{i}.downpour-server:5570" for i in range(shards)
     ]
     assert env["DOWNPOUR_ID"] == "pool/$(POD_NAME)"  # one id per pod, one shared key
+    # static sharding: worker pod N reads shard N of replicas
+    worker_env = {e["name"]: e for e in worker["env"]}
+    assert int(worker_env["DOWNPOUR_NUM_WORKERS"]["value"]) == worker_sts["replicas"]
+    assert worker_env["DOWNPOUR_WORKER_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
     kinds = {kind for kind, _ in objects}
     assert "Secret" in kinds
     for spec in (sts["template"]["spec"], workers):

@@ -221,11 +221,6 @@ def custom_objects(model: keras.Model) -> list[str]:
     return sorted(found)
 
 
-def _predict(fn: Any, x: np.ndarray) -> np.ndarray:
-    outs = [np.asarray(fn(x[i : i + 500])) for i in range(0, len(x), 500)]
-    return np.concatenate(outs)
-
-
 def write_model(model: keras.Model, out: Path) -> str:
     """Write ``out`` as a .keras archive or a SavedModel directory; return the format."""
     if out.suffix == ".keras":
@@ -244,7 +239,7 @@ def reload_fn(out: Path, fmt: str) -> Any:
         loaded = keras.models.load_model(out, compile=False)
         return lambda x: loaded(x, training=False)
     loaded = tf.saved_model.load(str(out))  # must outlive the call: it owns the variables
-    return lambda x: loaded.serve(tf.constant(x))
+    return lambda x: loaded.serve(tf.nest.map_structure(tf.convert_to_tensor, x))
 
 
 def export(
@@ -260,6 +255,7 @@ def export(
     (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
     """
     from downpour.models import batchnorm_layers, build_model, fingerprint, recalibrate_batchnorm
+    from downpour.pipeline import build_dataset, context, resolve_inputs, training_features
 
     out = Path(out)
     if out.exists():
@@ -288,7 +284,10 @@ def export(
     recalibrated = 0
     if batchnorm_layers(model):  # their statistics are recomputed for these weights
         try:
-            recalibrated = recalibrate_batchnorm(model, spec.load_data(data_dir).x_train)
+            first = training_features(
+                resolve_inputs(spec, data_dir).train, context(spec, data_dir), 20
+            )
+            recalibrated = recalibrate_batchnorm(model, first)
         except (OSError, ValueError) as exc:
             raise ExportError(
                 f"the model has BatchNormalization layers, whose statistics are recomputed "
@@ -314,13 +313,19 @@ def export(
         return result
 
     try:
-        data = spec.load_data(data_dir)
+        inputs = resolve_inputs(spec, data_dir)
+        held = inputs.held_out is not None
+        ds = build_dataset(
+            inputs.held_out or inputs.train,
+            context(spec, data_dir),
+            "held_out_fn" if held else "input_fn",
+        )
+        sample = next(iter(ds.map(lambda f, _y: f).unbatch().take(256).batch(256)), None)
     except (OSError, ValueError) as exc:
         raise ExportError(
             f"{out} was written, but the model's data for checking it does not load: {exc} "
             "(pass --data-dir, or --no-verify)"
         ) from None
-    x = data.x_test if len(data.x_test) else data.x_train
     try:
         fn = reload_fn(out, result.format)
     except Exception as exc:  # noqa: BLE001 - any load failure is reported, with the reason
@@ -333,17 +338,19 @@ def export(
         else:
             why = " ".join(str(exc).split())[:500]
         raise ExportError(f"{out} was written but does not load back: {why}") from None
-    sample = x[:256]
-    want = _predict(lambda b: model(b, training=False), sample)
-    got = _predict(fn, sample)
+    if sample is None:
+        raise ExportError(f"{out} was written, but the model's data has no example to check it")
+    want = np.asarray(model(sample, training=False))
+    got = np.asarray(fn(sample))
     result.max_abs_diff = float(np.max(np.abs(got.astype(np.float64) - want))) if len(got) else 0.0
     if result.max_abs_diff > RTOL * (1.0 + float(np.max(np.abs(want), initial=0.0))):
         raise ExportError(
             f"{out}: the reloaded model's outputs differ from the checkpoint's by "
             f"{result.max_abs_diff:g}"
         )
-    if len(data.x_test):
-        result.accuracy = spec.metric(data.y_test, _predict(fn, data.x_test))
+    if held:
+        labels, outputs = zip(*((np.asarray(y), np.asarray(fn(f))) for f, y in ds), strict=True)
+        result.accuracy = spec.metric(np.concatenate(labels), np.concatenate(outputs))
     return result
 
 

@@ -65,7 +65,12 @@ LOCAL_OPTIONS: tuple[Option, ...] = (
     ),
     replace(MODEL, section=_RUN),
     replace(DATA_DIR, help="standard MNIST IDX files (default: embedded MNIST-5k)", section=_RUN),
-    replace(EPOCHS, default=3.0, help="passes over the training set, per worker", section=_WORKERS),
+    replace(
+        EPOCHS,
+        default=3.0,
+        help="passes over the training set: each worker reads its shard this often",
+        section=_WORKERS,
+    ),
     replace(STEPS, help="steps per worker (overrides --epochs)", section=_WORKERS),
     replace(N_FETCH, section=_WORKERS),
     replace(N_PUSH, section=_WORKERS),
@@ -128,16 +133,41 @@ def wait_ready(
 
 
 class Evaluator:
-    """Holds a local copy of the model to score the server's weights on the held-out set."""
+    """Holds a local copy of the model to score the server's weights on the held-out set
+    (the spec's ``held_out_fn``, or its Dataset's)."""
 
     def __init__(self, model_ref: str, data_dir: str | None) -> None:
-        from downpour.models import build_model
+        from downpour.models import batchnorm_layers, build_model
+        from downpour.pipeline import build_dataset, context, resolve_inputs, training_features
         from downpour.spec import load_spec
 
         self.spec = load_spec(model_ref)
-        self.data = self.spec.load_data(data_dir)
+        self.inputs = resolve_inputs(self.spec, data_dir)
+        if self.inputs.held_out is None:
+            raise ValueError(f"model {model_ref} has no held-out set (give it a held_out_fn)")
+        self.data_dir = data_dir
+        ctx = context(self.spec, data_dir)
+        self.held_out = build_dataset(self.inputs.held_out, ctx, "held_out_fn")
         self.model = build_model(self.spec)
+        # BatchNorm statistics are recomputed from the first training batches
+        self.bn_batches = (
+            training_features(self.inputs.train, ctx, 20) if batchnorm_layers(self.model) else []
+        )
         self.names = [v.path for v in self.model.trainable_variables]
+
+    def steps_per_worker(self, workers: int, epochs: float) -> int | None:
+        """Batches each of ``workers`` statically sharded workers computes in ``epochs``
+        (the largest share), or None when tf.data cannot tell without reading."""
+        from downpour.pipeline import build_dataset, context, known_batches
+
+        counts = []
+        for i in range(workers):
+            ctx = context(self.spec, self.data_dir, worker_index=i, num_workers=workers)
+            n = known_batches(build_dataset(self.inputs.train, ctx))
+            if n is None:
+                return None
+            counts.append(n)
+        return max(1, int(round(epochs * max(counts))))
 
     def score(
         self, host: str, port: int | list[int], keys: security.ClientKeys | None = None
@@ -156,8 +186,8 @@ class Evaluator:
         )
         for v, a in zip(self.model.trainable_variables, arrays, strict=True):
             v.assign(a)
-        recalibrate_batchnorm(self.model, self.data.x_train)  # no-op without BatchNormalization
-        return versions[0], evaluate(self.spec, self.model, self.data.x_test, self.data.y_test)
+        recalibrate_batchnorm(self.model, self.bn_batches)  # no-op without BatchNormalization
+        return versions[0], evaluate(self.spec, self.model, self.held_out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,6 +287,10 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             args.pull_compress,
             "--graph",
             args.graph,
+            "--num-workers",  # static sharding: worker i reads shard i of N
+            str(args.workers),
+            "--worker-index",
+            str(i),
         ]
         wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
         if args.data_dir:
@@ -268,9 +302,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         procs.append(workers[-1])
     loader.join(timeout=300)
     evaluator: Evaluator = evaluator_box["e"]
-    per_worker = args.steps or int(
-        round(args.epochs * (len(evaluator.data.x_train) // evaluator.spec.batch_size))
-    )
+    per_worker = args.steps or evaluator.steps_per_worker(args.workers, args.epochs)
     bars = {
         f"worker-{i}": tqdm(
             total=per_worker,
@@ -303,7 +335,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         worker_rows += _worker_rows(row["t"], doc)
         for wid, w in doc["workers"].items():
             if wid in bars:
-                bars[wid].n = min(w["steps"], per_worker)
+                bars[wid].n = w["steps"] if per_worker is None else min(w["steps"], per_worker)
                 bars[wid].set_postfix(
                     loss=f"{w['loss'] or 0:.3f}", stale=w["staleness"], refresh=False
                 )

@@ -2,9 +2,10 @@
 
 The loop hands over a ``ParameterState.weights()`` snapshot (immutable arrays, shared with
 pulls of that version) every N updates; a separate thread loads it into a second copy of the
-model and scores the held-out set with ``downpour.models.evaluate``. The loop never waits: while
-an evaluation runs, no new snapshot is taken, so evaluations happen every N updates or as often
-as they can finish, whichever is rarer.
+model and scores the held-out set (the spec's ``held_out_fn``, or its Dataset's:
+``downpour.pipeline``) with the spec's metric. The loop never waits: while an evaluation runs,
+no new snapshot is taken, so evaluations happen every N updates or as often as they can
+finish, whichever is rarer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from downpour.models import build_model, evaluate, recalibrate_batchnorm
+from downpour.models import batchnorm_layers, build_model, predict, recalibrate_batchnorm
+from downpour.pipeline import build_dataset, context, resolve_inputs, training_features
 from downpour.spec import ModelSpec
 
 log = logging.getLogger("downpour.server")
@@ -39,14 +41,19 @@ class HeldOutEvaluator:
     ) -> None:
         if every < 1:
             raise ValueError(f"eval every must be >= 1 update, got {every}")
-        data = spec.load_data(data_dir)
-        if len(data.x_test) == 0:
-            raise ValueError(f"model {spec.name!r} has no held-out examples to evaluate")
+        inputs = resolve_inputs(spec, data_dir)
+        if inputs.held_out is None:
+            raise ValueError(
+                f"model {spec.name!r} has no held-out set to evaluate (give it a held_out_fn)"
+            )
         self.spec = spec
         self.every = every
-        self.x, self.y = data.x_test, data.y_test
-        self.x_train = data.x_train  # BatchNorm statistics are recomputed from it
+        ctx = context(spec, data_dir)
+        self.held_out = build_dataset(inputs.held_out, ctx, "held_out_fn")
+        self.train_fn, self.ctx = inputs.train, ctx  # BatchNorm statistics are recomputed from it
+        self._bn_batches: list[Any] | None = None
         self.model = build_model(spec)  # a second copy: the loop's variables are never touched
+        self.has_batchnorm = bool(batchnorm_layers(self.model))
         self.on_result = on_result
         self.last: dict[str, Any] | None = None
         self.count = 0
@@ -114,8 +121,13 @@ class HeldOutEvaluator:
         t0 = time.perf_counter()
         for var, a in zip(self.model.trainable_variables, arrays, strict=True):
             var.assign(a)
-        recalibrate_batchnorm(self.model, self.x_train)  # no-op without BatchNormalization
-        accuracy = float(evaluate(self.spec, self.model, self.x, self.y))
+        if self._bn_batches is None:  # read once: the same batches for every version
+            self._bn_batches = (
+                training_features(self.train_fn, self.ctx, 20) if self.has_batchnorm else []
+            )
+        recalibrate_batchnorm(self.model, self._bn_batches)  # no-op without BatchNormalization
+        labels, outputs = predict(self.model, self.held_out)
+        accuracy = float(self.spec.metric(labels, outputs))
         self.count += 1
         self.last = {
             "version": version,
@@ -124,7 +136,7 @@ class HeldOutEvaluator:
             "seconds": round(time.perf_counter() - t0, 4),
             "count": self.count,
             "every": self.every,
-            "examples": len(self.x),
+            "examples": len(labels),
         }
         log.info(
             "held-out accuracy %.4f at version %d (%.2f s)",

@@ -63,11 +63,7 @@ class Observers:
         """Start the observer threads and say where they are."""
         if self.evaluator is not None:
             self.evaluator.start()
-            log.info(
-                "evaluating %d held-out examples every %d updates",
-                len(self.evaluator.x),
-                self.evaluator.every,
-            )
+            log.info("evaluating the held-out set every %d updates", self.evaluator.every)
         if self.summaries is not None:
             self.summaries.start()
             log.info("writing TensorBoard summaries to %s", self.summaries.logdir)

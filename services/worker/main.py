@@ -50,18 +50,22 @@ def run(cfg: WorkerConfig) -> int:
             cfg.worker_id,
             keys.keypair.name,
         )
+    from downpour.pipeline import InputError
     from downpour.spec import load_spec
     from downpour.worker.service import Worker, WorkerError
 
     spec = load_spec(cfg.model)
-    try:
-        worker = Worker(spec, cfg, spec.load_data(cfg.data_dir))
-    except (WorkerError, ValueError) as exc:  # e.g. more shards than the model can be split into
-        log.error("%s", exc)
+    try:  # the input is built and checked against the model here, before any hello
+        worker = Worker(spec, cfg)
+    except (WorkerError, ValueError) as exc:  # bad input; more shards than the model can take
+        log.error("refusing to start: %s", exc)
         return 2
     worker.install_signal_handlers()
     try:
         summary = worker.run()
+    except InputError as exc:  # a later epoch's input failed
+        log.error("%s", exc)
+        return 2
     except WorkerError as exc:
         log.error("%s", exc)
         return 3

@@ -36,21 +36,30 @@ import math
 import queue
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
 from downpour import wire
 from downpour.client import Hello, Weights
 from downpour.cluster import Shard, ShardSet
-from downpour.data import Dataset
+from downpour.inputs import InputContext
 from downpour.logs import set_log_context, stop_on_signals
 from downpour.metrics import Rate, new_worker_stats
 from downpour.models import build_model, evaluate, fingerprint
 from downpour.partition import make_partition
+from downpour.pipeline import (
+    InputError,
+    Inputs,
+    build_dataset,
+    check_element_spec,
+    epoch_batches,
+    known_batches,
+    resolve_inputs,
+)
 from downpour.spec import ModelSpec
 from downpour.transport import (
     Deadline,
@@ -64,7 +73,7 @@ from downpour.transport import (
 from downpour.worker.compress import Compressor, parse_compression
 from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.step import Accumulator, GradientStep
-from downpour.worker.tf1 import Tf1Step
+from downpour.worker.tf1 import Tf1Step, check_tf1_inputs
 
 log = logging.getLogger("downpour.worker")
 
@@ -75,17 +84,9 @@ class WorkerError(Exception):
     """The worker cannot go on (refused by the server, or the server stayed away too long)."""
 
 
-def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Endless full batches, reshuffled every epoch with a per-worker seed."""
-    rng = np.random.default_rng(seed)
-    n = len(data.x_train)
-    if n < batch_size:
-        raise ValueError(f"{n} training examples, fewer than one batch of {batch_size}")
-    while True:
-        order = rng.permutation(n)
-        for i in range(0, n - batch_size + 1, batch_size):
-            idx = np.sort(order[i : i + batch_size])
-            yield data.x_train[idx], data.y_train[idx]
+def batch_rows(labels: Any) -> int:
+    """Examples in a batch: the first dimension of its (first) label tensor."""
+    return int(tf.nest.flatten(labels)[0].shape[0])
 
 
 class Fetcher:
@@ -174,20 +175,42 @@ class Fetcher:
 class Worker:
     """One training worker. ``run()`` returns a summary dict, or raises WorkerError."""
 
-    def __init__(self, spec: ModelSpec, config: WorkerConfig, data: Dataset) -> None:
-        """Build the worker for ``spec`` from ``config``: ConfigError (``validate_worker``)
-        for settings that contradict each other."""
+    def __init__(self, spec: ModelSpec, config: WorkerConfig, inputs: Inputs | None = None) -> None:
+        """Build the model and check the input against it: the first epoch's dataset is
+        built and its ``element_spec`` traced into the step, so bad input (InputError) is
+        refused here, before anything is sent to a server. ``inputs`` defaults to the spec's
+        (``downpour.pipeline.resolve_inputs``). ConfigError (``validate_worker``) for settings
+        that contradict each other."""
         validate_worker(config)  # the cross-field checks live there, and only there
         self.spec = spec
         self.config = config
-        self.data = data
+        self.inputs = inputs if inputs is not None else resolve_inputs(spec, config.data_dir)
         self.id = config.resolved_id()
-        self.model = build_model(spec)
-        self.step_fn = (  # tf1: the model's Session graph, checked against this Keras model
-            Tf1Step(spec, self.model)
-            if config.graph == "tf1"
-            else GradientStep(spec, self.model, data.x_train[:1])
+        self.input_ctx = InputContext(
+            worker_index=config.worker_index,
+            num_workers=config.num_workers,
+            seed=config.seed if config.seed is not None else 0,
+            data_dir=config.data_dir,
+            batch_size=spec.batch_size,
         )
+        self.model = build_model(spec)
+        first = build_dataset(self.inputs.train, self.input_ctx)  # InputError: refused
+        check_element_spec(first.element_spec, self.model)
+        if config.graph == "tf1":  # the model's Session graph, checked against this Keras model
+            check_tf1_inputs(spec, first.element_spec)
+            self.step_fn: GradientStep | Tf1Step = Tf1Step(spec, self.model)
+        else:
+            self.step_fn = GradientStep(spec, self.model, first.element_spec)
+            try:
+                self.step_fn.trace()
+            except (ValueError, TypeError) as exc:
+                raise InputError(
+                    f"model {spec.name!r}: its input_fn's batches {first.element_spec} do not "
+                    f"fit the model: {' '.join(str(exc).split())[:600]}"
+                ) from None
+        self.planned_per_epoch = known_batches(first)
+        self.epoch = 0  # the epoch of the batch computed last
+        self._batches = self._prime(first)
         variables = self.model.trainable_variables
         self.names = [v.path for v in variables]
         self.fingerprint = fingerprint(variables)
@@ -461,23 +484,61 @@ class Worker:
     def held_out(self) -> float | None:
         """The spec's metric on the held-out set with this worker's model as it ends: the last
         weights it pulled and its own BatchNorm statistics (None in tf1 mode, whose weights
-        live in the TF1 session, or without held-out examples)."""
-        if self.config.graph != "tf2" or not len(self.data.x_test):
+        live in the TF1 session, or without a held-out set)."""
+        if self.config.graph != "tf2" or self.inputs.held_out is None:
             return None
-        return float(evaluate(self.spec, self.model, self.data.x_test, self.data.y_test))
+        ds = build_dataset(self.inputs.held_out, self.input_ctx, "held_out_fn")
+        return float(evaluate(self.spec, self.model, ds))
 
-    def total_steps(self) -> int:
-        """--steps, or --epochs worth of full batches."""
+    def _prime(self, first: Any) -> Iterator[tuple[int, Any]]:
+        """The training batches, epoch after epoch, with the first one read already: a
+        worker whose share is empty is refused before its hello."""
+        cfg = self.config
+        epochs = None if cfg.steps is not None else cfg.epochs
+        stream = epoch_batches(self.inputs.train, self.input_ctx, epochs, first)
+        try:
+            head = next(stream)
+        except StopIteration:  # epochs > 0 always yields or raises; kept for safety
+            raise InputError("input_fn gave no batch") from None
+        except (tf.errors.OpError, ValueError, TypeError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(
+                f"model {self.spec.name!r}: reading input_fn's first batch: {exc}"
+            ) from None
+
+        def chained() -> Iterator[tuple[int, Any]]:
+            yield head
+            yield from stream
+
+        return chained()
+
+    def total_steps(self) -> int | None:
+        """--steps, or --epochs worth of this worker's batches (None: tf.data cannot tell
+        how many batches an epoch has before reading it)."""
         if self.config.steps is not None:
             return self.config.steps
-        per_epoch = len(self.data.x_train) // self.spec.batch_size
-        return max(1, int(round(self.config.epochs * per_epoch)))
+        if self.planned_per_epoch is None:
+            return None
+        return max(1, int(round(self.config.epochs * self.planned_per_epoch)))
+
+    def batches(self) -> Iterator[tuple[Any, Any]]:
+        """The training batches this worker computes on, ``(features, labels)`` as the step
+        takes them (NumPy for tf1), at most ``--steps`` of them."""
+        limit = self.config.steps
+        for n, (epoch, (x, y)) in enumerate(self._batches):
+            if limit is not None and n >= limit:
+                return
+            self.epoch = epoch
+            if self.config.graph == "tf1":
+                yield x.numpy(), y.numpy()
+            else:
+                yield x, y
 
     def run(self) -> dict[str, Any]:
         """Train until the step budget is spent or stop() is called."""
         cfg = self.config
-        seed = cfg.seed if cfg.seed is not None else zlib.crc32(self.id.encode())
-        data = batches(self.data, self.spec.batch_size, seed)
+        data = self.batches()
         total = self.total_steps()
         acc = Accumulator()
         started = time.monotonic()
@@ -494,7 +555,13 @@ class Worker:
         self.install(self._fetch_all(), time.perf_counter())
         if cfg.prefetch:
             self._request_all()
-        while step < total and not self._stop.is_set():
+        finished = False  # the input ran out: --epochs done (or --steps)
+        while not self._stop.is_set():
+            batch = next(data, None)
+            if batch is None:
+                finished = True
+                break
+            x, y = batch
             if step and step % cfg.n_fetch == 0:
                 self.pull()
             if acc.count == 0:  # the oldest weights in this accumulation, per shard
@@ -503,7 +570,6 @@ class Worker:
                     if self._stop.is_set():
                         break
                 base_versions = self.shards.versions
-            x, y = next(data)
             t0 = time.perf_counter()
             loss, grads = self.step_fn(x, y)
             self.stats["compute_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -515,14 +581,14 @@ class Worker:
                 self.stats["loss"] = loss
                 recent.append(loss)
             if acc.count >= cfg.n_push:
-                self.push(acc.take(), base_versions, loss, step, self.spec.batch_size)
+                self.push(acc.take(), base_versions, loss, step, batch_rows(y))
                 pushed_from = base_versions
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(
-                    "worker %s step %d/%d loss %.4f version %d",
+                    "worker %s step %d/%s loss %.4f version %d",
                     self.id,
                     step,
-                    total,
+                    total if total is not None else "?",
                     loss,
                     self.version,
                 )
@@ -551,6 +617,7 @@ class Worker:
             "stale_refreshes": int(self.stats["stale_refreshes"]),
             "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
             "last_seq": self.seq,
-            "stopped_early": step < total,
+            "epochs": self.epoch + 1 if step else 0,
+            "stopped_early": not finished,
         }
         return summary

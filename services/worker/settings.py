@@ -82,7 +82,20 @@ _SEC = "security (see README, Security)"
 _LOG = "logging"
 
 STEPS = Option("steps", None, "steps to train (overrides --epochs)", _TRAIN, type=at_least(1))
-EPOCHS = Option("epochs", 1.0, "passes over the training set", _TRAIN, type=positive())
+EPOCHS = Option(
+    "epochs", 1.0, "passes over this worker's share of the training set", _TRAIN, type=positive()
+)
+NUM_WORKERS = Option(
+    "num_workers",
+    1,
+    "workers sharing the training set: each reads its own shard (its files, or every "
+    "N-th example), so together they see each example once per epoch",
+    _TRAIN,
+    type=at_least(1),
+)
+WORKER_INDEX = Option(
+    "worker_index", 0, "this worker's shard, 0 .. --num-workers - 1", _TRAIN, type=at_least(0)
+)
 N_FETCH = Option("n_fetch", 1, "pull weights every N steps", _TRAIN, type=at_least(1))
 N_PUSH = Option("n_push", 1, "push gradients every N steps (averaged)", _TRAIN, type=at_least(1))
 GRAPH = Option(
@@ -129,9 +142,16 @@ WORKER_OPTIONS: tuple[Option, ...] = (
     DATA_DIR,
     STEPS,
     EPOCHS,
+    NUM_WORKERS,
+    WORKER_INDEX,
     N_FETCH,
     N_PUSH,
-    dataclasses.replace(SEED, help="data-order seed (default from the worker id)"),
+    dataclasses.replace(
+        SEED,
+        default=0,
+        help="data-order seed, the same on every worker: each epoch's shuffle is seeded "
+        "with SEED + epoch, so the shards divide one permutation",
+    ),
     COMPRESS,
     PULL_COMPRESS,
     Option(
@@ -244,6 +264,11 @@ def validate_worker(cfg: WorkerConfig) -> None:
     problems: list[str] = []
     if bool(cfg.key_file) != bool(cfg.server_key_file):
         problems.append("--key and --server-key go together (own secret key, server.key)")
+    if cfg.worker_index >= cfg.num_workers:
+        problems.append(
+            f"--worker-index {cfg.worker_index} is not below --num-workers {cfg.num_workers} "
+            "(worker indices count from 0)"
+        )
     if cfg.push_endpoint is not None and len(cfg.servers) > 1:
         problems.append("--push-endpoint works with one server, not with shards")
     refuse(problems)

@@ -2,10 +2,14 @@
 
 Evaluating each gradient tensor on its own re-runs the forward and backward pass once per
 variable; one ``tf.function`` returning the list runs them once per batch. Its
-``input_signature`` leaves the batch dimension open, so it is traced exactly once.
+``input_signature`` is the input dataset's ``element_spec`` (features a tensor, tuple or dict;
+labels of any rank and dtype) with the batch dimension open, so it is traced exactly once, and
+a smaller last batch does not trace again.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import keras
 import numpy as np
@@ -13,6 +17,13 @@ import tensorflow as tf
 
 from downpour.spec import ModelSpec
 from downpour.wire import Sparse, Tensor
+
+
+def batch_signature(element_spec: Any) -> Any:
+    """``element_spec`` with every tensor's batch (first) dimension left open."""
+    return tf.nest.map_structure(
+        lambda s: tf.TensorSpec((None, *s.shape[1:]), s.dtype), element_spec
+    )
 
 
 def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:
@@ -26,17 +37,21 @@ def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:
 class GradientStep:
     """``step(x, y) -> (loss, [gradient per trainable variable])`` in one evaluation."""
 
-    def __init__(self, spec: ModelSpec, model: keras.Model, x_example: np.ndarray) -> None:
+    def __init__(self, spec: ModelSpec, model: keras.Model, element_spec: Any) -> None:
+        """``element_spec``: the input dataset's ``(features, labels)`` spec; an array of
+        examples stands for a single feature tensor with rank-1 ``spec.label_dtype`` labels."""
         self.model = model
         self.variables = list(model.trainable_variables)
         self.traces = 0
-        signature = [
-            tf.TensorSpec((None, *x_example.shape[1:]), tf.as_dtype(x_example.dtype)),
-            tf.TensorSpec((None,), spec.label_dtype),
-        ]
+        if isinstance(element_spec, np.ndarray):
+            element_spec = (
+                tf.TensorSpec(element_spec.shape, tf.as_dtype(element_spec.dtype)),
+                tf.TensorSpec((None,), spec.label_dtype),
+            )
+        signature = list(batch_signature(tuple(element_spec)))
 
         @tf.function(input_signature=signature)
-        def compute(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        def compute(x: Any, y: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
             self.traces += 1  # runs only while tracing
             with tf.GradientTape() as tape:
                 out = model(x, training=True)
@@ -52,7 +67,12 @@ class GradientStep:
 
         self._assign_all = assign_all
 
-    def __call__(self, x: np.ndarray, y: np.ndarray) -> tuple[float, list[Tensor]]:
+    def trace(self) -> None:
+        """Trace the step now (the only trace): a batch that cannot fit the model fails
+        here, before the worker says hello, instead of at its first step."""
+        self._compute.get_concrete_function()
+
+    def __call__(self, x: Any, y: Any) -> tuple[float, list[Tensor]]:
         """Loss as a float and the gradients as wire tensors, in variable order."""
         loss, grads = self._compute(x, y)
         return float(loss), [to_wire(g) for g in grads]

@@ -102,6 +102,21 @@ class Tf1Step:
         self.sess.close()
 
 
+def check_tf1_inputs(spec: ModelSpec, element_spec: object) -> None:
+    """Refuse input a TF1 graph cannot be fed: it has one input placeholder and one label
+    placeholder, so the batches must be ``(tensor, tensor)``."""
+    ok = (
+        isinstance(element_spec, tuple)
+        and len(element_spec) == 2
+        and all(isinstance(s, tf.TensorSpec) for s in element_spec)
+    )
+    if not ok:
+        raise ValueError(
+            f"model {spec.name!r}: --graph tf1 feeds one input tensor and one label tensor, "
+            f"but the input_fn yields {element_spec}: use --graph tf2 for tuple or dict features"
+        )
+
+
 def _mismatch(
     name: str,
     keras_vars: list[tuple[str, list[int], str]],

@@ -11,7 +11,7 @@ How 8 workers run on 2 cores: a deterministic event simulation in one process pe
 built from the classes the real services use. The server is a real ``ParameterState``
 (Adam, the compiled XLA apply step, the learning-rate input) and a real ``Policy`` from
 ``parse_policy``; each simulated worker is a real ``GradientStep`` computation on its own
-data order (``downpour.worker.service.batches``, seed 100 + i), compressed by its own real
+data order (``batches`` here, seed 100 + i), compressed by its own real
 ``Compressor`` (error feedback kept per worker), encoded and decoded with ``downpour.wire``
 exactly as on the wire and densified as the server does. What is simulated is only *time*:
 worker i needs ``speed_i * lognormal(0, 0.2)`` gradient-times per step (``speed_i`` uniform
@@ -266,6 +266,19 @@ def measure_costs(reps: int = 20) -> dict[str, float]:
     }
 
 
+def batches(data: Any, batch_size: int, seed: int) -> Any:
+    """Endless full batches of the training arrays, reshuffled every epoch with ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = len(data.x_train)
+    while True:
+        order = rng.permutation(n)
+        for i in range(0, n - batch_size + 1, batch_size):
+            idx = np.sort(order[i : i + batch_size])
+            yield data.x_train[idx], data.y_train[idx]
+
+
 def simulate(job: Job) -> dict[str, Any]:
     """Run one simulated training (see the module docstring); the run's record."""
     import numpy as np
@@ -275,7 +288,6 @@ def simulate(job: Job) -> dict[str, Any]:
     from downpour.server.state import ParameterState
     from downpour.wire import Message
     from downpour.worker.compress import parse_compression
-    from downpour.worker.service import batches
 
     started = time.monotonic()
     ctx = _context()

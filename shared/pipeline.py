@@ -1,0 +1,215 @@
+"""A model's input functions resolved, called and checked (needs TensorFlow).
+
+Every reader of data goes through here: the worker (training batches, epoch after epoch), the
+server's ``--eval-every``, run-local's evaluator and export (held-out batches, and the first
+training batches for BatchNorm statistics). ``resolve_inputs`` gives a spec's two functions:
+its own ``input_fn`` / ``held_out_fn``, or those of the NumPy ``Dataset`` its ``load_data``
+returns (``downpour.data.dataset_input_fn``).
+
+``build_dataset`` calls a function and refuses anything but a ``tf.data.Dataset``; a training
+function that called neither sharding helper of its ``InputContext`` gets its batches sharded
+here (batch ``j`` to worker ``j mod N``). ``check_element_spec`` refuses batches that cannot
+fit the model (not ``(features, labels)``, a missing dict key, a wrong rank or shape, strings
+for numbers) with the two specs in the message; the worker does all this before its hello.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from downpour.data import dataset_held_out_fn, dataset_input_fn
+from downpour.inputs import InputContext
+from downpour.spec import ModelSpec
+
+log = logging.getLogger("downpour.inputs")
+
+InputFn = Callable[[InputContext], tf.data.Dataset]
+
+
+class InputError(ValueError):
+    """A model's input cannot be trained on: the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A spec's training ``input_fn`` and its ``held_out_fn`` (None: no held-out set)."""
+
+    train: InputFn
+    held_out: InputFn | None
+
+
+def resolve_inputs(spec: ModelSpec, data_dir: str | None = None) -> Inputs:
+    """The spec's input functions; a spec with ``load_data`` only gets its Dataset's (the
+    arrays are loaded once, here)."""
+    if spec.input_fn is not None:
+        held = spec.held_out_fn
+        if held is None and spec.load_data is not None:
+            held = dataset_held_out_fn(spec.load_data(data_dir), spec.label_dtype)
+        return Inputs(spec.input_fn, held)
+    if spec.load_data is None:  # ModelSpec refuses this; a hand-edited spec may not
+        raise InputError(f"model {spec.name!r} has neither input_fn nor load_data")
+    data = spec.load_data(data_dir)
+    held = spec.held_out_fn
+    if held is None and len(data.x_test):
+        held = dataset_held_out_fn(data, spec.label_dtype)
+    return Inputs(dataset_input_fn(data, spec.label_dtype), held)
+
+
+def context(spec: ModelSpec, data_dir: str | None = None, seed: int = 0, **kw: Any) -> InputContext:
+    """An InputContext for ``spec`` (its batch size); ``kw``: worker_index, num_workers."""
+    return InputContext(seed=seed, data_dir=data_dir, batch_size=spec.batch_size, **kw)
+
+
+def build_dataset(fn: InputFn, ctx: InputContext, what: str = "input_fn") -> tf.data.Dataset:
+    """``fn(ctx)``, refused unless it is a ``tf.data.Dataset``; sharded by batch when a
+    training function with several workers called neither ``ctx.shard_files`` nor
+    ``ctx.shard``."""
+    try:
+        ds = fn(ctx)
+    except InputError:
+        raise
+    except Exception as exc:  # the model's own code: reported as bad input, not a crash
+        raise InputError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(ds, tf.data.Dataset):
+        raise InputError(
+            f"{what} returned {type(ds).__module__}.{type(ds).__qualname__}, not a "
+            "tf.data.Dataset of (features, labels) batches"
+        )
+    if what == "input_fn" and not ctx.used and ctx.num_workers > 1 and ctx.split is None:
+        ds = ds.shard(ctx.num_workers, ctx.worker_index)
+    return ds
+
+
+def model_inputs(model: keras.Model) -> Any:
+    """The model's input structure (KerasTensors: one, a list or a dict), or None for a model
+    that declares none (subclassed)."""
+    for m in (model, getattr(model, "_functional", None)):
+        struct = getattr(m, "_inputs_struct", None)  # Keras's own record of Model(inputs=...)
+        if struct is not None:
+            return struct
+    return None
+
+
+def _describe(spec: Any) -> str:
+    return str(tf.nest.map_structure(lambda s: f"{s.dtype.name}{list(s.shape)}", spec)).replace(
+        "'", ""
+    )
+
+
+def check_element_spec(element_spec: Any, model: keras.Model, what: str = "input_fn") -> None:
+    """Refuse batches that cannot fit ``model``'s inputs (InputError naming both)."""
+    if not isinstance(element_spec, tuple) or len(element_spec) != 2:
+        raise InputError(
+            f"{what} yields {_describe(element_spec)}; it must yield (features, labels) pairs"
+        )
+    features, labels = element_spec
+    for s in tf.nest.flatten(element_spec):
+        if not isinstance(s, tf.TensorSpec):
+            raise InputError(f"{what} yields a {type(s).__name__}; only dense tensors are taken")
+    if any(s.shape.rank == 0 for s in tf.nest.flatten(element_spec)):
+        raise InputError(f"{what} yields scalars {_describe(element_spec)}: batch the dataset")
+    wanted = model_inputs(model)
+    if wanted is None:
+        return  # the trace (GradientStep) checks a subclassed model
+    if isinstance(wanted, (list, tuple)) and len(wanted) == 1 and not isinstance(features, tuple):
+        wanted = wanted[0]
+    head = f"{what}'s features {_describe(features)} do not fit model inputs {_describe_k(wanted)}"
+    if isinstance(wanted, dict):
+        if not isinstance(features, dict):
+            raise InputError(f"{head}: the model takes a dict of named inputs")
+        missing = sorted(set(wanted) - set(features))
+        if missing:
+            raise InputError(f"{head}: no feature {', '.join(map(repr, missing))}")
+        pairs = [(k, features[k], wanted[k]) for k in sorted(wanted)]
+    else:
+        try:
+            tf.nest.assert_same_structure(
+                features, tf.nest.map_structure(lambda _: 0, wanted), check_types=False
+            )
+        except (ValueError, TypeError):
+            raise InputError(f"{head}: another structure") from None
+        pairs = [
+            (str(i), f, w)
+            for i, (f, w) in enumerate(
+                zip(tf.nest.flatten(features), tf.nest.flatten(wanted), strict=True)
+            )
+        ]
+    for name, f, w in pairs:
+        got, want = f.shape[1:], tuple(w.shape[1:])
+        if not _shape_fits(got, want):
+            raise InputError(f"{head}: feature {name} has shape {list(f.shape)}")
+        if (f.dtype == tf.string) != (tf.as_dtype(w.dtype) == tf.string):
+            raise InputError(f"{head}: feature {name} is {f.dtype.name}")
+
+
+def _describe_k(wanted: Any) -> str:
+    return str(
+        tf.nest.map_structure(lambda k: f"{tf.as_dtype(k.dtype).name}{list(k.shape)}", wanted)
+    ).replace("'", "")
+
+
+def _shape_fits(got: tf.TensorShape, want: tuple[int | None, ...]) -> bool:
+    """A feature's per-example shape fits a Keras input's (None: any; Keras also adds or
+    drops a trailing dimension of 1)."""
+    got_t = tuple(got.as_list()) if got.rank is not None else None
+    if got_t is None:
+        return True
+    if len(got_t) + 1 == len(want) and want[-1] == 1:
+        want = want[:-1]
+    elif len(got_t) == len(want) + 1 and got_t[-1] == 1:
+        got_t = got_t[:-1]
+    if len(got_t) != len(want):
+        return False
+    return all(w is None or g is None or g == w for g, w in zip(got_t, want, strict=True))
+
+
+def known_batches(ds: tf.data.Dataset) -> int | None:
+    """How many batches ``ds`` yields, when tf.data knows without reading it."""
+    n = int(ds.cardinality())
+    return n if n >= 0 else None
+
+
+def epoch_batches(
+    fn: InputFn,
+    ctx: InputContext,
+    epochs: float | None = None,
+    first: tf.data.Dataset | None = None,
+) -> Iterator[tuple[int, Any]]:
+    """``(epoch, batch)`` of pass after pass of ``fn`` (``ctx.epoch`` counting from 0):
+    ``epochs`` passes (a fraction of a pass: that share of its batches), or without end.
+    ``first`` is epoch 0's dataset when the caller built it already. An epoch without a
+    batch raises InputError: this worker's share is empty."""
+    epoch, per_epoch = 0, None
+    while epochs is None or epoch < epochs:
+        ds = first if epoch == 0 and first is not None else build_dataset(fn, ctx.for_epoch(epoch))
+        limit = None
+        if epochs is not None and epochs - epoch < 1:
+            n = per_epoch if per_epoch is not None else known_batches(ds)
+            limit = max(1, round((epochs - epoch) * n)) if n is not None else None
+        count = 0
+        for batch in ds:
+            yield epoch, batch
+            count += 1
+            if limit is not None and count >= limit:
+                break
+        if count == 0:
+            raise InputError(
+                f"worker {ctx.worker_index} of {ctx.num_workers}: input_fn gave no batch in "
+                f"epoch {epoch} (this worker's share of the data is empty: fewer examples or "
+                "files than workers?)"
+            )
+        per_epoch = count if limit is None else per_epoch
+        epoch += 1
+
+
+def training_features(fn: InputFn, ctx: InputContext, max_batches: int) -> list[Any]:
+    """The features of the first ``max_batches`` batches of ``fn`` (epoch 0): what BatchNorm
+    statistics are recomputed from."""
+    ds = build_dataset(fn, ctx).take(max_batches)
+    return [features for features, _ in ds]

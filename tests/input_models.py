@@ -1,0 +1,200 @@
+"""Model plugins with tf.data input functions, for the input pipeline tests.
+
+- ``ids``: blobs with an ``id`` feature (the example's index) next to ``x``; the model takes
+  both (the id through a zero weight), so the ids travel in every batch the worker trains on.
+  With ``DOWNPOUR_TEST_IDS_DIR`` set, its input_fn appends the ids of every batch it yields
+  to ``ids-<worker index>-<pid>.txt`` there (a test hook of this plugin, not of downpour).
+- ``two_inputs``: a dict of two named inputs, four classes.
+- ``multilabel``: 2-D float labels (four independent yes/no targets), sigmoid loss.
+- ``not_a_dataset``, ``wrong_shape``, ``missing_key``, ``few_files``: bad input, refused.
+
+Importable by spawned services through PYTHONPATH (the tests directory).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from downpour import InputContext, ModelSpec
+
+N_IDS = 600  # training examples of ``ids`` (120 more are held out)
+IDS_DIR_ENV = "DOWNPOUR_TEST_IDS_DIR"
+
+
+def _blobs(n: int, dim: int = 8, classes: int = 4, seed: int = 3) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0, 3, (classes, dim)).astype(np.float32)
+    y = rng.integers(0, classes, n).astype(np.int64)
+    x = (centers[y] + rng.normal(0, 1, (n, dim))).astype(np.float32)
+    return x, y
+
+
+_X, _Y = _blobs(N_IDS + 120)
+
+
+def _record(ids: tf.Tensor, worker_index: int) -> None:
+    directory = os.environ.get(IDS_DIR_ENV)
+    if directory:
+        path = Path(directory) / f"ids-{worker_index}-{os.getpid()}.txt"
+        with open(path, "a") as f:
+            f.write("".join(f"{i}\n" for i in ids.numpy().tolist()))
+
+
+def ids_input_fn(ctx: InputContext) -> tf.data.Dataset:
+    """One epoch of this worker's share of the ``N_IDS`` examples: ({x, id}, label)."""
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({"x": _X[:N_IDS], "id": np.arange(N_IDS, dtype=np.int64)}, _Y[:N_IDS])
+    )
+    ds = ctx.shard(ds.shuffle(N_IDS, seed=ctx.seed + ctx.epoch)).batch(ctx.batch_size)
+    if os.environ.get(IDS_DIR_ENV):
+
+        def record(features: dict, labels: tf.Tensor) -> tuple[dict, tf.Tensor]:
+            def write(ids: tf.Tensor) -> tf.Tensor:
+                _record(ids, ctx.worker_index)
+                return ids
+
+            ids = tf.py_function(write, [features["id"]], tf.int64)
+            return {"x": features["x"], "id": tf.ensure_shape(ids, (None,))}, labels
+
+        ds = ds.map(record)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def ids_held_out_fn(ctx: InputContext) -> tf.data.Dataset:
+    """The 120 held-out examples, ids following the training ones."""
+    ids = np.arange(N_IDS, N_IDS + 120, dtype=np.int64)
+    return tf.data.Dataset.from_tensor_slices(({"x": _X[N_IDS:], "id": ids}, _Y[N_IDS:])).batch(60)
+
+
+def _ids_model() -> keras.Model:
+    x = keras.Input((8,), name="x")
+    ids = keras.Input((), dtype="int64", name="id")
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(x)
+    logits = keras.layers.Dense(4, name="logits")(h)
+    zero = keras.ops.expand_dims(keras.ops.cast(ids, "float32"), -1) * 0.0
+    return keras.Model({"x": x, "id": ids}, logits + zero, name="ids")
+
+
+def ids() -> ModelSpec:
+    """Blobs with an id feature (see the module docstring)."""
+    return ModelSpec(
+        name="ids",
+        build=_ids_model,
+        input_fn=ids_input_fn,
+        held_out_fn=ids_held_out_fn,
+        batch_size=32,
+    )
+
+
+def _two_input_data(n: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    wa = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    wb = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    a = rng.normal(size=(n, 6)).astype(np.float32)
+    b = rng.normal(size=(n, 3)).astype(np.float32)
+    return {"a": a, "b": b}, np.argmax(a @ wa + b @ wb, axis=1).astype(np.int32)
+
+
+def _two_input_model() -> keras.Model:
+    a = keras.Input((6,), name="a")
+    b = keras.Input((3,), name="b")
+    h = keras.layers.Concatenate(name="join")([a, b])
+    return keras.Model({"a": a, "b": b}, keras.layers.Dense(4, name="logits")(h), name="two")
+
+
+def two_inputs() -> ModelSpec:
+    """Two named inputs (a dict of features), int32 labels: four linearly separable classes."""
+    train = _two_input_data(1200, 5)
+    held = _two_input_data(300, 6)
+
+    def input_fn(ctx: InputContext) -> tf.data.Dataset:
+        ds = tf.data.Dataset.from_tensor_slices(train).shuffle(1200, seed=ctx.seed + ctx.epoch)
+        return ctx.shard(ds).batch(ctx.batch_size)
+
+    return ModelSpec(
+        name="two_inputs",
+        build=_two_input_model,
+        input_fn=input_fn,
+        held_out_fn=lambda ctx: tf.data.Dataset.from_tensor_slices(held).batch(100),
+        batch_size=32,
+        label_dtype="int32",
+    )
+
+
+def _multilabel_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = np.random.default_rng(2).normal(size=(10, 4)).astype(np.float32)
+    x = rng.normal(size=(n, 10)).astype(np.float32)
+    return x, (x @ w > 0).astype(np.float32)
+
+
+def bce(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Mean sigmoid cross-entropy over every (example, target)."""
+    return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def bit_accuracy(labels: np.ndarray, logits: np.ndarray) -> float:
+    """Fraction of (example, target) pairs predicted right."""
+    return float(np.mean((logits > 0) == (labels > 0.5)))
+
+
+def multilabel() -> ModelSpec:
+    """2-D float labels: four yes/no targets per example, each a linear threshold of x."""
+    train = _multilabel_data(1200, 7)
+    held = _multilabel_data(300, 8)
+
+    def input_fn(ctx: InputContext) -> tf.data.Dataset:
+        ds = tf.data.Dataset.from_tensor_slices(train).shuffle(1200, seed=ctx.seed + ctx.epoch)
+        return ctx.shard(ds).batch(ctx.batch_size)
+
+    return ModelSpec(
+        name="multilabel",
+        build=lambda: keras.Sequential(
+            [keras.Input((10,)), keras.layers.Dense(4, name="logits")], name="multilabel"
+        ),
+        input_fn=input_fn,
+        held_out_fn=lambda ctx: tf.data.Dataset.from_tensor_slices(held).batch(100),
+        loss=bce,
+        metric=bit_accuracy,
+        batch_size=32,
+        label_dtype="float32",
+    )
+
+
+def not_a_dataset() -> ModelSpec:
+    """input_fn returns NumPy arrays, not a tf.data.Dataset."""
+    return ModelSpec(name="ids", build=_ids_model, input_fn=lambda ctx: (_X, _Y), batch_size=32)
+
+
+def wrong_shape() -> ModelSpec:
+    """``x`` with 5 columns where the model takes 8."""
+
+    def input_fn(ctx: InputContext) -> tf.data.Dataset:
+        feats = {"x": _X[:N_IDS, :5], "id": np.arange(N_IDS, dtype=np.int64)}
+        return tf.data.Dataset.from_tensor_slices((feats, _Y[:N_IDS])).batch(32)
+
+    return ModelSpec(name="ids", build=_ids_model, input_fn=input_fn, batch_size=32)
+
+
+def missing_key() -> ModelSpec:
+    """No ``id`` feature."""
+
+    def input_fn(ctx: InputContext) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices(({"x": _X[:N_IDS]}, _Y[:N_IDS])).batch(32)
+
+    return ModelSpec(name="ids", build=_ids_model, input_fn=input_fn, batch_size=32)
+
+
+def few_files() -> ModelSpec:
+    """Two (named) files for however many workers: worker 2 of 3 has none."""
+
+    def input_fn(ctx: InputContext) -> tf.data.Dataset:
+        mine = ctx.shard_files(["part-0", "part-1"])
+        return ids_input_fn(ctx).take(len(mine))
+
+    return ModelSpec(name="ids", build=_ids_model, input_fn=input_fn, batch_size=32)
