@@ -42,7 +42,9 @@ def test_wine_trains_through_server_and_worker_and_exports(
     server = services.server(
         WINE, learning_rate=0.01, state_dir=str(state), checkpoint_every=0, checkpoint_secs=0.0
     )
-    settle(server.status, services.train(server.port, 1, WINE, epochs=40))  # 40 x 9 batches (134 = 8 x 16 + 6)
+    settle(
+        server.status, services.train(server.port, 1, WINE, epochs=40)
+    )  # 40 x 9 batches (134 = 8 x 16 + 6)
     version, weights = pull_weights(server.rep)
     assert version == 360
 
