@@ -102,7 +102,7 @@ def make_worker(
 ) -> Worker:
     """A ``Worker`` (model built, sockets made, nothing sent yet)."""
     spec = load_spec(spec) if isinstance(spec, str) else spec
-    return Worker(spec, worker_config(ports, **config), spec.load_data(None))
+    return Worker(spec, worker_config(ports, **config))
 
 
 def train(
