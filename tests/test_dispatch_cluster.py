@@ -33,7 +33,9 @@ class Reader:
     """A stand-in for a dispatched worker's input loop: hello, then take a split, "read" it,
     acknowledge it with the next request. Records the acks the server accepted."""
 
-    def __init__(self, zctx: zmq.Context, server: Service, name: str, process: str) -> None:
+    def __init__(
+        self, zctx: zmq.Context, server: Service, name: str, process: str | None = None
+    ) -> None:
         self.name = name
         self.process = process
         self.client = ShardClient(zctx, server.rep, sender=name, timeout_s=5, server_timeout_s=60)
@@ -60,6 +62,12 @@ class Reader:
 
     def close(self) -> None:
         self.client.close()
+
+
+def counts(server: Service, *names: str) -> list[int]:
+    """These figures of the server's published dispatch status."""
+    d = fetch_status(server.status)["dispatch"]
+    return [d[n] for n in names]
 
 
 def run_to_end(readers: list[Reader], timeout: float) -> None:
@@ -132,6 +140,26 @@ def test_a_worker_with_other_data_is_refused(cluster: Cluster, zctx: zmq.Context
         "the refusal counted in the status document",
     )
     other.close()
+
+
+def test_a_restarted_worker_saying_hello_gets_its_split_taken_back(
+    cluster: Cluster, zctx: zmq.Context
+) -> None:
+    server = cluster.server("--data-dispatch", "server")
+    first = Reader(zctx, server, "w0")  # this process's token, sent by the client itself
+    first.step()
+    lost = first.held
+    assert lost is not None and first.client.next_split(FILES).split.index == lost[1]  # a retry
+    restarted = Reader(zctx, server, "w0", process="the-next-process")  # hello releases
+    other = Reader(zctx, server, "w1")
+    assert (other.step().epoch, other.held) == (0, lost)
+    wait_until(
+        lambda: counts(server, "released", "resent") == [1, 1],
+        10,
+        "one release and one resend in the status document",
+    )
+    for r in (first, restarted, other):
+        r.close()
 
 
 @pytest.mark.slow
