@@ -96,11 +96,11 @@ class Dispatcher:
     epoch: int = 0
     epochs_done: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
-    _queue: deque[int] = field(default_factory=deque, repr=False)
-    _leases: dict[int, _Lease] = field(default_factory=dict, repr=False)
-    _held: dict[str, list[int]] = field(default_factory=dict, repr=False)
-    _acked: set[int] = field(default_factory=set, repr=False)
-    _processes: dict[str, str] = field(default_factory=dict, repr=False)
+    _queue: deque[int] = field(default_factory=deque, init=False, repr=False)
+    _leases: dict[int, _Lease] = field(default_factory=dict, init=False, repr=False)
+    _held: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
+    _acked: set[int] = field(default_factory=set, init=False, repr=False)
+    _processes: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------ the universe
 
@@ -307,11 +307,12 @@ class Dispatcher:
         d.epochs_done = int(doc["epochs_done"])
         queue = [int(i) for i in doc["in_flight"]] + [int(i) for i in doc["queue"]]
         acked = {int(i) for i in doc["acked"]}
-        if len(queue) + len(acked) != d.num_splits or set(queue) | acked != set(
-            range(d.num_splits)
-        ):
-            raise ValueError("dispatcher state: the splits queued, in flight and done do not "
-                             f"make up the {d.num_splits} splits of the universe")  # fmt: skip
+        every = set(range(d.num_splits))
+        if len(queue) + len(acked) != d.num_splits or set(queue) | acked != every:
+            raise ValueError(
+                "dispatcher state: the splits queued, in flight and done do not make up "
+                f"the {d.num_splits} splits of the universe"
+            )
         d._queue = deque(queue)
         d._acked = acked
         for k, v in (doc.get("counters") or {}).items():

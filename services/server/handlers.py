@@ -306,8 +306,9 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
                     "no data universe registered yet: send it with the first split request"
                 )
             d.register(req.universe, req.epochs or 0)
-            log.info("dispatching %s, %s epoch(s)", d.universe and d.universe.describe(),
-                     d.max_epochs or "unbounded")  # fmt: skip
+            log.info(
+                "dispatching %s, epochs: %s", req.universe.describe(), req.epochs or "unbounded"
+            )
         d.check_digest(req.digest)
     except DataMismatch as exc:
         raise ProtocolError(wire.R_UNIVERSE, str(exc)) from None

@@ -29,6 +29,7 @@ from downpour import metrics as m
 log = logging.getLogger("downpour.server")
 
 WORKER_STATES = ("alive", "missing", "gone")
+DISPATCH_EVENTS = ("handed_out", "acked", "acks_stale", "released", "resent", "refused_universe")
 
 
 def _number(value: Any) -> float | None:
@@ -182,8 +183,7 @@ class SnapshotCollector(Collector):
             "Dispatcher events: handed_out, acked, acks_stale, released, resent, refused_universe.",
             labels=["event"],
         )
-        for event in ("handed_out", "acked", "acks_stale", "released", "resent",
-                      "refused_universe"):  # fmt: skip
+        for event in DISPATCH_EVENTS:
             if (v := _number(d.get(event))) is not None:
                 events.add_metric([event], v)
         yield events
