@@ -25,11 +25,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from downpour import metrics as m
+from downpour.server.dispatch import COUNTER_NAMES as DISPATCH_EVENTS
 
 log = logging.getLogger("downpour.server")
 
 WORKER_STATES = ("alive", "missing", "gone")
-DISPATCH_EVENTS = ("handed_out", "acked", "acks_stale", "released", "resent", "refused_universe")
 
 
 def _number(value: Any) -> float | None:
