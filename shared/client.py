@@ -2,9 +2,10 @@
 
 Layered as in ps-lite: ``downpour.wire`` builds and reads message bodies, ``downpour.transport``
 owns sockets, deadlines, the Lazy-Pirate recreate and backoff, and a ``ShardClient`` turns
-them into typed calls on one server: ``hello``, ``pull``, ``heartbeat`` and ``status``
-(pushes go over a ``transport.PushSocket``). ``downpour.cluster.ShardSet`` does the same
-for every shard of a partitioned model.
+them into typed calls on one server: ``hello``, ``pull``, ``heartbeat``, ``status`` and,
+for data dispatched by the server (shard 0 under ``--data-dispatch server``),
+``next_split`` / ``ack_splits`` (pushes go over a ``transport.PushSocket``).
+``downpour.cluster.ShardSet`` does the same for every shard of a partitioned model.
 
 A ShardClient holds one REQ socket per endpoint and is not thread-safe: use one per thread.
 With ``server_timeout_s`` > 0, ``hello`` and ``pull`` retry a server that does not answer
@@ -16,6 +17,7 @@ raises ``Refused``; an ERROR reply to anything else raises ``RemoteError``.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -24,6 +26,7 @@ from typing import Any
 import zmq
 
 from downpour import security, wire
+from downpour.inputs import Split
 from downpour.transport import (
     Counters,
     Refused,
@@ -36,6 +39,10 @@ from downpour.transport import (
 from downpour.wire import Message
 
 log = logging.getLogger(__name__)
+
+# This process's token, sent with hello and split requests: a server that sees a worker id
+# speak from a new token knows the worker restarted and takes back the splits it held.
+PROCESS_TOKEN = secrets.token_hex(8)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,19 @@ class Weights:
     def with_tensors(self, tensors: dict[str, Any]) -> Weights:
         """The same answer carrying other tensors (e.g. converted for the step function)."""
         return replace(self, tensors=tensors)
+
+
+@dataclass(frozen=True)
+class SplitGrant:
+    """The dispatcher's answer to ``next_split``: ``kind`` "split" (read ``split`` of
+    ``epoch``, then acknowledge it), "wait" (the epoch's last splits are in flight elsewhere:
+    ask again after ``retry_s``) or "end" (the epoch bound is reached); the reply body too."""
+
+    kind: str
+    epoch: int
+    split: Split | None
+    retry_s: float
+    reply: wire.SplitReply
 
 
 class ShardClient:
@@ -100,6 +120,8 @@ class ShardClient:
         self.stop = stop
         self.on_reply = on_reply
         self._req: ReqClient | None = None
+        self._sent_universe: str | None = None  # digest of the universe the server has had
+        self._split_seq = 0
         self._status: ReqClient | None = None
 
     # ------------------------------------------------------------ sockets
@@ -165,6 +187,8 @@ class ShardClient:
     def hello(self, body: wire.HelloRequest) -> Hello:
         """Introduce the sender. Refused when the server will not take it (another model
         or partition), ServerUnavailable when it does not answer."""
+        if body.process is None:
+            body = replace(body, process=PROCESS_TOKEN)
         try:
             reply = self.request(wire.hello_request(self.sender, body))
         except RemoteError as exc:
@@ -185,6 +209,74 @@ class ShardClient:
             self.on_reply()
         wire.expect(reply, wire.HEARTBEAT)
         return reply.base_version, wire.HeartbeatReply.from_body(reply.body)
+
+    def next_split(
+        self,
+        universe: wire.DataUniverse,
+        acks: tuple[tuple[int, int], ...] = (),
+        *,
+        epochs: int | None = None,
+        want: bool = True,
+        process: str | None = None,
+    ) -> SplitGrant:
+        """Acknowledge the finished splits ``acks`` ((epoch, index) pairs) and ask for the
+        next one of ``universe`` (sent whole on this client's first call, then only its
+        digest; ``epochs``: the bound to propose, 0 unbounded). Safe to retry: an ack
+        repeated after a lost reply is ignored, and a worker at its in-flight limit gets
+        its newest split again. Refused when the server serves other data or does not
+        dispatch; ServerUnavailable when it does not answer."""
+        digest = universe.digest()
+        first = self._sent_universe != digest
+        try:
+            reply = self._split_request(universe, acks, epochs, want, process, whole=first)
+        except RemoteError as exc:
+            if exc.code == wire.R_UNIVERSE and not first:  # e.g. a server restarted afresh
+                reply = self._split_request(universe, acks, epochs, want, process, whole=True)
+            else:
+                raise
+        self._sent_universe = digest
+        r = wire.SplitReply.from_body(wire.expect(reply, wire.SPLIT).body)
+        split = None
+        if r.grant == "split":
+            assert r.index is not None
+            if r.file is not None:
+                split = Split(r.index, file=r.file)
+            else:
+                assert r.start is not None and r.stop is not None
+                split = Split(r.index, start=r.start, stop=r.stop)
+        return SplitGrant(r.grant, r.epoch, split, r.retry_ms / 1e3, r)
+
+    def _split_request(
+        self,
+        universe: wire.DataUniverse,
+        acks: tuple[tuple[int, int], ...],
+        epochs: int | None,
+        want: bool,
+        process: str | None,
+        *,
+        whole: bool,
+    ) -> Message:
+        body = wire.SplitRequest(
+            digest=universe.digest(),
+            acks=tuple(acks),
+            want=want,
+            universe=universe if whole else None,
+            epochs=epochs if whole else None,
+            process=process or PROCESS_TOKEN,
+        )
+        self._split_seq += 1
+        try:
+            return self.request(wire.split_request(self.sender, body, self._split_seq))
+        except RemoteError as exc:
+            if exc.code == wire.R_DISPATCH_OFF or (exc.code == wire.R_UNIVERSE and whole):
+                raise Refused(exc.code, exc.message, self.endpoint) from None
+            raise
+
+    def ack_splits(
+        self, universe: wire.DataUniverse, acks: tuple[tuple[int, int], ...]
+    ) -> wire.SplitReply:
+        """Acknowledge finished splits without asking for another (e.g. before exiting)."""
+        return self.next_split(universe, acks, want=False).reply
 
     def status(self) -> dict[str, Any]:
         """The server's status document from its status socket (one attempt)."""

@@ -65,6 +65,14 @@ Message types (REQ/REP unless noted)::
     heartbeat -> heartbeat a worker that is otherwise silent says it is alive; body = its
                            figures; reply base_version = current version
     status   -> status     body = metrics snapshot (status socket)
+    split    -> split      data dispatch (``--data-dispatch server``, shard 0 only): body
+                           ``SplitRequest`` (the universe digest, acks of finished splits as
+                           [epoch, index] pairs, the universe itself and an epoch bound on
+                           the first call, the sender's process token); reply body
+                           ``SplitReply``: a split (index, file or [start, stop)) of an
+                           epoch, or "wait" (retry after retry_ms), or "end". A server that
+                           does not dispatch answers ERROR "dispatch_off"; another universe's
+                           digest, ERROR "data_universe"
     any      -> error      body {"code": reason, "message": text}
     Bodies are built and read by the typed classes below (``HelloRequest`` ... ``ErrorReply``);
     a body field of the wrong type is refused as "bad_header".
@@ -80,6 +88,8 @@ by ZeroMQ before it is buffered. ``PROTOCOL_VERSION`` is checked on every messag
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -97,8 +107,9 @@ WEIGHTS = "weights"
 PUSH = "push"
 STATUS = "status"
 HEARTBEAT = "heartbeat"
+SPLIT = "split"
 ERROR = "error"
-MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, HEARTBEAT, ERROR})
+MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, HEARTBEAT, SPLIT, ERROR})
 
 DENSE = "dense"
 SPARSE = "sparse"
@@ -145,6 +156,8 @@ R_FINGERPRINT = "fingerprint"  # worker built another model
 R_PARTITION = "partition"  # worker splits the model over the shards differently
 R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not serve it
 R_INTERNAL = "internal"  # the server failed handling a valid-looking message
+R_DISPATCH_OFF = "dispatch_off"  # a split request to a server that does not dispatch data
+R_UNIVERSE = "data_universe"  # a split request over other data than the dispatcher serves
 
 
 class ProtocolError(Exception):
@@ -708,6 +721,8 @@ class HelloRequest:
     """A worker's hello: its model and how it splits the model over the shards.
 
     A hello without ``partition`` (a plain client) is accepted by an unsharded server.
+    ``process`` is a token of the sender's process: a hello from the same worker id with
+    another token is a restarted worker (a dispatching server takes back its splits).
     """
 
     fingerprint: str | None = None
@@ -716,6 +731,7 @@ class HelloRequest:
     shard: int | None = None
     num_shards: int | None = None
     partition: str | None = None
+    process: str | None = None
 
     def to_body(self) -> dict[str, Any]:
         """The hello body map."""
@@ -732,6 +748,7 @@ class HelloRequest:
             shard=_field(b, "shard", "int"),
             num_shards=_field(b, "num_shards", "int"),
             partition=_field(b, "partition", "str"),
+            process=_field(b, "process", "str"),
         )
 
 
@@ -951,6 +968,195 @@ class ErrorReply:
         )
 
 
+MAX_FILES = 4096  # a header list holds at most Limits.max_tensors items
+MAX_SPLITS = 1 << 20  # splits of an element universe (bounds the dispatcher's memory)
+MAX_ACKS = 1024  # acks in one split request
+GRANTS = ("split", "wait", "end")
+
+
+@dataclass(frozen=True)
+class DataUniverse:
+    """What a dispatched ``input_fn`` shards over: ``files`` (one split each, at most
+    MAX_FILES), or ``elements`` divided into splits of ``split_size`` (at most MAX_SPLITS).
+    ValueError when it is neither, or out of bounds."""
+
+    files: tuple[str, ...] | None = None
+    elements: int | None = None
+    split_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.files is None) == (self.elements is None):
+            raise ValueError("a data universe is either files or elements (with split_size)")
+        if self.files is not None:
+            if not 1 <= len(self.files) <= MAX_FILES:
+                raise ValueError(f"{len(self.files)} files: between 1 and {MAX_FILES} please")
+            if not all(isinstance(f, str) and f for f in self.files):
+                raise ValueError("every file name must be a non-empty string")
+            if len(set(self.files)) != len(self.files):
+                raise ValueError("the file list names a file twice")
+            if self.split_size is not None:
+                raise ValueError("split_size applies to elements, not files")
+            return
+        assert self.elements is not None
+        if self.elements < 1 or self.split_size is None or self.split_size < 1:
+            raise ValueError(
+                f"elements ({self.elements}) and split_size ({self.split_size}) must be >= 1"
+            )
+        if self.num_splits > MAX_SPLITS:
+            raise ValueError(
+                f"{self.elements} elements in splits of {self.split_size} make "
+                f"{self.num_splits} splits, more than {MAX_SPLITS}: use a larger split_size"
+            )
+
+    @property
+    def num_splits(self) -> int:
+        """Splits per epoch: one per file, or ceil(elements / split_size)."""
+        if self.files is not None:
+            return len(self.files)
+        assert self.elements is not None and self.split_size is not None
+        return -(-self.elements // self.split_size)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the canonical universe: equal for equal data descriptions."""
+        canon = json.dumps(self.to_body(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def describe(self) -> str:
+        """A short text for logs and status, e.g. ``12 files`` or ``60000 elements / 1000``."""
+        if self.files is not None:
+            return f"{len(self.files)} files"
+        return f"{self.elements} elements / {self.split_size}"
+
+    def to_body(self) -> dict[str, Any]:
+        """The universe map."""
+        if self.files is not None:
+            return {"files": list(self.files)}
+        return {"elements": self.elements, "split_size": self.split_size}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> DataUniverse:
+        """Read a universe map; ProtocolError(R_HEADER) when malformed or out of bounds."""
+        b = _body_map(body)
+        files = _field(b, "files", "list")
+        if files is not None and not all(isinstance(f, str) for f in files):
+            raise ProtocolError(R_HEADER, "universe files must be strings")
+        try:
+            return cls(
+                files=None if files is None else tuple(files),
+                elements=_field(b, "elements", "int"),
+                split_size=_field(b, "split_size", "int"),
+            )
+        except ValueError as exc:
+            raise ProtocolError(R_HEADER, f"universe: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """A worker asks the dispatcher for its next split and reports the ones it finished.
+
+    ``digest``: its universe's (always). ``acks``: (epoch, index) of finished splits.
+    ``want``: False to only acknowledge. ``universe`` and ``epochs`` (0: unbounded) on the
+    first call; the first worker's universe and bound are the ones served. ``process``: a
+    token of the sender's process (a new one releases what the old process held).
+    """
+
+    digest: str
+    acks: tuple[tuple[int, int], ...] = ()
+    want: bool = True
+    universe: DataUniverse | None = None
+    epochs: int | None = None
+    process: str | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The split request body map."""
+        body: dict[str, Any] = {"digest": self.digest, "want": self.want}
+        if self.acks:
+            body["acks"] = [[int(e), int(i)] for e, i in self.acks]
+        if self.universe is not None:
+            body["universe"] = self.universe.to_body()
+        return {**body, **_without_none({"epochs": self.epochs, "process": self.process})}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> SplitRequest:
+        """Read a split request; ProtocolError(R_HEADER) on a missing digest, a malformed
+        ack, more than MAX_ACKS acks, a bad universe or a negative epoch bound."""
+        b = _body_map(body)
+        digest = _field(b, "digest", "str")
+        if digest is None or len(digest) != 64:
+            raise ProtocolError(R_HEADER, "split request needs the universe's 64-hex digest")
+        raw_acks = _field(b, "acks", "list", [])
+        if len(raw_acks) > MAX_ACKS:
+            raise ProtocolError(R_HEADER, f"{len(raw_acks)} acks in one request (max {MAX_ACKS})")
+        acks = []
+        for a in raw_acks:
+            ok = isinstance(a, list) and len(a) == 2
+            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in a)
+            if not ok:
+                raise ProtocolError(R_HEADER, f"ack {a!r} is not [epoch, index] (ints >= 0)")
+            acks.append((a[0], a[1]))
+        universe = _field(b, "universe", "map")
+        epochs = _field(b, "epochs", "int")
+        if epochs is not None and epochs < 0:
+            raise ProtocolError(R_HEADER, f"epochs {epochs} is negative")
+        return cls(
+            digest=digest,
+            acks=tuple(acks),
+            want=_field(b, "want", "bool", True),
+            universe=None if universe is None else DataUniverse.from_body(universe),
+            epochs=epochs,
+            process=_field(b, "process", "str"),
+        )
+
+
+@dataclass(frozen=True)
+class SplitReply:
+    """The dispatcher's answer. ``grant``: "split" (``index`` and ``file`` or ``[start,
+    stop)`` of ``epoch``), "wait" (ask again after ``retry_ms``: the epoch's last splits are
+    in flight elsewhere) or "end" (the epoch bound is reached). ``acked`` / ``stale``: how
+    many of the request's acks completed a lease / were ignored (not leased to the sender).
+    """
+
+    grant: str
+    epoch: int
+    index: int | None = None
+    file: str | None = None
+    start: int | None = None
+    stop: int | None = None
+    retry_ms: int = 0
+    acked: int = 0
+    stale: int = 0
+
+    def to_body(self) -> dict[str, Any]:
+        """The split reply body map."""
+        return _without_none(self.__dict__)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> SplitReply:
+        """Read a split reply; ProtocolError(R_HEADER) on an unknown grant, a split without
+        its index or range, or a field of the wrong type."""
+        b = _body_map(body)
+        grant = _field(b, "grant", "str")
+        epoch = _field(b, "epoch", "int")
+        if grant not in GRANTS or epoch is None or epoch < 0:
+            raise ProtocolError(R_HEADER, f"split reply grant {grant!r} / epoch {epoch!r}")
+        r = cls(
+            grant=grant,
+            epoch=epoch,
+            index=_field(b, "index", "int"),
+            file=_field(b, "file", "str"),
+            start=_field(b, "start", "int"),
+            stop=_field(b, "stop", "int"),
+            retry_ms=_field(b, "retry_ms", "int", 0),
+            acked=_field(b, "acked", "int", 0),
+            stale=_field(b, "stale", "int", 0),
+        )
+        if grant == "split":
+            ranged = r.start is not None and r.stop is not None and 0 <= r.start < r.stop
+            if r.index is None or r.index < 0 or (r.file is None and not ranged):
+                raise ProtocolError(R_HEADER, "a split reply needs an index and a file or range")
+        return r
+
+
 def hello_request(sender: str, body: HelloRequest) -> Message:
     """A HELLO request message."""
     return Message(HELLO, sender, body=body.to_body())
@@ -1009,6 +1215,16 @@ def status_request(sender: str) -> Message:
 def status_reply(doc: Mapping[str, Any], sender: str = "server") -> Message:
     """The server's STATUS reply carrying its status document."""
     return Message(STATUS, sender, body=StatusReply(doc).to_body())
+
+
+def split_request(sender: str, body: SplitRequest, seq: int = 0) -> Message:
+    """A SPLIT request message (``seq``: the sender's request count, for logs)."""
+    return Message(SPLIT, sender, seq=seq, body=body.to_body())
+
+
+def split_reply(body: SplitReply, sender: str = "server") -> Message:
+    """The dispatcher's SPLIT reply."""
+    return Message(SPLIT, sender, body=body.to_body())
 
 
 def expect(reply: Message, mtype: str) -> Message:

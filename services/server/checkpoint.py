@@ -4,7 +4,9 @@ A checkpoint is one file ``ckpt-<version, 12 digits>.npz`` in the state director
 uncompressed numpy archive (loaded with ``allow_pickle=False``) holding every model variable
 and every optimizer variable by path, plus ``__meta__``, a JSON document (format, version,
 fingerprint, partition digest and shard index, each worker's last accepted sequence number,
-time). A shard's checkpoint holds only its own parts. It is written to ``<name>.tmp-<pid>``,
+time) and, under ``--data-dispatch server``, the split dispatcher's state (``dispatch``:
+``Dispatcher.state()``), taken at the same moment as the weights. A shard's checkpoint holds
+only its own parts. It is written to ``<name>.tmp-<pid>``,
 fsynced, renamed into place and the directory fsynced, so a crash at any moment leaves
 either the old set of checkpoints or the old set plus the new one; ``*.tmp-*`` leftovers are
 removed at the next start.
@@ -186,12 +188,28 @@ def restore(state: Any, ckpt: Checkpoint) -> None:
     state.version = ckpt.version
 
 
+def restore_dispatcher(ckpt: Checkpoint, seed: int, lease: Any = None) -> Any:
+    """The split dispatcher saved in ``ckpt`` (its splits in flight back in the queue), or
+    a fresh one when the checkpoint has none. ValueError when the saved state is damaged."""
+    from downpour.server.dispatch import Dispatcher, LeasePolicy
+
+    doc = ckpt.meta.get("dispatch")
+    if doc is None:
+        return Dispatcher(seed=seed, lease=lease or LeasePolicy())
+    try:
+        return Dispatcher.from_state(doc, lease)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{ckpt.path}: dispatcher state: {exc}") from None
+
+
 class CheckpointWriter:
     """Decides when to checkpoint and writes in a background thread.
 
     The loop thread captures the arrays (cheap) and hands them over; the disk write happens
     off the apply path. One write at a time: a checkpoint that falls due while one is being
-    written waits for the next trigger.
+    written waits for the next trigger. A ``mark`` is whatever else changes the state
+    besides the version (the dispatcher's acknowledged splits): the time trigger also
+    fires when only the mark has changed, and the checkpoint of that version is rewritten.
     """
 
     def __init__(self, store: CheckpointStore, every: int, secs: float) -> None:
@@ -199,6 +217,7 @@ class CheckpointWriter:
         self.every = every
         self.secs = secs
         self.last_version = -1
+        self.last_mark: tuple[int, Any] | None = None
         self.last_time = time.monotonic()
         self.written = 0
         self.failed = 0
@@ -209,16 +228,20 @@ class CheckpointWriter:
         latest = store.list()
         if latest:
             self.last_version = latest[-1][0]
+            self.last_mark = (self.last_version, None)
 
-    def due(self, version: int) -> bool:
-        """True when N updates or T seconds have passed since the last checkpoint."""
-        if version == self.last_version or self._busy.locked():
+    def due(self, version: int, mark: Any = None) -> bool:
+        """True when N updates or T seconds have passed since the last checkpoint and the
+        version or the ``mark`` has changed since."""
+        if (version, mark) == self.last_mark or self._busy.locked():
             return False
         by_count = self.every > 0 and version - max(self.last_version, 0) >= self.every
         by_time = self.secs > 0 and time.monotonic() - self.last_time >= self.secs
         return by_count or by_time
 
-    def _write(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    def _write(
+        self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any], mark: Any = None
+    ) -> None:
         t0 = time.perf_counter()
         try:
             path = self.store.write(version, arrays, meta)
@@ -230,31 +253,39 @@ class CheckpointWriter:
             self.last_time = time.monotonic()
         self.last_ms = 1e3 * (time.perf_counter() - t0)
         self.last_version = version
+        self.last_mark = (version, mark)
         self.last_path = str(path)
         self.written += 1
         log.info("checkpoint of version %d written in %.0f ms", version, self.last_ms)
 
-    def _run(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    def _run(
+        self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any], mark: Any
+    ) -> None:
         try:
-            self._write(version, arrays, meta)
+            self._write(version, arrays, meta, mark)
         finally:
             self._busy.release()
 
-    def submit(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bool:
+    def submit(
+        self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any], mark: Any = None
+    ) -> bool:
         """Write in the background; False if a write is already running."""
         if not self._busy.acquire(blocking=False):
             return False
         self._thread = threading.Thread(
-            target=self._run, args=(version, arrays, meta), name="checkpoint", daemon=True
+            target=self._run, args=(version, arrays, meta, mark), name="checkpoint", daemon=True
         )
         self._thread.start()
         return True
 
-    def write_now(self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Wait for a running write, then write this one on the calling thread."""
+    def write_now(
+        self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any], mark: Any = None
+    ) -> None:
+        """Wait for a running write, then write this one on the calling thread (unless
+        this version and mark are already written)."""
         with self._busy:
-            if version != self.last_version:
-                self._write(version, arrays, meta)
+            if (version, mark) != self.last_mark:
+                self._write(version, arrays, meta, mark)
 
     def close(self) -> None:
         """Wait for a background write to finish."""

@@ -1,6 +1,10 @@
 """Request and gradient handling: plain functions of (frames or message, context) -> a reply
 or a decision.
 
+Under ``--data-dispatch server`` the REP socket also serves split requests
+(``handle_split``, over ``downpour.server.dispatch.Dispatcher``), and the loop calls
+``release_gone`` so that the splits of workers gone by liveness go back to the queue.
+
 Nothing here touches a socket or starts a thread. The service's loop receives frames, calls
 ``handle_request`` (REP socket: hello, weight pulls, heartbeats) or ``handle_gradients``
 (the gradient socket), sends the reply, and hands an ``apply`` decision to
@@ -26,6 +30,7 @@ import numpy as np
 
 from downpour import security, wire
 from downpour.metrics import clean_reported
+from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher
 from downpour.server.policies import (
     APPLY,
     DROP,
@@ -35,7 +40,7 @@ from downpour.server.policies import (
     Policy,
     SyncPolicy,
 )
-from downpour.server.registry import WorkerRegistry
+from downpour.server.registry import GONE, WorkerRegistry
 from downpour.server.stats import ServerStats
 from downpour.wire import Message, ProtocolError
 
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("downpour.server")
 
 PULL_ENCODINGS = frozenset({wire.DENSE, wire.BF16})  # what a pull may ask the weights in
+WAIT_RETRY_MS = 200  # a worker told to wait for the epoch's last splits asks again after this
 
 
 @dataclass
@@ -54,6 +60,7 @@ class HandlerContext:
     ``shard`` is the shard identity sent in hello replies and compared with the worker's
     (``shard``, ``num_shards``, ``partition``). ``authenticated`` is True under CURVE: then
     each message's sender must be the name of the key it came with (``peer_key``).
+    ``dispatcher`` is set when this server dispatches data (``--data-dispatch server``).
     """
 
     state: ParameterState
@@ -70,6 +77,7 @@ class HandlerContext:
     authenticated: bool = False
     clock: Callable[[], float] = time.monotonic
     bf16_cache: tuple[int, list[wire.WireTensor]] | None = field(default=None, repr=False)
+    dispatcher: Dispatcher | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ def handle_request(
 ) -> Reply:
     """A request from the REP socket -> its reply. Checks, in order: decode (protocol version,
     header, default limits), identity (under CURVE), a type this socket serves (hello, pull,
-    heartbeat). A refusal is answered with ERROR carrying the reason code."""
+    heartbeat, split). A refusal is answered with ERROR carrying the reason code."""
     ctx.stats.counters["bytes_in"] += _nbytes(frames)
     try:
         msg = wire.decode(frames, wire.DEFAULT_LIMITS)
@@ -137,6 +145,8 @@ def handle_request(
             return Reply(handle_pull(msg, ctx))
         if msg.type == wire.HEARTBEAT:
             return Reply(handle_heartbeat(msg, ctx))
+        if msg.type == wire.SPLIT:
+            return Reply(handle_split(msg, ctx))
         raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
     except ProtocolError as exc:
         return Reply(wire.error_message(exc.code, exc.message), _refuse(ctx, exc, None))
@@ -181,6 +191,8 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
             f"the worker's --server",
         )
     rec = ctx.registry.enrol(msg.sender, ctx.clock())
+    if ctx.dispatcher is not None and req.process is not None:
+        _note_process(ctx, ctx.dispatcher, msg.sender, req.process)
     body = wire.HelloReply(
         push_port=ctx.push_port,
         status_port=ctx.status_port,
@@ -258,6 +270,106 @@ def bf16_weights(
     if ctx.bf16_cache is None or ctx.bf16_cache[0] != version:
         ctx.bf16_cache = (version, [wire.as_bf16(a) for a in arrays])
     return ctx.bf16_cache[1]
+
+
+# ---------------------------------------------------------------- data dispatch
+
+
+def handle_split(msg: Message, ctx: HandlerContext) -> Message:
+    """A split request -> the sender's next split, or wait, or end.
+
+    In order: the server dispatches (``dispatch_off``); the body is well formed
+    (``bad_header``); the first request registers the universe, every request's digest
+    must be the served universe's (``data_universe``); a new process token of the sender
+    releases what its old process held; every ack names a split of the universe
+    (``bad_header``, before any is applied). Then the acks are applied (an ack of a split
+    the sender no longer holds is stale: ignored and counted) and, if ``want``, the next
+    split is leased. A split request counts as hearing from the worker (liveness).
+    """
+    d = ctx.dispatcher
+    if d is None:
+        raise ProtocolError(
+            wire.R_DISPATCH_OFF,
+            "this server does not dispatch data: start it (shard 0) with --data-dispatch server",
+        )
+    req = wire.SplitRequest.from_body(msg.body)
+    if req.universe is not None and req.universe.digest() != req.digest:
+        raise ProtocolError(wire.R_HEADER, "the digest does not match the universe sent")
+    try:
+        if not d.configured:
+            if req.universe is None:
+                raise DataMismatch(
+                    "no data universe registered yet: send it with the first split request"
+                )
+            d.register(req.universe, req.epochs or 0)
+            log.info(
+                "dispatching %s, epochs: %s", req.universe.describe(), req.epochs or "unbounded"
+            )
+        d.check_digest(req.digest)
+    except DataMismatch as exc:
+        raise ProtocolError(wire.R_UNIVERSE, str(exc)) from None
+    bad = [a for a in req.acks if not d.valid_index(a[1])]
+    if bad:
+        raise ProtocolError(
+            wire.R_HEADER, f"ack {list(bad[0])} names no split of the {d.num_splits}"
+        )
+    ctx.registry.enrol(msg.sender, ctx.clock())
+    if req.process is not None:
+        _note_process(ctx, d, msg.sender, req.process)
+    done = sum(d.ack(msg.sender, epoch, index) for epoch, index in req.acks)
+    stale = len(req.acks) - done
+    if not req.want:
+        kind = GRANT_END if d.finished else GRANT_WAIT
+        return wire.split_reply(wire.SplitReply(kind, d.epoch, acked=done, stale=stale))
+    grant = d.next_split(msg.sender, ctx.clock())
+    s = grant.split
+    return wire.split_reply(
+        wire.SplitReply(
+            grant.kind,
+            grant.epoch,
+            index=None if s is None else s.index,
+            file=None if s is None else s.file,
+            start=None if s is None or s.file is not None else s.start,
+            stop=None if s is None or s.file is not None else s.stop,
+            retry_ms=WAIT_RETRY_MS if grant.kind == GRANT_WAIT else 0,
+            acked=done,
+            stale=stale,
+        )
+    )
+
+
+def _note_process(ctx: HandlerContext, d: Dispatcher, worker: str, process: str) -> None:
+    """Release the splits of ``worker``'s previous process when this one is new."""
+    released = d.note_process(worker, process)
+    if released:
+        log.info(
+            "worker %s restarted: splits %s back in the queue",
+            worker,
+            released,
+            extra={"worker": worker},
+        )
+
+
+def release_gone(ctx: HandlerContext) -> list[str]:
+    """Take back the splits of every lease holder that liveness calls gone (or that the
+    registry does not know); return those workers. The loop calls it every pass."""
+    d = ctx.dispatcher
+    if d is None:
+        return []
+    now = ctx.clock()
+    gone = []
+    for worker in d.holders():
+        rec = ctx.registry.get(worker)
+        if rec is None or ctx.registry.liveness(rec, now) == GONE:
+            released = d.release(worker)
+            gone.append(worker)
+            log.warning(
+                "worker %s is gone: splits %s back in the queue",
+                worker,
+                released,
+                extra={"worker": worker},
+            )
+    return gone
 
 
 # ---------------------------------------------------------------- gradients

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from downpour import metrics as m
+from downpour.server.dispatch import COUNTER_NAMES as DISPATCH_EVENTS
 
 log = logging.getLogger("downpour.server")
 
@@ -91,6 +92,7 @@ class SnapshotCollector(Collector):
         yield from self._eval(doc.get("eval"))
         yield from self._workers(doc.get("workers") or {})
         yield from self._checkpoints(doc.get("checkpoints"))
+        yield from self._dispatch(doc.get("dispatch"))
 
     def _staleness(self, st: dict[str, Any] | None) -> Iterator[Metric]:
         if not st:
@@ -156,6 +158,35 @@ class SnapshotCollector(Collector):
         failed.add_metric([], float(cp.get("failed", 0)))
         yield written
         yield failed
+
+    def _dispatch(self, d: dict[str, Any] | None) -> Iterator[Metric]:
+        """The split dispatcher (``--data-dispatch server``): epoch, splits by state, and
+        what it counted."""
+        if not d:
+            return
+        epoch = GaugeMetricFamily("downpour_dispatch_epoch", "The epoch being dispatched.")
+        epoch.add_metric([], float(d.get("epoch", 0)))
+        yield epoch
+        done = CounterMetricFamily("downpour_dispatch_epochs_done", "Epochs fully acknowledged.")
+        done.add_metric([], float(d.get("epochs_done", 0)))
+        yield done
+        splits = GaugeMetricFamily(
+            "downpour_dispatch_splits",
+            "Splits of the current epoch by state: done (acknowledged), in_flight, left.",
+            labels=["state"],
+        )
+        for state in ("done", "in_flight", "left"):
+            splits.add_metric([state], float(d.get(f"splits_{state}", 0)))
+        yield splits
+        events = CounterMetricFamily(
+            "downpour_dispatch_events",
+            "Dispatcher events: handed_out, acked, acks_stale, released, resent, refused_universe.",
+            labels=["event"],
+        )
+        for event in DISPATCH_EVENTS:
+            if (v := _number(d.get(event))) is not None:
+                events.add_metric([event], v)
+        yield events
 
 
 class MetricsExporter:

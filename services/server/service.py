@@ -32,8 +32,14 @@ import zmq
 
 from downpour import security, systemd, wire
 from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
-from downpour.server.checkpoint import CheckpointStore, CheckpointWriter, capture
+from downpour.server.checkpoint import (
+    CheckpointStore,
+    CheckpointWriter,
+    capture,
+    restore_dispatcher,
+)
 from downpour.server.checkpoint import restore as restore_checkpoint
+from downpour.server.dispatch import Dispatcher
 from downpour.server.handlers import (
     HandlerContext,
     Rejection,
@@ -43,6 +49,7 @@ from downpour.server.handlers import (
     flush_policy,
     handle_gradients,
     handle_request,
+    release_gone,
 )
 from downpour.server.observe import Observers
 from downpour.server.policies import APPLY, parse_policy
@@ -82,6 +89,9 @@ class Server:
         self.incarnation = secrets.token_hex(8)
         self.restored_seqs: dict[str, int] = {}
         self.restored_from: int | None = None
+        self.dispatcher: Dispatcher | None = None
+        if config.data_dispatch == "server":
+            self.dispatcher = Dispatcher(seed=config.seed)
         self.checkpoints: CheckpointWriter | None = None
         if config.state_dir:
             self.checkpoints = CheckpointWriter(
@@ -128,6 +138,7 @@ class Server:
             stats=self.stats,
             allow_nonfinite=config.allow_nonfinite,
             authenticated=self.sockets.authenticated,
+            dispatcher=self.dispatcher,
         )
         self._publish(force=True)
         self._status_thread = threading.Thread(
@@ -148,6 +159,15 @@ class Server:
         self.restored_seqs = {str(k): int(v) for k, v in ckpt.meta.get("workers", {}).items()}
         self.restored_from = ckpt.version
         log.info("restored version %d from %s", ckpt.version, ckpt.path)
+        if self.dispatcher is not None:
+            self.dispatcher = restore_dispatcher(ckpt, self.config.seed)
+            if self.dispatcher.configured:
+                log.info(
+                    "resuming epoch %d: %d of %d splits done, the rest back in the queue",
+                    self.dispatcher.epoch,
+                    self.dispatcher.progress()["splits_done"],
+                    self.dispatcher.num_splits,
+                )
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         return {
@@ -156,6 +176,7 @@ class Server:
             "model_ref": self.config.model_ref,
             "workers": self.registry.last_seqs(),
             **self.shard_fields(),
+            **({"dispatch": self.dispatcher.state()} if self.dispatcher is not None else {}),
         }
 
     def shard_fields(self) -> dict[str, Any]:
@@ -168,13 +189,15 @@ class Server:
 
     def _maybe_checkpoint(self, final: bool = False) -> None:
         cp = self.checkpoints
-        if cp is None or not (final or cp.due(self.state.version)):
+        # the dispatcher's acknowledged splits change the state without changing the version
+        mark = None if self.dispatcher is None else self.dispatcher.counters["acked"]
+        if cp is None or not (final or cp.due(self.state.version, mark)):
             return
         arrays = capture(self.state)
         if final:
-            cp.write_now(self.state.version, arrays, self._checkpoint_meta())
+            cp.write_now(self.state.version, arrays, self._checkpoint_meta(), mark)
         else:
-            cp.submit(self.state.version, arrays, self._checkpoint_meta())
+            cp.submit(self.state.version, arrays, self._checkpoint_meta(), mark)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -247,6 +270,7 @@ class Server:
                     self._serve_request_once()
                 if grad_sock in events:
                     self._drain_gradients(max_messages=16)
+                release_gone(self.handler_ctx)
                 self._maybe_checkpoint()
                 watchdog.tick(healthy=self._status_thread.is_alive())
                 self.obs.after_loop_pass(self.state)

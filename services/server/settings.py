@@ -30,6 +30,7 @@ from downpour.settings import (
 from downpour.transport import is_loopback
 
 OPTIMIZERS = ("adam", "adagrad", "sgd")  # --optimizer; downpour.server.state builds each
+DISPATCH_MODES = ("none", "server")  # --data-dispatch
 
 
 def policy_text(text: str) -> str:
@@ -82,6 +83,15 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         _TRAIN,
         type=policy_text,
         metavar="POLICY",
+    ),
+    Option(
+        "data_dispatch",
+        "none",
+        "server: hand out the training data's splits (files or element ranges) to workers "
+        "that ask, each split once per epoch, taken back from workers that are gone or "
+        "restart; none: workers shard statically. With shards only shard 0 dispatches",
+        _TRAIN,
+        choices=DISPATCH_MODES,
     ),
     Option(
         "num_shards",
@@ -233,6 +243,10 @@ def validate_server(cfg: ServerConfig) -> None:
     if cfg.show_partition:
         refuse(problems)
         return
+    if cfg.data_dispatch == "server" and cfg.shard != 0:
+        problems.append(
+            "--data-dispatch server belongs on shard 0 only: workers ask shard 0 for splits"
+        )
     if cfg.num_shards > 1 and cfg.eval_every:
         problems.append(
             "--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it"

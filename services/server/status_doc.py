@@ -53,5 +53,6 @@ def build_status(
         "restored_from": restored_from,
         "checkpoints": checkpoints,
         "eval": evaluation,
+        "dispatch": None if ctx.dispatcher is None else ctx.dispatcher.progress(),
         **stats.counters,
     }
