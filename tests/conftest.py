@@ -20,7 +20,7 @@ ROOT = TESTS.parent
 
 def env() -> dict[str, str]:
     """Environment for spawned services: the tests dir importable (tiny_models)."""
-    path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # slow tier: a smoke run of the whole script
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tests" / "bench" / "bench.py"
 
-# The keys listed in issue 3.
+# The keys every full run reports (the smoke plan checks they are all there).
 REQUIRED = {
     "wire": ["memcpy_ms", "push_decode_ms", "ratio_to_memcpy"],
     "seed_gradients": ["per_variable_ms", "one_pass_ms", "speedup"],

@@ -1,4 +1,4 @@
-"""Docker and Kubernetes deployment files (issue 9), checked offline: no engine, no cluster.
+"""Docker and Kubernetes deployment files, checked offline: no engine, no cluster.
 
 - Dockerfile: hadolint reports nothing at warning level or above.
 - compose.yaml: valid against the Compose specification schema (check-jsonschema's vendored

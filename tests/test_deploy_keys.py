@@ -1,4 +1,4 @@
-"""Keys as the deployments hand them over (issue 9).
+"""Keys as the deployments hand them over.
 
 - systemd credentials: ``LoadCredential=`` on tmpfs gives the file mode 0400 plus an ACL
   entry for the service's user, which the mode shows as 0440. Accepted only when that ACL lets

@@ -1,4 +1,4 @@
-"""systemd deployment (issue 9): the notify protocol, and the unit files checked offline.
+"""systemd deployment: the notify protocol, and the unit files checked offline.
 
 - ``downpour.systemd`` against real AF_UNIX datagram sockets (a path and an abstract name).
 - A server with ``$NOTIFY_SOCKET`` and ``$WATCHDOG_USEC``: READY=1 arrives when its three

@@ -1,4 +1,4 @@
-"""Security (issue 5): CURVE on every socket, allow-listed keys, identity binding, key hygiene.
+"""Security: CURVE on every socket, allow-listed keys, identity binding, key hygiene.
 
 Servers on 127.0.0.1 with the tiny model, in-process (fast tier) and as real processes (slow
 tier) through the ``services`` fixture; raw sockets play the attackers.

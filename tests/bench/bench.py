@@ -37,8 +37,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))  # the sibling bench modules
 
 import bench_e2e  # noqa: E402
 import bench_input  # noqa: E402

@@ -146,10 +146,9 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
-    """Environment for child processes: the repo importable, TensorFlow's chatter off."""
-    path = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests" / "bench"), os.environ.get("PYTHONPATH", "")]
-    )
+    """Environment for child processes: the bench's own modules (model plugins such as
+    ``study:mnist_cnn``) importable, TensorFlow's chatter off; downpour is installed."""
+    path = os.pathsep.join([str(ROOT / "tests" / "bench"), os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
 
 

@@ -4,7 +4,7 @@
 
 The full bench measures each end-to-end set-up in three rounds; on a 2-core machine the
 CURVE-against-plaintext ratio moves by 0.1 from round to round, so this runs only the three
-set-ups issue 5's target compares, ``rounds`` times in turn with the full plan's windows
+set-ups the CURVE cost target compares, ``rounds`` times in turn with the full plan's windows
 (``bench_e2e.downpour``: the same processes, warm-up and status-socket windows):
 
 - 1 worker + server in plaintext (the default: float32 both ways)
@@ -27,8 +27,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))  # the sibling bench modules
 
 import bench_e2e  # noqa: E402
 from bench_util import PLANS, Procs, log, machine, median  # noqa: E402

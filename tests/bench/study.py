@@ -52,10 +52,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-for _p in (str(ROOT), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # the sibling bench modules
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODEL_REF = "study:mnist_cnn"  # importable by spawned services with tests/bench on the path
@@ -891,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
             cross.append(r)
     command = "make study" + {"quick": " QUICK=1", "smoke": " (smoke)", "full": ""}[plan.name]
     doc: dict[str, Any] = {
-        "study": "staleness policies and gradient compression (issue 8)",
+        "study": "staleness policies and gradient compression",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
         "machine": {**host, "gpu": None},

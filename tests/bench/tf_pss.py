@@ -13,13 +13,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tensorflow as tf  # noqa: E402
 
