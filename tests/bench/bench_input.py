@@ -4,8 +4,8 @@ The same model and the worker's ``GradientStep`` (loss and the whole gradient li
 compiled evaluation, the gradients copied out as the worker sends them), fed two ways in
 the same run:
 
-- memory: the worker's in-memory batches (``downpour.worker.service.batches``: NumPy arrays
-  of MNIST-5k, reshuffled every epoch);
+- memory: batches sliced from NumPy arrays of MNIST-5k held in memory, reshuffled every
+  epoch (no tf.data at all: the floor any input pipeline is measured against);
 - tfrecord: ``downpour.examples.mnist_tfrecord.input_fn`` over the same 4,000 examples
   written by ``downpour data tfrecord`` (4 files, interleave, shuffle, parse, prefetch), a new
   epoch's dataset made whenever one ends, as a worker does.
@@ -32,11 +32,21 @@ from downpour.data import Dataset
 from downpour.examples import mnist_tfrecord
 from downpour.models import build_model
 from downpour.spec import ModelSpec
-from downpour.worker.service import batches
 from downpour.worker.step import GradientStep
 
 # (rounds, steps per window, warm-up steps) per plan: short in quick and smoke
 SIZES = {"smoke": (1, 4, 2), "quick": (2, 15, 5), "full": (5, 60, 10)}
+
+
+def memory_batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[Any, Any]]:
+    """Endless full batches of the in-memory arrays, a new permutation every epoch."""
+    rng = np.random.default_rng(seed)
+    n = len(data.x_train)
+    while True:
+        order = rng.permutation(n)
+        for i in range(0, n - batch_size + 1, batch_size):
+            idx = np.sort(order[i : i + batch_size])
+            yield data.x_train[idx], data.y_train[idx]
 
 
 def tfrecord_batches(data_dir: str, batch_size: int) -> Iterator[tuple[Any, Any]]:
@@ -63,7 +73,7 @@ def run(plan: Plan, spec: ModelSpec, data: Dataset) -> dict[str, Any]:
         write(out, "tfrecord", mnist5k(), shards=4)
         step = GradientStep(spec, build_model(spec, seed=0), data.x_train[:1])
         sources = {
-            "memory": batches(data, spec.batch_size, seed=0),
+            "memory": memory_batches(data, spec.batch_size, seed=0),
             "tfrecord": tfrecord_batches(str(out), spec.batch_size),
         }
         for source in sources.values():
