@@ -209,7 +209,7 @@ POLICY = MetricInfo(
     COUNTER,
     "",
     "Staleness-policy decisions, by event: offered, updates, applied, scaled, dropped_stale, "
-    "late, duplicate, future, aggregated, discarded (README, Staleness policies).",
+    "late, duplicate, future, aggregated, discarded (docs: policies.md).",
 )
 AUTH_DENIED = MetricInfo(
     "auth_denied",

@@ -404,7 +404,7 @@ def main(args: argparse.Namespace) -> int:
     if r.batchnorm_recalibrated:
         print(
             f"BatchNorm statistics of {r.batchnorm_recalibrated} layer(s) recomputed for the "
-            "exported weights from the training data (README, BatchNorm)"
+            "exported weights from the training data (docs: models.md, BatchNorm)"
         )
     elif r.non_trainable:
         print(

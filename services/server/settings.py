@@ -45,11 +45,11 @@ def policy_text(text: str) -> str:
 
 _NET = "network"
 _TRAIN = "model and training"
-_SHARDS = "shards (see README, Running on several machines)"
-_SEC = "security (see README, Security)"
+_SHARDS = "shards (see docs: several-machines.md)"
+_SEC = "security (see docs: security.md)"
 _CKPT = "checkpoints"
 _WORKERS = "workers"
-_OBS = "observability (see README, Observability)"
+_OBS = "observability (see docs: observability.md)"
 
 OPTIMIZER = Option(
     "optimizer", "adam", "the optimizer that applies gradients", _TRAIN, choices=OPTIMIZERS
@@ -78,8 +78,8 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         "async",
         "what to do with stale gradients: async (apply each as it arrives), "
         "staleness-aware (learning rate / max(1, staleness)), bounded:K (drop staleness > K), "
-        "sync:K/N (average the first K fresh gradients of N workers, apply once); see README, "
-        "Staleness policies and compression",
+        "sync:K/N (average the first K fresh gradients of N workers, apply once); see docs: "
+        "policies.md",
         _TRAIN,
         type=policy_text,
         metavar="POLICY",

@@ -78,7 +78,7 @@ def parse_servers(s: str) -> tuple[tuple[str, int], ...]:
 
 _CONN = "connection"
 _TRAIN = "model and training"
-_SEC = "security (see README, Security)"
+_SEC = "security (see docs: security.md)"
 _LOG = "logging"
 
 STEPS = Option("steps", None, "steps to train (overrides --epochs)", _TRAIN, type=at_least(1))
