@@ -1,4 +1,4 @@
-"""The server's status document (its fields: docs/cli.md, `downpour status`): plain types, JSON-serialisable.
+"""The server's status document: plain types, JSON-serialisable (fields: docs/cli.md).
 
 Built by the loop thread from what the handlers keep (``HandlerContext``) and published as
 one dict; the status socket, the Prometheus exporter and the TensorBoard writer only ever
