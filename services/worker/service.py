@@ -586,8 +586,8 @@ class Worker:
                 batch = next(data, None)
             except DispatchError as exc:
                 raise WorkerError(str(exc)) from None
-            if batch is None:
-                finished = True
+            if batch is None:  # a split feed also ends when stopped while it waits
+                finished = not self._stop.is_set()
                 break
             x, y = batch
             if step and step % cfg.n_fetch == 0:
