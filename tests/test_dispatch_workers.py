@@ -17,8 +17,11 @@ import tensorflow as tf
 from conftest import Cluster, summary, wait_until
 from inproc import WorkerThread, make_worker, serving
 
-from downpour import InputContext, ModelSpec
+from downpour import InputContext, ModelSpec, cli
 from downpour.cli.status import fetch_status
+from downpour.examples import digits_csv
+from downpour.examples.records import TRAIN, split_files
+from downpour.inputs import Split
 from downpour.pipeline import InputError
 from downpour.settings import ConfigError
 
@@ -84,6 +87,39 @@ def test_steps_cap_a_dispatched_worker_and_its_finished_splits_are_acknowledged(
         )
     assert s["steps"] == 4 and s["dispatch"]["acked"] == 2  # two whole splits of two batches
     assert (d["splits_done"], d["epochs_done"]) == (2, 0)
+
+
+def test_dispatched_workers_read_each_file_once(tmp_path: Path) -> None:
+    data = tmp_path / "digits"
+    assert cli.main(["data", "csv", str(data), "--dataset", "digits", "--shards", "3"]) == 0
+    files = split_files(data, TRAIN, digits_csv.FORMAT)
+    ctx = InputContext(data_dir=str(data), batch_size=32)
+    batches = sum(  # each file read alone, as a split
+        sum(1 for _ in digits_csv.input_fn(ctx.for_epoch(0, Split(i, file=f))))
+        for i, f in enumerate(files)
+    )
+    spec = "downpour.examples.digits_csv:spec"
+    with serving(spec, data_dispatch="server", data_dir=str(data)) as server:
+        threads = [
+            WorkerThread(
+                make_worker(
+                    server.port, spec, worker_id=f"w{i}", data_dispatch="server", data_dir=str(data)
+                )
+            )
+            for i in range(2)
+        ]
+        sums = [t.result(timeout=180) for t in threads]
+        d = wait_until(
+            lambda: (d := fetch_status(server.status)["dispatch"])["finished"] and d,
+            30,
+            "the status document after the epoch",
+        )
+    assert sum(s["steps"] for s in sums) == batches
+    assert (d["universe"], d["acked"], d["handed_out"]) == (
+        f"{len(files)} files",
+        len(files),
+        len(files),
+    )
 
 
 def _no_helper(ctx: InputContext) -> tf.data.Dataset:
