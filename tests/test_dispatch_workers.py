@@ -24,6 +24,7 @@ from downpour.examples.records import TRAIN, split_files
 from downpour.inputs import Split
 from downpour.pipeline import InputError
 from downpour.settings import ConfigError
+from downpour.worker.service import WorkerError
 
 SPLIT = 64  # elements per split: 10 splits of the 600 ids (the last one 24), 2 batches each
 N_SPLITS = -(-input_models.N_IDS // SPLIT)
@@ -149,6 +150,13 @@ def test_input_the_server_cannot_divide_is_refused_before_hello(input_fn, expect
     # port 1: nothing listens there, and nothing is sent before the input is checked
     with pytest.raises(InputError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         make_worker(1, spec, data_dispatch="server")
+
+
+def test_a_server_that_does_not_dispatch_ends_the_worker_with_a_clear_error() -> None:
+    with serving("input_models:ids") as server:
+        worker = make_worker(server.port, "input_models:ids", data_dispatch="server")
+        with pytest.raises(WorkerError, match="refused the split request"):
+            WorkerThread(worker).result(timeout=120)
 
 
 def test_dispatch_refuses_static_shard_settings() -> None:
