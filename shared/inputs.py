@@ -16,7 +16,13 @@ Statically (the default), worker ``i`` of ``N`` gets every ``N``-th file or elem
 (``--data-dispatch server``) the server hands out splits (a file, or a range of elements) and
 ``ctx.split`` is the one this dataset must read; the same two helpers then return that split.
 A function that calls neither helper gets its batches sharded by the worker (batch ``j`` to
-worker ``j mod N``), which is correct but reads and discards the other workers' batches.
+worker ``j mod N``), which is correct but reads and discards the other workers' batches;
+under dispatch it is refused, since the server cannot divide what it cannot see.
+
+Before asking for splits, a dispatched worker calls ``input_fn`` once with ``probe`` set: the
+helpers then return everything (all files, all elements) and record in ``found`` what the
+data is (``files``: the file list; ``elements``: the dataset's cardinality), which the worker
+sends to the server as the data universe.
 
 This module imports no TensorFlow at import time (``import downpour`` stays light).
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -56,7 +62,8 @@ class InputContext:
     ``seed`` is the same on every worker (``--seed``); ``epoch`` counts passes from 0;
     ``data_dir`` is ``--data-dir``; ``batch_size`` is the spec's. ``split`` is set only under
     server dispatch. ``used`` records which sharding helper the function called (``files``,
-    ``elements`` or neither), for the worker to check and report.
+    ``elements`` or neither), for the worker to check and report. With ``probe`` set the
+    helpers also record what they were given in ``found`` (see the module docstring).
     """
 
     worker_index: int = 0
@@ -66,7 +73,9 @@ class InputContext:
     data_dir: str | None = None
     batch_size: int = 50
     split: Split | None = None
+    probe: bool = False
     used: list[str] = field(default_factory=list, compare=False, repr=False)
+    found: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -78,7 +87,7 @@ class InputContext:
 
     def for_epoch(self, epoch: int, split: Split | None = None) -> InputContext:
         """This context for another epoch (and, under dispatch, another split)."""
-        return replace(self, epoch=epoch, split=split, used=[])
+        return replace(self, epoch=epoch, split=split, used=[], found={})
 
     def shard_files(self, files: Sequence[str]) -> list[str]:
         """The files this worker reads: its static share (``files[i::N]``, in the order
@@ -86,6 +95,8 @@ class InputContext:
         empty (more workers than files), so a worker never trains on nothing."""
         self.used.append(FILES)
         files = list(files)
+        if self.probe:
+            self.found[FILES] = tuple(str(f) for f in files)
         if self.split is not None:
             if self.split.file is None:
                 raise ValueError("the dispatcher handed out an element range, not a file")
@@ -103,6 +114,8 @@ class InputContext:
         the split's ``[start, stop)``. Call it before batching, after a shuffle seeded the
         same on every worker."""
         self.used.append(ELEMENTS)
+        if self.probe:
+            self.found[ELEMENTS] = int(dataset.cardinality())  # < 0: unknown or infinite
         if self.split is not None:
             if self.split.file is not None:
                 raise ValueError("the dispatcher handed out a file, not an element range")

@@ -4,6 +4,8 @@
   both (the id through a zero weight), so the ids travel in every batch the worker trains on.
   With ``DOWNPOUR_TEST_IDS_DIR`` set, its input_fn appends the ids of every batch it yields
   to ``ids-<worker index>-<pid>.txt`` there (a test hook of this plugin, not of downpour).
+  With ``DOWNPOUR_TEST_GATE`` naming a file too, each batch, once recorded, waits (at most
+  ``GATE_S``) while that file exists: a test holds the workers mid-split with it.
 - ``two_inputs``: a dict of two named inputs, four classes.
 - ``multilabel``: 2-D float labels (four independent yes/no targets), sigmoid loss.
 - ``not_a_dataset``, ``wrong_shape``, ``missing_key``, ``few_files``: bad input, refused.
@@ -14,6 +16,7 @@ Importable by spawned services through PYTHONPATH (the tests directory).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import keras
@@ -24,6 +27,8 @@ from downpour import InputContext, ModelSpec
 
 N_IDS = 600  # training examples of ``ids`` (120 more are held out)
 IDS_DIR_ENV = "DOWNPOUR_TEST_IDS_DIR"
+GATE_ENV = "DOWNPOUR_TEST_GATE"
+GATE_S = 120.0
 
 
 def _blobs(n: int, dim: int = 8, classes: int = 4, seed: int = 3) -> tuple[np.ndarray, ...]:
@@ -43,6 +48,10 @@ def _record(ids: tf.Tensor, worker_index: int) -> None:
         path = Path(directory) / f"ids-{worker_index}-{os.getpid()}.txt"
         with open(path, "a") as f:
             f.write("".join(f"{i}\n" for i in ids.numpy().tolist()))
+    gate = os.environ.get(GATE_ENV)
+    deadline = time.monotonic() + GATE_S
+    while gate and os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def ids_input_fn(ctx: InputContext) -> tf.data.Dataset:

@@ -72,6 +72,7 @@ from downpour.transport import (
 )
 from downpour.worker.compress import Compressor, parse_compression
 from downpour.worker.settings import WorkerConfig, validate_worker
+from downpour.worker.splits import DispatchError, SplitFeed, probe_universe
 from downpour.worker.step import Accumulator, GradientStep
 from downpour.worker.tf1 import Tf1Step, check_tf1_inputs
 
@@ -194,7 +195,11 @@ class Worker:
             batch_size=spec.batch_size,
         )
         self.model = build_model(spec)
-        first = build_dataset(self.inputs.train, self.input_ctx)  # InputError: refused
+        self.dispatched = config.data_dispatch == "server"
+        if self.dispatched:  # the whole data, probed for what the server is to divide
+            universe, first = probe_universe(self.inputs.train, self.input_ctx, config.split_size)
+        else:
+            first = build_dataset(self.inputs.train, self.input_ctx)  # InputError: refused
         check_element_spec(first.element_spec, self.model)
         if config.graph == "tf1":  # the model's Session graph, checked against this Keras model
             check_tf1_inputs(spec, first.element_spec)
@@ -208,9 +213,10 @@ class Worker:
                     f"model {spec.name!r}: its input_fn's batches {first.element_spec} do not "
                     f"fit the model: {' '.join(str(exc).split())[:600]}"
                 ) from None
-        self.planned_per_epoch = known_batches(first)
+        self.planned_per_epoch = None if self.dispatched else known_batches(first)
         self.epoch = 0  # the epoch of the batch computed last
-        self._batches = self._prime(first)
+        if not self.dispatched:
+            self._batches = self._prime(first)
         variables = self.model.trainable_variables
         self.names = [v.path for v in variables]
         self.fingerprint = fingerprint(variables)
@@ -257,6 +263,17 @@ class Worker:
         self._refresh = False  # a shard dropped a stale gradient: pull fresh weights next step
         self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
         self._sync_stalled = False  # a sync wait timed out and no version moved since
+        self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
+        if self.dispatched:
+            self.feed = SplitFeed(
+                self.inputs.train,
+                self.input_ctx,
+                universe,
+                self.shards.new_client(self.shards.shards[0]),
+                epochs=0 if config.steps is not None else int(config.epochs),
+                stop=self._stop,
+            )
+            self._batches = self.feed.batches()  # asks for its first split after the hello
 
     @property
     def version(self) -> int:
@@ -283,6 +300,8 @@ class Worker:
         clean = True
         for fetcher in self.fetchers:
             clean = fetcher.close() and clean
+        if self.feed is not None:
+            self.feed.client.close()
         self.shards.close(self.config.push_linger_s)
         if clean:
             self.ctx.term()  # waits up to the push linger for queued gradients to leave
@@ -447,11 +466,12 @@ class Worker:
         loss: float,
         steps: int,
         batch_size: int,
-    ) -> None:
+    ) -> bool:
         """Send one gradient message per shard (its slice compressed by that shard's
         compressor, its base version, one shared seq); waits out back-pressure within
         server_timeout_s. ``bytes_sent`` counts the message bytes, ``bytes_raw`` what they
-        would have been uncompressed (the same headers, the uncompressed payload)."""
+        would have been uncompressed (the same headers, the uncompressed payload). False
+        when a planned stop dropped the gradient."""
         self.seq += 1
         body = wire.PushBody(loss=loss, batch_size=batch_size, steps=steps, stats=self.stats)
         t0 = time.perf_counter()
@@ -467,7 +487,7 @@ class Worker:
         except ServerUnavailable as exc:
             raise WorkerError(str(exc)) from None
         if sizes is None:  # a planned stop dropped this gradient (and counted it)
-            return
+            return False
         sent = sum(sizes)
         # the same headers with the uncompressed payload in place of the compressed one
         raw = sent + sum(
@@ -478,6 +498,7 @@ class Worker:
         self.stats["bytes_sent"] += sent
         self.stats["bytes_raw"] += raw
         self.stats["push_ms"] = 1e3 * (time.perf_counter() - t0)
+        return True
 
     # ------------------------------------------------------------ training
 
@@ -526,9 +547,13 @@ class Worker:
         """The training batches this worker computes on, ``(features, labels)`` as the step
         takes them (NumPy for tf1), at most ``--steps`` of them."""
         limit = self.config.steps
-        for n, (epoch, (x, y)) in enumerate(self._batches):
-            if limit is not None and n >= limit:
+        n = 0
+        while limit is None or n < limit:  # checked first: a split feed asks for no split more
+            item = next(self._batches, None)
+            if item is None:
                 return
+            n += 1
+            epoch, (x, y) = item
             self.epoch = epoch
             if self.config.graph == "tf1":
                 yield x.numpy(), y.numpy()
@@ -557,9 +582,12 @@ class Worker:
             self._request_all()
         finished = False  # the input ran out: --epochs done (or --steps)
         while not self._stop.is_set():
-            batch = next(data, None)
-            if batch is None:
-                finished = True
+            try:
+                batch = next(data, None)
+            except DispatchError as exc:
+                raise WorkerError(str(exc)) from None
+            if batch is None:  # a split feed also ends when stopped while it waits
+                finished = not self._stop.is_set()
                 break
             x, y = batch
             if step and step % cfg.n_fetch == 0:
@@ -580,8 +608,10 @@ class Worker:
             if math.isfinite(loss):
                 self.stats["loss"] = loss
                 recent.append(loss)
-            if acc.count >= cfg.n_push:
-                self.push(acc.take(), base_versions, loss, step, batch_rows(y))
+            split_end = self.feed is not None and self.feed.last
+            if acc.count >= cfg.n_push or (split_end and acc.count):
+                if self.push(acc.take(), base_versions, loss, step, batch_rows(y)) and split_end:
+                    self.feed.split_done()  # acknowledged with the next request
                 pushed_from = base_versions
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(
@@ -592,6 +622,8 @@ class Worker:
                     loss,
                     self.version,
                 )
+        if self.feed is not None:
+            self.feed.close()  # a finished split not acknowledged yet (stopped, --steps)
         elapsed = time.monotonic() - started
         summary = {
             "worker": self.id,
@@ -620,4 +652,6 @@ class Worker:
             "epochs": self.epoch + 1 if step else 0,
             "stopped_early": not finished,
         }
+        if self.feed is not None:
+            summary["dispatch"] = dict(self.feed.counts)
         return summary

@@ -32,6 +32,7 @@ from downpour.settings import (
 
 PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress
 GRAPHS = ("tf2", "tf1")  # --graph
+DISPATCH_MODES = ("none", "server")  # --data-dispatch
 
 
 def compression_text(text: str) -> str:
@@ -96,6 +97,24 @@ NUM_WORKERS = Option(
 WORKER_INDEX = Option(
     "worker_index", 0, "this worker's shard, 0 .. --num-workers - 1", _TRAIN, type=at_least(0)
 )
+DATA_DISPATCH = Option(
+    "data_dispatch",
+    "none",
+    "server: ask server shard 0 for splits of the training data (a file, or a range of "
+    "elements), each split read once per epoch across workers that come and go; --epochs is "
+    "then the number of epochs, counted by the server, and --num-workers/--worker-index are "
+    "not used. none: read this worker's static shard",
+    _TRAIN,
+    choices=DISPATCH_MODES,
+)
+SPLIT_SIZE = Option(
+    "split_size",
+    None,
+    "with --data-dispatch server and an input_fn that shards elements: elements per split "
+    "(default 20 batches)",
+    _TRAIN,
+    type=at_least(1),
+)
 N_FETCH = Option("n_fetch", 1, "pull weights every N steps", _TRAIN, type=at_least(1))
 N_PUSH = Option("n_push", 1, "push gradients every N steps (averaged)", _TRAIN, type=at_least(1))
 GRAPH = Option(
@@ -144,6 +163,8 @@ WORKER_OPTIONS: tuple[Option, ...] = (
     EPOCHS,
     NUM_WORKERS,
     WORKER_INDEX,
+    DATA_DISPATCH,
+    SPLIT_SIZE,
     N_FETCH,
     N_PUSH,
     dataclasses.replace(
@@ -269,6 +290,18 @@ def validate_worker(cfg: WorkerConfig) -> None:
             f"--worker-index {cfg.worker_index} is not below --num-workers {cfg.num_workers} "
             "(worker indices count from 0)"
         )
+    if cfg.data_dispatch == "server":
+        if (cfg.num_workers, cfg.worker_index) != (1, 0):
+            problems.append(
+                "--data-dispatch server hands out the splits: leave --num-workers and "
+                "--worker-index at 1 and 0"
+            )
+        if cfg.steps is None and cfg.epochs != int(cfg.epochs):
+            problems.append(
+                f"--data-dispatch server counts whole epochs: --epochs {cfg.epochs} is not one"
+            )
+    elif cfg.split_size is not None:
+        problems.append("--split-size goes with --data-dispatch server")
     if cfg.push_endpoint is not None and len(cfg.servers) > 1:
         problems.append("--push-endpoint works with one server, not with shards")
     refuse(problems)

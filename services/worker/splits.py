@@ -1,0 +1,169 @@
+"""The worker's side of ``--data-dispatch server``: training batches taken split by split from
+the server's dispatcher (``downpour.server.dispatch``) instead of from a static shard.
+
+Before its hello the worker *probes* its ``input_fn`` once (``InputContext.probe``): the
+sharding helper it calls tells what the data is (its files, or its element count), which
+becomes the ``DataUniverse`` sent to shard 0. A function that calls neither helper, or whose
+dataset has an unknown or infinite number of elements, cannot be divided and is refused
+(InputError) before anything is sent.
+
+``SplitFeed.batches`` then asks shard 0 for a split, reads ``input_fn(ctx.for_epoch(epoch,
+split))`` and yields its batches, one split after another. The worker calls ``split_done``
+once the gradients of a split's last batch are pushed (``last`` says when the batch yielded
+is a split's last); the acknowledgement goes with the next request, or with ``close``. When
+the dispatcher says wait (the epoch's last splits are in flight elsewhere) the feed waits the
+server's retry hint, bounded and cut short by the worker's stop; "end" ends the batches.
+The worker's fetcher threads keep heartbeating shard 0 while a split is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from downpour import wire
+from downpour.client import ShardClient, SplitGrant
+from downpour.inputs import ELEMENTS, FILES, InputContext
+from downpour.pipeline import InputError, InputFn, build_dataset
+from downpour.transport import Refused, RemoteError, ServerUnavailable, Stopped
+
+log = logging.getLogger("downpour.worker")
+
+SPLIT_BATCHES = 20  # the default split: this many batches of elements
+MAX_WAIT_S = 5.0  # longest single wait for the epoch's in-flight splits, whatever the hint
+
+
+class DispatchError(Exception):
+    """Shard 0 refused or stopped answering split requests; the message says why."""
+
+
+def probe_universe(
+    fn: InputFn, ctx: InputContext, split_size: int | None = None
+) -> tuple[wire.DataUniverse, tf.data.Dataset]:
+    """The data universe ``fn`` shards over, and the probe's dataset (the whole data, for
+    checking its element spec). ``split_size``: elements per split (default
+    ``SPLIT_BATCHES`` batches). InputError when the data cannot be dispatched."""
+    probe = InputContext(
+        seed=ctx.seed, data_dir=ctx.data_dir, batch_size=ctx.batch_size, probe=True
+    )
+    ds = build_dataset(fn, probe)
+    try:
+        if FILES in probe.found:
+            return wire.DataUniverse(files=probe.found[FILES]), ds
+        if ELEMENTS in probe.found:
+            n = probe.found[ELEMENTS]
+            if n < 0:
+                what = "infinite" if n == int(tf.data.INFINITE_CARDINALITY) else "unknown"
+                raise InputError(
+                    f"--data-dispatch server: the dataset input_fn passes to ctx.shard has an "
+                    f"{what} number of elements; the server divides a known count (call "
+                    "ctx.shard before repeat/filter, or shard files with ctx.shard_files)"
+                )
+            size = split_size or SPLIT_BATCHES * ctx.batch_size
+            return wire.DataUniverse(elements=n, split_size=size), ds
+    except ValueError as exc:  # DataUniverse's bounds (no element, too many splits, ...)
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"--data-dispatch server: {exc}") from None
+    raise InputError(
+        "--data-dispatch server: input_fn calls neither ctx.shard_files(files) nor "
+        "ctx.shard(dataset), so the server cannot divide its data into splits"
+    )
+
+
+class SplitFeed:
+    """Batches of the splits shard 0 hands this worker; see the module docstring."""
+
+    def __init__(
+        self,
+        fn: InputFn,
+        ctx: InputContext,
+        universe: wire.DataUniverse,
+        client: ShardClient,
+        *,
+        epochs: int,
+        stop: threading.Event,
+    ) -> None:
+        self.fn = fn
+        self.ctx = ctx
+        self.universe = universe
+        self.client = client
+        self.epochs = epochs  # 0: unbounded
+        self.stop = stop
+        self.current: tuple[int, int] | None = None  # (epoch, index) being read
+        self.pending: list[tuple[int, int]] = []  # finished, not yet acknowledged
+        self.last = False  # the batch yielded last is its split's last
+        self.counts = {"splits": 0, "acked": 0, "acks_stale": 0, "waits": 0}
+
+    def batches(self) -> Iterator[tuple[int, Any]]:
+        """``(epoch, batch)`` of split after split until the dispatcher says end (or stop)."""
+        while not self.stop.is_set():
+            grant = self._ask(want=True)
+            if grant is None or grant.kind == "end":
+                return
+            if grant.kind == "wait" or grant.split is None:
+                self.counts["waits"] += 1
+                self.stop.wait(min(max(grant.retry_s, 0.01), MAX_WAIT_S))
+                continue
+            self.current = (grant.epoch, grant.split.index)
+            self.counts["splits"] += 1
+            ds = build_dataset(self.fn, self.ctx.for_epoch(grant.epoch, grant.split))
+            it = iter(ds)
+            batch = self._next(it)
+            if batch is None:
+                log.warning("split %d of epoch %d has no batch", grant.split.index, grant.epoch)
+                self.split_done()
+            while batch is not None:
+                following = self._next(it)
+                self.last = following is None
+                yield grant.epoch, batch
+                batch = following
+
+    def _next(self, it: Iterator[Any]) -> Any:
+        try:
+            return next(it, None)
+        except (tf.errors.OpError, ValueError, TypeError) as exc:
+            raise InputError(f"reading split {self.current}: {exc}") from None
+
+    def split_done(self) -> None:
+        """The split being read is finished and its gradients pushed: acknowledge it with the
+        next request."""
+        if self.current is not None:
+            self.pending.append(self.current)
+            self.current = None
+        self.last = False
+
+    def _ask(self, want: bool) -> SplitGrant | None:
+        """One split request carrying the pending acks; None when the worker is stopping."""
+        acks = tuple(self.pending)
+        try:
+            grant = self.client.next_split(self.universe, acks, epochs=self.epochs, want=want)
+        except Stopped:
+            return None
+        except Refused as exc:
+            raise DispatchError(
+                f"server {exc.endpoint} refused the split request: {exc.message}"
+            ) from None
+        except (ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
+            raise DispatchError(f"split request to {self.client.endpoint}: {exc}") from None
+        self.pending.clear()
+        self.counts["acked"] += grant.reply.acked
+        self.counts["acks_stale"] += grant.reply.stale
+        return grant
+
+    def close(self) -> None:
+        """Acknowledge the finished splits not yet acknowledged (the worker is leaving)."""
+        if not self.pending:
+            return
+        try:
+            reply = self.client.ack_splits(self.universe, tuple(self.pending))
+        except (Stopped, ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
+            log.warning("could not acknowledge splits %s: %s", self.pending, exc)
+            return
+        self.counts["acked"] += reply.acked
+        self.counts["acks_stale"] += reply.stale
+        self.pending.clear()

@@ -1,0 +1,225 @@
+"""Workers training under ``--data-dispatch server``: splits from the server, each read once per
+epoch. In-process: three workers on one epoch see the training set exactly once between
+them; bad settings and undividable input are refused before the hello. Slow tier (real
+processes): a worker SIGKILLed mid-split and a fourth joining, every split acknowledged
+once and no example lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import input_models
+import pytest
+import tensorflow as tf
+from conftest import Cluster, summary, wait_until
+from inproc import WorkerThread, make_worker, serving
+
+from downpour import InputContext, ModelSpec, cli
+from downpour.cli.status import fetch_status
+from downpour.examples import digits_csv
+from downpour.examples.records import TRAIN, split_files
+from downpour.inputs import Split
+from downpour.pipeline import InputError
+from downpour.settings import ConfigError
+from downpour.worker.service import WorkerError
+
+SPLIT = 64  # elements per split: 10 splits of the 600 ids (the last one 24), 2 batches each
+N_SPLITS = -(-input_models.N_IDS // SPLIT)
+
+
+def recorded_ids(ids_dir: Path, pids: set[int] | None = None) -> list[int]:
+    """The ids the plugin recorded, of every process or of those in ``pids``."""
+    return [
+        int(x)
+        for p in sorted(ids_dir.glob("ids-*.txt"))
+        if pids is None or int(p.stem.rsplit("-", 1)[1]) in pids
+        for x in p.read_text().split()
+    ]
+
+
+def test_three_dispatched_workers_see_each_example_once_in_an_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(input_models.IDS_DIR_ENV, str(tmp_path))  # the plugin's record hook
+    with serving("input_models:ids", data_dispatch="server") as server:
+        workers = [
+            make_worker(
+                server.port,
+                "input_models:ids",
+                worker_id=f"w{i}",
+                data_dispatch="server",
+                split_size=SPLIT,
+            )
+            for i in range(3)
+        ]
+        threads = [WorkerThread(w) for w in workers]
+        sums = [t.result(timeout=180) for t in threads]
+        doc = wait_until(
+            lambda: (doc := fetch_status(server.status))["dispatch"]["finished"] and doc,
+            30,
+            "the status document after the epoch",
+        )
+    assert sorted(recorded_ids(tmp_path)) == list(range(input_models.N_IDS))
+    assert sum(s["steps"] for s in sums) == 9 * 2 + 1  # the last split has 24 examples
+    assert sum(s["dispatch"]["acked"] for s in sums) == N_SPLITS
+    assert all(s["dispatch"]["acks_stale"] == 0 and not s["stopped_early"] for s in sums)
+    d = doc["dispatch"]
+    assert (d["epochs_done"], d["handed_out"], d["acked"], d["released"]) == (
+        1,
+        N_SPLITS,
+        N_SPLITS,
+        0,
+    )
+
+
+def test_steps_cap_a_dispatched_worker_and_its_finished_splits_are_acknowledged() -> None:
+    with serving("input_models:ids", data_dispatch="server") as server:
+        worker = make_worker(
+            server.port, "input_models:ids", data_dispatch="server", split_size=SPLIT, steps=4
+        )
+        s = WorkerThread(worker).result(timeout=120)
+        d = wait_until(
+            lambda: (d := fetch_status(server.status)["dispatch"])["splits_done"] == 2 and d,
+            30,
+            "the status document with both acknowledgements",
+        )
+    assert s["steps"] == 4 and s["dispatch"]["acked"] == 2  # two whole splits of two batches
+    assert (d["splits_done"], d["epochs_done"]) == (2, 0)
+
+
+def test_dispatched_workers_read_each_file_once(tmp_path: Path) -> None:
+    data = tmp_path / "digits"
+    assert cli.main(["data", "csv", str(data), "--dataset", "digits", "--shards", "3"]) == 0
+    files = split_files(data, TRAIN, digits_csv.FORMAT)
+    ctx = InputContext(data_dir=str(data), batch_size=32)
+    batches = sum(  # each file read alone, as a split
+        sum(1 for _ in digits_csv.input_fn(ctx.for_epoch(0, Split(i, file=f))))
+        for i, f in enumerate(files)
+    )
+    spec = "downpour.examples.digits_csv:spec"
+    with serving(spec, data_dispatch="server", data_dir=str(data)) as server:
+        threads = [
+            WorkerThread(
+                make_worker(
+                    server.port, spec, worker_id=f"w{i}", data_dispatch="server", data_dir=str(data)
+                )
+            )
+            for i in range(2)
+        ]
+        sums = [t.result(timeout=180) for t in threads]
+        d = wait_until(
+            lambda: (d := fetch_status(server.status)["dispatch"])["finished"] and d,
+            30,
+            "the status document after the epoch",
+        )
+    assert sum(s["steps"] for s in sums) == batches
+    assert (d["universe"], d["acked"], d["handed_out"]) == (
+        f"{len(files)} files",
+        len(files),
+        len(files),
+    )
+
+
+def _no_helper(ctx: InputContext) -> tf.data.Dataset:
+    x = tf.zeros((64, 8))
+    return tf.data.Dataset.from_tensor_slices(({"x": x, "id": tf.zeros(64, tf.int64)}, x[:, 0]))
+
+
+def _endless(ctx: InputContext) -> tf.data.Dataset:
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({"x": tf.zeros((64, 8)), "id": tf.zeros(64, tf.int64)}, tf.zeros(64, tf.int64))
+    )
+    return ctx.shard(ds.repeat()).batch(ctx.batch_size)
+
+
+@pytest.mark.parametrize(
+    ("input_fn", "expected"),
+    [
+        (_no_helper, "calls neither ctx.shard_files(files) nor ctx.shard(dataset)"),
+        (_endless, "an infinite number of elements"),
+    ],
+)
+def test_input_the_server_cannot_divide_is_refused_before_hello(input_fn, expected: str) -> None:
+    spec = input_models.ids()
+    spec = ModelSpec(
+        name=spec.name, build=spec.build, input_fn=input_fn, batch_size=spec.batch_size
+    )
+    # port 1: nothing listens there, and nothing is sent before the input is checked
+    with pytest.raises(InputError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        make_worker(1, spec, data_dispatch="server")
+
+
+def test_a_server_that_does_not_dispatch_ends_the_worker_with_a_clear_error() -> None:
+    with serving("input_models:ids") as server:
+        worker = make_worker(server.port, "input_models:ids", data_dispatch="server")
+        with pytest.raises(WorkerError, match="refused the split request"):
+            WorkerThread(worker).result(timeout=120)
+
+
+def test_dispatch_refuses_static_shard_settings() -> None:
+    with pytest.raises(ConfigError, match="leave --num-workers and --worker-index"):
+        make_worker(1, "input_models:ids", data_dispatch="server", num_workers=3)
+    with pytest.raises(ConfigError, match="counts whole epochs"):
+        make_worker(1, "input_models:ids", data_dispatch="server", epochs=1.5)
+    with pytest.raises(ConfigError, match="--split-size goes with --data-dispatch server"):
+        make_worker(1, "input_models:ids", split_size=10)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_split_is_reread_and_a_joiner_takes_work(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids_dir = tmp_path / "ids"
+    ids_dir.mkdir()
+    gate = tmp_path / "gate"
+    gate.touch()  # every worker stops at its first batch until the test removes this
+    monkeypatch.setenv(input_models.IDS_DIR_ENV, str(ids_dir))
+    monkeypatch.setenv(input_models.GATE_ENV, str(gate))
+    server = cluster.server(
+        "--data-dispatch",
+        "server",
+        "--missing-after",
+        "0.5",
+        "--gone-after",
+        "2",
+        model="input_models:ids",
+    )
+    args = ("--data-dispatch", "server", "--split-size", str(SPLIT), "--heartbeat", "0.2")
+
+    def start(name: str):
+        return cluster.worker(server.port, *args, model="input_models:ids", worker_id=name)
+
+    def holding(w) -> bool:  # the worker read its split's first batch and waits at the gate
+        return any(ids_dir.glob(f"ids-0-{w.proc.pid}.txt"))
+
+    workers = [start(f"w{i}") for i in range(3)]
+    for w in workers:
+        wait_until(lambda w=w: holding(w), 180, "every worker holding a split")
+    killed = workers.pop(1)
+    os.kill(killed.proc.pid, signal.SIGKILL)  # mid-split: its split is never acknowledged
+    killed.wait(30)
+    joiner = start("w3")
+    wait_until(lambda: holding(joiner), 180, "the joiner holding a split mid-epoch")
+    workers.append(joiner)
+    gate.unlink()
+    for w in workers:
+        assert w.wait(timeout=300) == 0, w.log_text()
+
+    survivors = {w.proc.pid for w in workers}
+    seen = Counter(recorded_ids(ids_dir, survivors))
+    assert sorted(seen) == list(range(input_models.N_IDS)) and set(seen.values()) == {1}
+    assert set(recorded_ids(ids_dir, {killed.proc.pid})) <= set(seen)
+    sums = [summary(w) for w in workers]
+    assert sum(s["dispatch"]["acked"] for s in sums) == N_SPLITS
+    assert sums[-1]["dispatch"]["acked"] >= 1  # the joiner's split counted
+    doc = wait_until(
+        lambda: (doc := fetch_status(server.status))["dispatch"]["finished"] and doc,
+        30,
+        "the status document after the epoch",
+    )
+    d = doc["dispatch"]
+    assert (d["epochs_done"], d["splits_done"], d["acked"]) == (1, N_SPLITS, N_SPLITS)
+    assert (d["released"], d["handed_out"], d["acks_stale"]) == (1, N_SPLITS + 1, 0)
