@@ -48,10 +48,11 @@ deploy-tools:
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null; } \
 		|| echo "deploy-tools: systemd-analyze unavailable; the unit-file tests will skip"
 
-test-slow: $(VENV)/.stamp-test deploy-tools
+# The slow tier builds the docs site (tests/test_docs.py), so it installs the docs extra too.
+test-slow: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
 	$(PY) -m pytest -q -ra -m slow
 
-test-all: $(VENV)/.stamp-test deploy-tools
+test-all: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
 	$(PY) -m pytest -q -ra -m "slow or not slow"
 
 # The long fault variants: fault tests of both tiers and 20,000 fuzz cases of the decoder
