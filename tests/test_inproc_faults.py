@@ -120,11 +120,15 @@ def test_server_gone_and_back_on_its_ports_workers_reconnect_and_continue(
         with serving(**config) as again:
             restored = fetch_status(again.status)["restored_from"]
             assert restored is not None and restored >= 10
-            doc = wait_until(
-                lambda: (d := fetch_status(again.status))["version"] > restored + 20 and d,
-                60,
-                "training to continue from the restored version",
-            )
+
+            def both_back() -> dict | bool:
+                """Both workers have reconnected and had gradients applied, and the version
+                moved on: one worker alone can move it while the other is still backing off."""
+                d = fetch_status(again.status)
+                back = all(d["workers"].get(w, {}).get("applied", 0) > 0 for w in ("w0", "w1"))
+                return back and d["version"] > restored + 20 and d
+
+            doc = wait_until(both_back, 60, "both workers to train on from the restored version")
             assert {"w0", "w1"} <= set(doc["workers"])
             if policy.startswith("sync"):
                 assert doc["staleness"]["max"] == 0  # sync: only gradients from current weights
