@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_e2e import batches as memory_batches
 from bench_util import Plan, median
 
 from downpour import InputContext
@@ -36,17 +37,6 @@ from downpour.worker.step import GradientStep
 
 # (rounds, steps per window, warm-up steps) per plan: short in quick and smoke
 SIZES = {"smoke": (1, 4, 2), "quick": (2, 15, 5), "full": (5, 60, 10)}
-
-
-def memory_batches(data: Dataset, batch_size: int, seed: int) -> Iterator[tuple[Any, Any]]:
-    """Endless full batches of the in-memory arrays, a new permutation every epoch."""
-    rng = np.random.default_rng(seed)
-    n = len(data.x_train)
-    while True:
-        order = rng.permutation(n)
-        for i in range(0, n - batch_size + 1, batch_size):
-            idx = np.sort(order[i : i + batch_size])
-            yield data.x_train[idx], data.y_train[idx]
 
 
 def tfrecord_batches(data_dir: str, batch_size: int) -> Iterator[tuple[Any, Any]]:

@@ -264,22 +264,10 @@ def measure_costs(reps: int = 20) -> dict[str, float]:
     }
 
 
-def batches(data: Any, batch_size: int, seed: int) -> Any:
-    """Endless full batches of the training arrays, reshuffled every epoch with ``seed``."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    n = len(data.x_train)
-    while True:
-        order = rng.permutation(n)
-        for i in range(0, n - batch_size + 1, batch_size):
-            idx = np.sort(order[i : i + batch_size])
-            yield data.x_train[idx], data.y_train[idx]
-
-
 def simulate(job: Job) -> dict[str, Any]:
     """Run one simulated training (see the module docstring); the run's record."""
     import numpy as np
+    from bench_e2e import batches
 
     from downpour import wire
     from downpour.server.policies import APPLY, HOLD, parse_policy
