@@ -271,6 +271,8 @@ def config_class(
 
 # ------------------------------------------------------------ options shared by several commands
 
+DISPATCH_MODES = ("none", "server")  # --data-dispatch, the same for server and worker
+
 MODEL = Option(
     "model",
     "downpour.models:deep_mnist",

@@ -13,6 +13,7 @@ import dataclasses
 from downpour import security
 from downpour.settings import (
     DATA_DIR,
+    DISPATCH_MODES,
     KEY,
     LOG_FORMAT,
     LOG_LEVEL,
@@ -30,7 +31,6 @@ from downpour.settings import (
 from downpour.transport import is_loopback
 
 OPTIMIZERS = ("adam", "adagrad", "sgd")  # --optimizer; downpour.server.state builds each
-DISPATCH_MODES = ("none", "server")  # --data-dispatch
 
 
 def policy_text(text: str) -> str:

@@ -15,6 +15,7 @@ import socket
 from downpour import security
 from downpour.settings import (
     DATA_DIR,
+    DISPATCH_MODES,
     KEY,
     LOG_FORMAT,
     LOG_LEVEL,
@@ -32,7 +33,6 @@ from downpour.settings import (
 
 PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress
 GRAPHS = ("tf2", "tf1")  # --graph
-DISPATCH_MODES = ("none", "server")  # --data-dispatch
 
 
 def compression_text(text: str) -> str:
