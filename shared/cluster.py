@@ -6,6 +6,16 @@ does what a caller needs of all of them: hello every shard (fingerprint and part
 checked by each), pull every shard and join the slices, split a gradient list and push each
 shard its slice under one sequence number, and notice a shard's new incarnation (a restart).
 
+A restarted server may listen for gradients on another port (``--push-port 0``), and a PUSH
+socket never reports that nobody reads it: it queues up to its high-water mark, then blocks.
+The signal is the REQ side: every pull and heartbeat reply carries the server's incarnation,
+and any thread that gets one reports it (``saw``). A shard whose incarnation differs from the
+one it said hello to is greeted again before the next push, and also while a push is blocked
+at the high-water mark (``rehello_restarted``): the new hello brings the push port (and the
+policy, the last accepted seq ...), the gradient socket is reconnected when the port moved,
+and the blocked gradient, computed from the old incarnation's weights, is dropped (counted
+``dropped``). Gradients still queued for the old port are lost with its socket.
+
 ``pull_full`` is the one-call form for callers without a long-lived worker (``run-local``'s
 evaluator, tests, benchmarks). Importing this module does not import TensorFlow.
 """
@@ -18,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,7 +64,9 @@ class Shard:
     port: int
     push: PushSocket | None = None
     push_port: int | None = None
-    incarnation: str | None = None
+    incarnation: str | None = None  # of the weights held (noted by the owning thread)
+    hello_incarnation: str | None = None  # the incarnation this client said hello to
+    seen_incarnation: str | None = None  # the newest one any thread heard in a reply
     version: int = -1  # this shard's weight version held locally; -1 = none yet
     arrays: list[Any] = field(default_factory=list)  # its slice, as last pulled
     last_contact: float = field(default_factory=time.monotonic)
@@ -123,6 +136,8 @@ class ShardSet:
             shard.client = self.new_client(shard)
             self.shards.append(shard)
         self.pushed_incarnations: list[str | None] = []  # each shard's, at the last push
+        self.model = ""  # what hello said, kept to say it again to a restarted shard
+        self.check: Callable[[Shard, Hello], None] | None = None
 
     # ------------------------------------------------------------ state
 
@@ -162,7 +177,35 @@ class ShardSet:
                 "server %s restarted (now at version %d); continuing", shard.endpoint, version
             )
         shard.incarnation = incarnation
+        self.saw(shard, incarnation)
         return restarted
+
+    def saw(self, shard: Shard, incarnation: str | None) -> None:
+        """Note the incarnation a reply from ``shard`` carried (any thread may call this)."""
+        if incarnation is not None:
+            shard.seen_incarnation = incarnation
+
+    def needs_hello(self, shard: Shard) -> bool:
+        """True when ``shard`` answered from another incarnation than the one greeted: the
+        server restarted, maybe on another push port."""
+        seen, greeted = shard.seen_incarnation, shard.hello_incarnation
+        return greeted is not None and seen is not None and seen != greeted
+
+    def rehello_restarted(self) -> list[Shard]:
+        """Say hello again to every shard that restarted since its hello (owning thread
+        only); the shards greeted. Refused / ServerUnavailable / Stopped from the client."""
+        again = [s for s in self.shards if self.needs_hello(s)]
+        for shard in again:
+            old_port = shard.push_port
+            self.hello(shard, self.model, self.check)
+            self.counters["rehellos"] = self.counters.get("rehellos", 0) + 1
+            log.warning(
+                "server %s restarted: said hello again (gradients to port %s%s)",
+                shard.endpoint,
+                shard.push_port,
+                "" if shard.push_port == old_port else f", was {old_port}",
+            )
+        return again
 
     def restarted_since_push(self) -> bool:
         """Some shard has another incarnation than when the last push was sent to it."""
@@ -193,8 +236,10 @@ class ShardSet:
         """Say hello to one shard (again, after a restart, too): note its incarnation, let
         ``check`` refuse what it answered, and (re)connect the gradient socket when the push
         port is new. Refused / ServerUnavailable / Stopped from the client."""
+        self.model, self.check = model, check
         hello = shard.client.hello(self.hello_request(shard, model))
         self.note_incarnation(shard, hello.reply.incarnation, hello.version)
+        shard.hello_incarnation = hello.reply.incarnation
         if check is not None:
             check(shard, hello)
         push_port = hello.reply.push_port
@@ -284,8 +329,11 @@ class ShardSet:
     ) -> list[int] | None:
         """Send every shard its slice of ``grads`` (``encode(shard index, slice)`` first, if
         given) computed from its ``base_versions`` entry, all under ``seq``. Returns the bytes
-        sent to each shard, or None when the stop flag dropped the push while blocked.
-        ServerUnavailable when a shard takes nothing for ``server_timeout_s``."""
+        sent to each shard (0 for a shard that restarted while the push was blocked: that
+        slice is dropped and the shard greeted again), or None when the stop flag dropped the
+        push while blocked. ServerUnavailable when a shard takes nothing for
+        ``server_timeout_s``; Refused / Stopped from a new hello."""
+        self.rehello_restarted()
         per_shard = [list(grads)] if len(self.shards) == 1 else self.partition.split(grads)
         sizes = []
         for shard, tensors in zip(self.shards, per_shard, strict=True):
@@ -300,14 +348,24 @@ class ShardSet:
             )
             frames = wire.encode(msg)
             try:
-                sent = shard.push.send(frames, self.server_timeout_s, self.stop)
+                sent = shard.push.send(
+                    frames,
+                    self.server_timeout_s,
+                    self.stop,
+                    abandon=partial(self.needs_hello, shard),
+                )
             except ServerUnavailable:
                 raise ServerUnavailable(
                     f"could not push gradients: server {shard.endpoint} not taking them"
                 ) from None
-            if not sent:
+            if not sent and self.stop.is_set():
                 log.info("stopping: dropped one unsent gradient (seq %d)", seq)
                 return None
+            if not sent:  # restarted while we were blocked: maybe on another push port
+                log.info("server %s restarted: dropped gradient seq %d", shard.endpoint, seq)
+                self.rehello_restarted()
+                sizes.append(0)
+                continue
             sizes.append(sum(memoryview(f).nbytes for f in frames))
         self.pushed_incarnations = [s.incarnation for s in self.shards]
         return sizes

@@ -368,11 +368,18 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         "Requests that timed out and were retried on a new socket.",
     ),
     MetricInfo(
+        "rehellos",
+        "downpour_worker_rehellos_total",
+        COUNTER,
+        "",
+        "Hellos said again to a server seen restarted (a new incarnation).",
+    ),
+    MetricInfo(
         "dropped",
         "downpour_worker_dropped_gradients_total",
         COUNTER,
         "",
-        "Gradients left unsent at a planned stop.",
+        "Gradients left unsent: at a planned stop, or blocked for a server that restarted.",
     ),
     MetricInfo(
         "dropped_stale",

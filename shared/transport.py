@@ -323,11 +323,16 @@ class PushSocket:
         self.counters[key] = self.counters.get(key, 0) + 1
 
     def send(
-        self, frames: list[Any], deadline_s: float, stop: threading.Event | None = None
+        self,
+        frames: list[Any],
+        deadline_s: float,
+        stop: threading.Event | None = None,
+        abandon: Callable[[], bool] | None = None,
     ) -> bool:
         """Send one message, waiting out back-pressure for up to ``deadline_s``. False when
-        ``stop`` was set while blocked: the message is dropped and counted (``dropped``).
-        ServerUnavailable when the server took nothing until the deadline."""
+        ``stop`` was set, or ``abandon()`` turned true (e.g. the server restarted elsewhere),
+        while blocked: the message is dropped and counted (``dropped``). ServerUnavailable
+        when the server took nothing until the deadline."""
         deadline = Deadline(deadline_s)
         while True:
             try:
@@ -338,8 +343,8 @@ class PushSocket:
                 self._warn.warning(
                     "backpressure", "push blocked at the high-water mark (server slow or away)"
                 )
-                if stop is not None and stop.is_set():  # a planned stop: drop, and count it
-                    self._count("dropped")
+                if (stop is not None and stop.is_set()) or (abandon is not None and abandon()):
+                    self._count("dropped")  # a planned stop, or nobody left to take it
                     return False
                 if deadline.expired():
                     raise ServerUnavailable(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +230,51 @@ def test_server_killed_and_restarted_workers_reconnect_and_continue(
     assert doc["version"] > restored  # training continued from the restored version
     assert {"w0", "w1"} <= set(doc["workers"])
     assert all(summary(w)["steps"] == 60 for w in workers)
+
+
+@pytest.mark.slow
+def test_server_killed_and_restarted_on_another_push_port_workers_follow(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """--push-port 0, SIGKILL, restart from the checkpoint on the same REQ port: the new
+    gradient port differs, and every worker sees the new incarnation in a reply, says hello
+    again, and has its gradients applied by the new server; the workers then stop cleanly."""
+    args = ("--state-dir", str(tmp_path / "state"), "--checkpoint-every", "5")
+    args += ("--checkpoint-secs", "0")
+    server = cluster.server(*args)  # --push-port 0 and --status-port 0 (Cluster.server)
+    port, old_push = server.info["port"], server.info["push_port"]
+    wargs = ("--steps", "1000000", "--request-timeout", "1", "--server-timeout", "120")
+    workers = [cluster.worker(port, *wargs, worker_id=f"w{i}") for i in range(2)]
+    wait_until(lambda: _applied_at_least(server, 20), 120, "training under way")
+    server.proc.kill()
+    server.wait(timeout=30)
+    held = socket.socket()  # the old gradient port: taken, never read, so it cannot come back
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", old_push))
+    held.listen(1)
+    try:
+        again = cluster.server(*args, port=port)
+        assert again.info["push_port"] != old_push
+        restored = _status(again)["restored_from"]
+        assert restored is not None and restored >= 5
+
+        def applied(wid: str) -> int:
+            return _status(again)["workers"].get(wid, {}).get("applied", 0)
+
+        for w in workers:
+            assert w.proc.poll() is None, w.log_text()  # no worker gave up on its server
+        wait_until(
+            lambda: min(applied("w0"), applied("w1")) >= 10,
+            120,
+            "the restarted server to apply gradients from every worker",
+        )
+    finally:
+        held.close()
+    for w in workers:
+        w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        assert w.wait(timeout=60) == 0, w.log_text()
+    assert all(summary(w)["rehellos"] >= 1 for w in workers)
 
 
 @pytest.mark.slow

@@ -3,13 +3,15 @@
 The in-process counterparts of tests/test_faults.py's process scenarios (which stay in the
 slow tier, with real signals): a stop applies what was received and checkpoints, a restart
 restores and workers resume their sequences; a silent worker shows missing and rejoins; a
-server that goes away and comes back on the same ports is found again, also mid sync round;
+server that goes away and comes back on the same ports is found again, also mid sync round,
+and one that comes back on another push port is greeted again and gets the gradients;
 a push socket nobody reads gives counted back-pressure, not a crash or a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,56 @@ def test_server_gone_and_back_on_its_ports_workers_reconnect_and_continue(
         assert t.error is None or "stopped while waiting" in str(t.error), t.error
     # no wait for the next sync version timed out: the new server was seen at once
     assert [t.worker.stats["sync_wait_timeouts"] for t in threads] == [0, 0]
+
+
+def _hold_port(port: int) -> socket.socket:
+    """Take ``port`` on 127.0.0.1 (listening, never accepting, never answering): no server
+    started meanwhile can bind it, and whoever connects there is never read."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old server's TIME_WAIT
+    s.bind(("127.0.0.1", port))
+    s.listen(1)
+    return s
+
+
+def test_server_restarted_on_another_push_port_workers_say_hello_again(tmp_path: Path) -> None:
+    """The server stops and comes back from its checkpoint on the same REQ port but another
+    push port: each worker sees the new incarnation in a reply, says hello again, pushes to
+    the new port, and the new server applies gradients from every worker."""
+    config = {"state_dir": str(tmp_path / "state"), "checkpoint_every": 5, "checkpoint_secs": 0.0}
+    wcfg = {"steps": 100_000, "request_timeout_s": 1.0, "server_timeout_s": 60.0}
+    first = InprocServer(**config)
+    port, old_push = first.port, first.server.push_port
+    threads: list[WorkerThread] = []
+    try:
+        threads = [WorkerThread(make_worker(port, worker_id=f"w{i}", **wcfg)) for i in (0, 1)]
+        wait_until(lambda: fetch_status(first.status)["version"] >= 10, 60, "training")
+    finally:
+        first.stop()
+    held = _hold_port(old_push)  # the old gradient port stays dead
+    try:
+        with serving(port=port, **config) as again:
+            assert again.server.push_port != old_push
+            restored = fetch_status(again.status)["restored_from"]
+            assert restored is not None and restored >= 5
+
+            def applied(wid: str) -> int:
+                return fetch_status(again.status)["workers"].get(wid, {}).get("applied", 0)
+
+            wait_until(
+                lambda: min(applied("w0"), applied("w1")) >= 5,
+                60,
+                "the new server to apply gradients from both workers",
+            )
+            for t in threads:
+                t.worker.stop()
+            sums = [t.result(60) for t in threads]
+    finally:
+        held.close()
+        for t in threads:
+            t.worker.stop()
+    assert all(s["rehellos"] >= 1 for s in sums), sums
+    assert all(s["stopped_early"] for s in sums)
 
 
 def test_a_push_socket_nobody_reads_gives_counted_backpressure() -> None:

@@ -142,6 +142,7 @@ class Fetcher:
             try:
                 try:
                     weights = self.client.pull(w.pull_request(self.shard, have))
+                    w.shards.saw(self.shard, weights.reply.incarnation)
                 except (ServerUnavailable, Stopped) as exc:
                     raise WorkerError(str(exc)) from None
                 except wire.ProtocolError as exc:
@@ -157,7 +158,8 @@ class Fetcher:
         if time.monotonic() - self.shard.last_contact < w.config.heartbeat_s or w.stopping():
             return
         try:
-            self.client.heartbeat(dict(w.stats))
+            _, reply = self.client.heartbeat(dict(w.stats))
+            w.shards.saw(self.shard, reply.incarnation)  # a restart: the worker greets it again
         except (ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
             log.debug("heartbeat failed: %s", exc)
 
@@ -393,6 +395,21 @@ class Worker:
         else:
             self.stats["pulls_unchanged"] += 1
         self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
+        self._rehello()
+
+    def _rehello(self) -> None:
+        """Greet again every shard that restarted since its hello: it may take gradients on
+        another port now (``ShardSet.rehello_restarted``)."""
+        try:
+            self.shards.rehello_restarted()
+        except Refused as exc:
+            raise WorkerError(
+                f"restarted server {exc.endpoint} refused this worker: {exc.message}"
+            ) from None
+        except ServerUnavailable as exc:
+            raise WorkerError(str(exc)) from None
+        except Stopped:
+            return  # stopping: no step follows
 
     def _request_all(self) -> None:
         """Start every shard's fetcher on a pull of weights newer than those held."""
@@ -484,8 +501,14 @@ class Worker:
                 body,
                 encode=lambda i, tensors: self.compressors[i].compress(tensors),
             )
+        except Refused as exc:  # a restarted shard, greeted again, refused this worker
+            raise WorkerError(
+                f"restarted server {exc.endpoint} refused this worker: {exc.message}"
+            ) from None
         except ServerUnavailable as exc:
             raise WorkerError(str(exc)) from None
+        except Stopped:
+            sizes = None
         if sizes is None:  # a planned stop dropped this gradient (and counted it)
             return False
         sent = sum(sizes)
@@ -640,6 +663,7 @@ class Worker:
             "pulls_unchanged": int(self.stats["pulls_unchanged"]),
             "backpressure": int(self.stats["backpressure"]),
             "reconnects": int(self.stats["reconnects"]),
+            "rehellos": int(self.stats["rehellos"]),
             "dropped": int(self.stats["dropped"]),
             "compress": self.compressors[0].spec,
             "pull_compress": self.config.pull_compress,
