@@ -209,7 +209,7 @@ POLICY = MetricInfo(
     COUNTER,
     "",
     "Staleness-policy decisions, by event: offered, updates, applied, scaled, dropped_stale, "
-    "late, duplicate, future, aggregated, discarded (docs: policies.md).",
+    "late, duplicate, future, aggregated, discarded, held_pulls (docs: policies.md).",
 )
 AUTH_DENIED = MetricInfo(
     "auth_denied",
@@ -409,6 +409,21 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         COUNTER,
         "",
         "With a sync:K/N server: waits for the next version that timed out.",
+    ),
+    MetricInfo(
+        "ssp_waits",
+        "downpour_worker_ssp_waits_total",
+        COUNTER,
+        "",
+        "With an ssp:K server: pulls it held because this worker was more than K ahead.",
+    ),
+    MetricInfo(
+        "ssp_wait_ms",
+        "downpour_worker_ssp_wait_seconds",
+        GAUGE,
+        "seconds",
+        "With an ssp:K server: how long the last held pull waited for the slowest worker.",
+        1e-3,
     ),
 )
 

@@ -59,7 +59,10 @@ Message types (REQ/REP unless noted)::
                            A pull reply carries "dropped_stale": n when the server's policy
                            dropped n of the sender's gradients as too old since its last pull.
                            A pull body may carry "encoding": "bf16" (default "dense"): the
-                           weights then travel as bf16 tensors (half the bytes).
+                           weights then travel as bf16 tensors (half the bytes), and
+                           "pushed": the seq of the sender's latest push. A server whose
+                           policy holds pulls (ssp:K) may answer {"unchanged": true,
+                           "wait_ms": n} and no tensors: ask again after n ms.
     push     (PUSH/PULL)   gradients + base_version + seq; body {"loss", "batch_size", "steps",
                            "stats"}
     heartbeat -> heartbeat a worker that is otherwise silent says it is alive; body = its
@@ -807,14 +810,20 @@ class HelloReply:
         )
 
 
+MAX_WAIT_MS = 60_000  # the longest "ask again after" a reply may ask for
+
+
 @dataclass(frozen=True)
 class PullRequest:
     """A weight pull. ``have``: the version the sender holds from server ``incarnation``
-    (None: it holds none, send everything). ``encoding``: dense or bf16 weights."""
+    (None: it holds none, send everything). ``encoding``: dense or bf16 weights.
+    ``pushed``: the seq of the sender's latest push (an ssp server counts the pushes it has
+    not received yet)."""
 
     have: int | None = None
     incarnation: str | None = None
     encoding: str = DENSE
+    pushed: int | None = None
 
     def to_body(self) -> dict[str, Any]:
         """The pull body map (``encoding`` only when not dense: an older server accepts it)."""
@@ -824,6 +833,8 @@ class PullRequest:
             body["incarnation"] = self.incarnation
         if self.encoding != DENSE:
             body["encoding"] = self.encoding
+        if self.pushed is not None:
+            body["pushed"] = self.pushed
         return body
 
     @classmethod
@@ -835,6 +846,7 @@ class PullRequest:
             have=_field(b, "have", "int"),
             incarnation=_field(b, "incarnation", "str"),
             encoding=_field(b, "encoding", "str", DENSE),
+            pushed=_field(b, "pushed", "int"),
         )
 
 
@@ -842,11 +854,14 @@ class PullRequest:
 class PullReply:
     """The body of a weights reply: the server's ``incarnation``; ``unchanged`` when the
     sender's version is current (no tensors follow); ``dropped_stale``: how many of the
-    sender's gradients the policy dropped as too old since its last pull."""
+    sender's gradients the policy dropped as too old since its last pull; ``wait_ms`` > 0:
+    the policy holds this pull (ssp: the sender is too far ahead), no tensors follow, ask
+    again after that many milliseconds."""
 
     incarnation: str | None = None
     unchanged: bool = False
     dropped_stale: int = 0
+    wait_ms: int = 0
 
     def to_body(self) -> dict[str, Any]:
         """The weights body map."""
@@ -855,6 +870,8 @@ class PullReply:
             body["unchanged"] = True
         if self.dropped_stale:
             body["dropped_stale"] = self.dropped_stale
+        if self.wait_ms:
+            body["wait_ms"] = self.wait_ms
         return body
 
     @classmethod
@@ -864,10 +881,14 @@ class PullReply:
         dropped = _field(b, "dropped_stale", "int", 0)
         if dropped < 0:
             raise ProtocolError(R_HEADER, f"dropped_stale {dropped} is negative")
+        wait_ms = _field(b, "wait_ms", "int", 0)
+        if not 0 <= wait_ms <= MAX_WAIT_MS:
+            raise ProtocolError(R_HEADER, f"wait_ms {wait_ms} is not in [0, {MAX_WAIT_MS}]")
         return cls(
             incarnation=_field(b, "incarnation", "str"),
             unchanged=_field(b, "unchanged", "bool", False),
             dropped_stale=dropped,
+            wait_ms=wait_ms,
         )
 
 

@@ -18,8 +18,10 @@ from downpour.server.policies import (
     REASON_LATE,
     REASON_STALE,
     REASON_STALE_APPLIED,
+    SSP_RETRY_MS,
     AsyncPolicy,
     BoundedPolicy,
+    SSPPolicy,
     StalenessAwarePolicy,
     SyncPolicy,
     parse_policy,
@@ -281,6 +283,8 @@ def test_describe() -> None:
         ("bounded:16", BoundedPolicy, "bounded:16"),
         ("sync:1/1", SyncPolicy, "sync:1/1"),
         ("sync:3/4", SyncPolicy, "sync:3/4"),
+        ("ssp:0", SSPPolicy, "ssp:0"),
+        ("SSP:3", SSPPolicy, "ssp:3"),
     ],
 )
 def test_parse_policy(text: str, cls: type, spec: str) -> None:
@@ -311,7 +315,10 @@ def test_parse_policy_parameters() -> None:
         ("sync:2", r"sync:K/N"),
         ("sync", r"sync:K/N"),
         ("sync:a/b", r"sync:K/N"),
-        ("downpour", r"unknown policy 'downpour'.*async, staleness-aware, bounded:K"),
+        ("ssp:-1", r"ssp:K needs K >= 0"),
+        ("ssp", r"ssp:K with an integer"),
+        ("ssp:1/2", r"ssp:K with an integer"),
+        ("downpour", r"unknown policy 'downpour'.*async, staleness-aware, bounded:K.*ssp:K"),
         ("", r"unknown policy"),
         ("async:1", r"unknown policy"),
     ],
@@ -324,3 +331,81 @@ def test_parse_policy_errors(text: str, match: str) -> None:
 def test_parse_policy_not_a_string() -> None:
     with pytest.raises(ValueError, match="string"):
         parse_policy(3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- ssp:K
+
+
+def _push(p: SSPPolicy, worker: str, n: int = 1) -> None:
+    """``n`` accepted pushes of ``worker``: each applied, whatever its staleness."""
+    for _ in range(n):
+        d = p.offer(grads(1.0), 0, 3, worker)
+        assert d.action == APPLY and d.lr_scale == 1.0 and d.workers == (worker,)
+
+
+def test_ssp_holds_a_pull_more_than_k_clocks_ahead_of_the_slowest_live_worker() -> None:
+    p = SSPPolicy(2)
+    live = {"fast", "slow"}
+    assert p.pull_wait_ms("fast", 0, live) == 0  # both join at clock 0
+    assert p.pull_wait_ms("slow", 0, live) == 0
+    _push(p, "fast", 2)
+    assert p.pull_wait_ms("fast", 0, live) == 0  # 2 ahead: within K
+    assert p.pull_wait_ms("fast", 1, live) == SSP_RETRY_MS  # its third push is on its way
+    _push(p, "fast")
+    assert p.lead("fast") == 3
+    assert p.pull_wait_ms("fast", 0, live) == SSP_RETRY_MS  # 3 ahead: waits
+    assert p.pull_wait_ms("slow", 0, live) == 0  # the slowest is never held
+    _push(p, "slow")
+    assert p.pull_wait_ms("fast", 0, live) == 0  # the slowest caught up to within K
+    assert p.counters["held_pulls"] == 2
+    assert p.counters["applied"] == p.counters["updates"] == 4  # nothing dropped, ever
+    assert p.describe()["clocks"] == {"fast": 3, "slow": 1}
+    assert p.describe()["max_lead"] == 2
+
+
+def test_ssp_k0_is_lockstep_and_the_slowest_is_never_held_even_with_pushes_in_flight() -> None:
+    p = SSPPolicy(0)
+    live = {"a", "b"}
+    p.pull_wait_ms("a", 0, live)
+    p.pull_wait_ms("b", 0, live)
+    _push(p, "a")
+    assert p.pull_wait_ms("a", 0, live) == SSP_RETRY_MS
+    # b is the slowest: not held, even if it claims pushes the server never received
+    assert p.pull_wait_ms("b", 5, live) == 0
+    _push(p, "b")
+    assert p.pull_wait_ms("a", 0, live) == 0 and p.pull_wait_ms("b", 0, live) == 0
+
+
+def test_ssp_a_worker_not_alive_stops_holding_the_others_and_rejoins_at_the_slowest() -> None:
+    p = SSPPolicy(1)
+    p.pull_wait_ms("fast", 0, {"fast", "slow"})
+    p.pull_wait_ms("slow", 0, {"fast", "slow"})
+    _push(p, "fast", 5)
+    assert p.pull_wait_ms("fast", 0, {"fast", "slow"}) == SSP_RETRY_MS
+    assert p.pull_wait_ms("fast", 0, {"fast"}) == 0  # slow went missing: forgotten
+    assert "slow" not in p.clocks
+    _push(p, "fast", 5)
+    # back (a restart, or a long pause): it starts at the slowest live clock, so it neither
+    # waits for the others nor holds them back for the steps it missed
+    assert p.pull_wait_ms("slow", 0, {"fast", "slow"}) == 0
+    assert p.clocks["slow"] == p.clocks["fast"] == 10
+    assert p.pull_wait_ms("fast", 0, {"fast", "slow"}) == 0
+
+
+def test_ssp_a_newcomer_starts_at_the_slowest_clock_and_a_lone_worker_never_waits() -> None:
+    p = SSPPolicy(1)
+    assert p.pull_wait_ms("a", 0, {"a"}) == 0
+    _push(p, "a", 10)
+    assert p.pull_wait_ms("a", 3, {"a"}) == 0  # alone: nobody to wait for
+    _push(p, "b")  # a first push, before any pull: joins at a's clock, then ticks
+    assert p.clocks == {"a": 10, "b": 11}
+    _push(p, "c")  # joins at the slowest (10)
+    assert p.clocks["c"] == 11
+    assert p.lead("b") == 1 and p.pull_wait_ms("b", 0, {"a", "b", "c"}) == 0
+
+
+def test_ssp_refuses_future_versions_like_every_policy() -> None:
+    p = SSPPolicy(1)
+    d = p.offer(grads(1.0), 9, 3, "w")
+    assert d.action == DROP and d.reason == REASON_FUTURE
+    assert p.clocks == {}  # a refused gradient is no clock tick

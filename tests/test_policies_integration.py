@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import ROOT, env, pull_weights, wait_until
-from inproc import Services, settle
+from inproc import Services, WorkerThread, make_worker, serving, settle
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -270,6 +271,79 @@ def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
     assert doc["policy"]["pending"] == 1, doc["policy"]
     log = services.stop(server)
     assert "applying a partial sync:2/3 round of 1 gradients" in log, doc["policy"]
+
+
+class GatedStep:
+    """A worker's step function that computes only when the test grants a step: a worker as
+    slow as the test wants, deterministically. Everything else goes to the real one."""
+
+    def __init__(self, step: Any) -> None:
+        self._step = step
+        self.grants = threading.Semaphore(0)
+
+    def __call__(self, x: Any, y: Any) -> Any:
+        assert self.grants.acquire(timeout=120), "the test granted no step for 120 s"
+        return self._step(x, y)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
+
+
+def test_ssp_holds_the_fast_worker_within_k_of_the_slowest_until_it_goes_missing() -> None:
+    """ssp:2, two workers, one computing a step only when the test grants it: the fast one's
+    clock never gets more than K + 1 pushes ahead of the slow one's (status: the policy's
+    clocks), it follows the slow one step by step, and it is released when the slow one
+    stops and the registry calls it missing. Every gradient is applied; none is dropped."""
+    k = 2
+    with serving(policy=f"ssp:{k}", missing_after_s=1.0, gone_after_s=30.0, **SGD) as server:
+        endless = {"steps": 100_000, "heartbeat_s": 0.3}
+        slow_worker = make_worker(server.port, worker_id="slow", **endless)
+        gate = GatedStep(slow_worker.step_fn)
+        slow_worker.step_fn = gate  # type: ignore[assignment]
+        slow = WorkerThread(slow_worker)
+        fast = WorkerThread(make_worker(server.port, worker_id="fast", **endless))
+        try:
+
+            def clocks() -> dict[str, int]:
+                doc = fetch_status(server.status)
+                c = doc["policy"]["clocks"]
+                if "fast" in c and "slow" in c:
+                    assert c["fast"] - c["slow"] <= k + 1, c  # the SSP bound, at every look
+                return c
+
+            def fast_at(lead: int) -> bool:
+                c = clocks()
+                return "slow" in c and c.get("fast", 0) - c["slow"] == lead
+
+            wait_until(lambda: fast_at(k + 1), 60, "the fast worker to be held K + 1 ahead")
+            for _ in range(3):  # the slow worker steps; the fast one follows, and no further
+                before = clocks()["slow"]
+                gate.grants.release()
+                wait_until(lambda b=before: clocks()["slow"] == b + 1, 60, "a slow step")
+                wait_until(lambda: fast_at(k + 1), 60, "the fast worker to follow")
+            doc = fetch_status(server.status)
+            assert doc["policy"]["counters"]["held_pulls"] > 0
+            assert doc["policy"]["counters"]["dropped_stale"] == 0
+
+            slow.worker.stop()  # the slow worker goes away: silent, then missing
+            gate.grants.release()
+            slow.result(60)
+            held_at = clocks()["fast"]
+            wait_until(
+                lambda: clocks().get("fast", 0) > held_at + 10 and "slow" not in clocks(),
+                60,
+                "the fast worker to be released once the slow one is missing",
+            )
+            assert fetch_status(server.status)["workers"]["slow"]["state"] == "missing"
+        finally:
+            slow.worker.stop()
+            gate.grants.release()
+            fast.worker.stop()
+        s = fast.result(60)
+        assert s["ssp_waits"] > 0
+        doc = fetch_status(server.status)
+        c = doc["policy"]["counters"]
+        assert doc["rejected_total"] == 0 and c["applied"] == c["offered"] == doc["version"]
 
 
 def test_bad_policy_is_refused_at_start() -> None:

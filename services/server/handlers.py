@@ -15,7 +15,8 @@ service to log; a refused message never changes a parameter.
 Every valid push goes through the staleness policy (``downpour.server.policies``): it is
 applied (with the policy's learning-rate scale), dropped (counted, not an error: the sender
 hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
-aggregation).
+aggregation). Under ``ssp:K`` the policy also gates pulls: a worker too far ahead of the
+slowest live one is answered "wait" (``wait_ms``, no weights) and asks again.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from downpour.server.policies import (
     Policy,
     SyncPolicy,
 )
-from downpour.server.registry import GONE, WorkerRegistry
+from downpour.server.registry import ALIVE, GONE, WorkerRegistry
 from downpour.server.stats import ServerStats
 from downpour.wire import Message, ProtocolError
 
@@ -244,6 +245,9 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
         rec.pulls += 1
         rec.last_seen = ctx.clock()
+        if (wait_ms := pull_wait_ms(ctx, msg.sender, rec.last_seq, req)) > 0:
+            body = wire.PullReply(ctx.incarnation, unchanged=True, wait_ms=wait_ms)
+            return wire.weights_reply(ctx.state.version, body)
         dropped, rec.dropped_unreported = rec.dropped_unreported, 0  # told now: refresh
     version, arrays = ctx.state.weights()
     if req.have == version and req.incarnation == ctx.incarnation:
@@ -259,6 +263,18 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         wire.PullReply(ctx.incarnation, dropped_stale=dropped),
         dict(zip(ctx.state.names, tensors, strict=True)),
     )
+
+
+def pull_wait_ms(ctx: HandlerContext, worker: str, last_seq: int, req: wire.PullRequest) -> int:
+    """How long an enrolled worker's pull is held (0: serve it) under a policy that gates
+    pulls (``ssp:K``), given the workers the registry calls alive and the pushes the worker
+    sent (``req.pushed``) beyond the last one taken (``last_seq``)."""
+    if not ctx.policy.gates_pulls:
+        return 0
+    now, reg = ctx.clock(), ctx.registry
+    live = {w for w in reg if (r := reg.get(w)) is not None and reg.liveness(r, now) == ALIVE}
+    in_flight = max(0, (req.pushed or 0) - last_seq)
+    return ctx.policy.pull_wait_ms(worker, in_flight, live)
 
 
 def bf16_weights(

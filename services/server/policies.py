@@ -20,14 +20,24 @@ Policies (``parse_policy`` text, ``downpour server --policy``), each rule exactl
 - ``bounded:K``: drop a gradient with ``tau > K`` (reason ``stale``), apply the others with
   ``lr``; ``bounded:0`` applies only gradients from the current weights. Bounded staleness:
   Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
-  Server", NIPS 2013 (SSP makes a fast worker wait; a Downpour server cannot, so it enforces
-  the bound where gradients arrive).
+  Server", NIPS 2013 (SSP makes a fast worker wait, as ``ssp:K`` does; ``bounded:K`` makes
+  nobody wait and enforces a bound where gradients arrive).
 - ``sync:K/N``: hold gradients with ``tau = 0`` until K different workers have given one,
   apply their mean once with ``lr``; drop a gradient with ``tau > 0`` (``late``) and a second
   one from the same worker in a round (``duplicate``); N - K workers are backups, and N is
   reported, not enforced. Synchronous SGD with backup workers: Chen, Pan, Monga, Bengio,
   Jozefowicz, "Revisiting Distributed Synchronous SGD", 2016 (TensorFlow's
   ``SyncReplicasOptimizer``).
+- ``ssp:K``: stale synchronous parallel. Apply every gradient as it arrives with ``lr`` (as
+  ``async``), and hold a worker's *pull* while it is more than K clocks ahead of the slowest
+  live worker (a clock is one accepted push); the held worker is told to ask again and does
+  not compute meanwhile, so the fast worker waits for the slow one. Ho et al., "More
+  Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013
+  (Petuum Bösen). Unlike ``bounded:K`` nothing is dropped: the bound is kept by waiting.
+
+A policy that gates pulls (``gates_pulls``: ``ssp``) also answers ``pull_wait_ms`` for each
+pull from an enrolled worker: 0 to serve the weights, otherwise how long the worker should
+wait before asking again.
 
 Pure Python and NumPy: no sockets, no TensorFlow. Not thread-safe (the loop is the caller).
 
@@ -56,7 +66,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -88,7 +98,10 @@ COUNTER_KEYS = (
     "future",  # base_version ahead of the server
     "aggregated",  # sync: gradients added to the aggregation buffer
     "discarded",  # sync: held gradients thrown away because the version moved under them
+    "held_pulls",  # ssp: pulls answered "wait" (the puller was more than K clocks ahead)
 )
+
+SSP_RETRY_MS = 20  # ssp: a held pull is asked again after this (a wait reply carries no weights)
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class Policy(ABC):
     """A staleness policy. ``offer`` decides per gradient; ``counters`` count the decisions."""
 
     kind: str = ""
+    gates_pulls = False  # True: the server asks pull_wait_ms before serving a worker's pull
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
@@ -137,6 +151,12 @@ class Policy(ABC):
     def flush(self, version: int) -> Decision | None:
         """At shutdown: an update made of held gradients, or None (only sync holds any)."""
         return None
+
+    def pull_wait_ms(self, worker: str, in_flight: int, live: Collection[str]) -> int:
+        """Before serving ``worker``'s pull: 0 to serve it, else milliseconds to wait before
+        asking again. ``in_flight``: pushes it sent that were not yet taken; ``live``: the
+        workers the registry calls alive. Only policies with ``gates_pulls`` hold pulls."""
+        return 0
 
     def describe(self) -> dict[str, Any]:
         """For the status document: the policy, its parameters and counters."""
@@ -225,8 +245,8 @@ class BoundedPolicy(Policy):
 
     Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
     Server", NIPS 2013 (SSP). SSP bounds staleness by making a worker that is K clocks ahead
-    wait; a Downpour server cannot make a worker wait, so it enforces the same bound at the
-    other end: a gradient older than K versions is dropped (counted ``dropped_stale``), and
+    wait (``ssp:K``, ``SSPPolicy``); ``bounded:K`` makes nobody wait and enforces a bound at
+    the other end: a gradient older than K versions is dropped (counted ``dropped_stale``), and
     the worker's next pull brings it back within the bound. ``bounded:0`` applies only
     gradients computed from the current weights.
     """
@@ -256,6 +276,77 @@ class BoundedPolicy(Policy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "max_staleness": self.max_staleness}
+
+
+class SSPPolicy(Policy):
+    """Stale synchronous parallel: a worker more than K clocks ahead of the slowest live
+    worker waits, inside its pull, until the slowest catches up; every gradient is applied.
+
+    Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
+    Server", NIPS 2013 (Petuum Bösen). A worker's clock is its count of pushes offered to
+    this policy (this server's incarnation). Its pull is held (``pull_wait_ms`` > 0) while
+    ``clock + in_flight - slowest > K``, where ``slowest`` is the smallest clock among the
+    *other* live workers and ``in_flight`` counts its pushes sent but not yet taken (the
+    pull and the push travel on different sockets). The slowest worker is never held, so
+    the wait always ends: by the slow worker's progress, or by it going missing, since a
+    worker the registry does not call alive is forgotten and stops holding the others
+    back. A worker that appears (first pull or push, or back after being forgotten) starts
+    at the slowest live clock, so a late or restarted worker neither waits for the others
+    nor holds them back. With one pull before each push (``--n-fetch`` = ``--n-push`` = 1,
+    the defaults) a worker's lead over the slowest live one stays at most K + 1.
+    """
+
+    kind = "ssp"
+    gates_pulls = True
+
+    def __init__(self, max_lead: int, retry_ms: int = SSP_RETRY_MS) -> None:
+        super().__init__()
+        if max_lead < 0:
+            raise ValueError(f"ssp: K must be >= 0, got {max_lead}")
+        self.max_lead = max_lead
+        self.retry_ms = retry_ms
+        self.clocks: dict[str, int] = {}
+
+    @property
+    def spec(self) -> str:
+        return f"ssp:{self.max_lead}"
+
+    def _join(self, worker: str) -> int:
+        """The clock of ``worker``; a newcomer starts at the slowest known clock."""
+        clock = self.clocks.get(worker)
+        if clock is None:
+            clock = self.clocks[worker] = min(self.clocks.values(), default=0)
+        return clock
+
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        if (d := self._future(base_version, version)) is not None:
+            return d
+        self.clocks[worker] = self._join(worker) + 1
+        return self._apply(grads, version - base_version, worker)
+
+    def lead(self, worker: str, in_flight: int = 0) -> int:
+        """How many clocks ``worker`` (with ``in_flight`` pushes still travelling) is ahead
+        of the slowest other known worker (0 when alone)."""
+        mine = self._join(worker)
+        others = [c for w, c in self.clocks.items() if w != worker]
+        return mine + max(0, in_flight) - min(others) if others else 0
+
+    def pull_wait_ms(self, worker: str, in_flight: int, live: Collection[str]) -> int:
+        for w in [w for w in self.clocks if w != worker and w not in live]:
+            del self.clocks[w]  # missing or gone: it holds nobody back, and rejoins anew
+        mine = self._join(worker)
+        others = [c for w, c in self.clocks.items() if w != worker]
+        if not others or mine <= min(others):  # the slowest is never held
+            return 0
+        if self.lead(worker, in_flight) <= self.max_lead:
+            return 0
+        self.counters["held_pulls"] += 1
+        return self.retry_ms
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "max_lead": self.max_lead, "clocks": dict(self.clocks)}
 
 
 @dataclass
@@ -382,12 +473,14 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
 
 
 _BOUNDED = re.compile(r"bounded:(-?\d+)")
+_SSP = re.compile(r"ssp:(-?\d+)")
 _SYNC = re.compile(r"sync:(-?\d+)/(-?\d+)")
-POLICY_FORMS = "async, staleness-aware, bounded:K (K >= 0), sync:K/N (1 <= K <= N)"
+POLICY_FORMS = "async, staleness-aware, bounded:K (K >= 0), ssp:K (K >= 0), sync:K/N (1 <= K <= N)"
 
 
 def parse_policy(text: str) -> Policy:
-    """``async`` | ``staleness-aware`` | ``bounded:K`` | ``sync:K/N`` -> a fresh Policy.
+    """``async`` | ``staleness-aware`` | ``bounded:K`` | ``ssp:K`` | ``sync:K/N`` -> a fresh
+    Policy.
 
     Raises ValueError naming the accepted forms for anything else.
     """
@@ -405,6 +498,13 @@ def parse_policy(text: str) -> Policy:
         return BoundedPolicy(k)
     if t.startswith("bounded"):
         raise ValueError(f"policy {text!r}: expected bounded:K with an integer K >= 0")
+    if m := _SSP.fullmatch(t):
+        k = int(m.group(1))
+        if k < 0:
+            raise ValueError(f"policy {text!r}: ssp:K needs K >= 0 (max clocks ahead), got {k}")
+        return SSPPolicy(k)
+    if t.startswith("ssp"):
+        raise ValueError(f"policy {text!r}: expected ssp:K with an integer K >= 0")
     if m := _SYNC.fullmatch(t):
         k, n = int(m.group(1)), int(m.group(2))
         if n < 1:

@@ -78,6 +78,7 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         "async",
         "what to do with stale gradients: async (apply each as it arrives), "
         "staleness-aware (learning rate / max(1, staleness)), bounded:K (drop staleness > K), "
+        "ssp:K (a worker more than K pushes ahead of the slowest live one waits in its pull), "
         "sync:K/N (average the first K fresh gradients of N workers, apply once); see docs: "
         "policies.md",
         _TRAIN,

@@ -26,6 +26,12 @@ as a duplicate, so after each push the worker waits (polling pulls, at most ``sy
 until every shard's version has moved on, as SyncReplicasOptimizer's workers wait for the new
 global step; after a wait times out (fewer than K workers left) it stops waiting until it sees
 the version move again.
+
+When the server's policy is ``ssp:K`` (stale synchronous parallel) the server may hold a
+pull while this worker is more than K clocks (pushes) ahead of the slowest live worker: its
+reply says "wait" (``wait_ms``) and the fetcher asks again until served, so the worker
+computes nothing meanwhile. Under ssp the worker pulls right before it computes (no
+prefetch): a prefetched pull would pass the server's check a push early.
 """
 
 from __future__ import annotations
@@ -116,15 +122,20 @@ class Fetcher:
         self._requests.put_nowait(have)
 
     def take(self) -> Weights:
-        """The reply to the last request; waits at most the worker's server timeout."""
+        """The reply to the last request; waits while the shard keeps answering (an ssp
+        server holding the pull answers "wait"), at most the worker's server timeout from
+        the shard's last answer."""
         cfg = self.worker.config
         bound = cfg.server_timeout_s + 2 * cfg.request_timeout_s + 5.0
-        try:
-            result = self._results.get(timeout=bound)
-        except queue.Empty:
-            raise WorkerError(
-                f"no weights from server {self.client.endpoint} within {bound:.0f} s"
-            ) from None
+        while True:
+            try:
+                result = self._results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if time.monotonic() - self.shard.last_contact > bound:
+                    raise WorkerError(
+                        f"no weights from server {self.client.endpoint} within {bound:.0f} s"
+                    ) from None
         if isinstance(result, BaseException):
             raise result
         return result
@@ -143,6 +154,8 @@ class Fetcher:
                 try:
                     weights = self.client.pull(w.pull_request(self.shard, have))
                     w.shards.saw(self.shard, weights.reply.incarnation)
+                    if weights.reply.wait_ms > 0:
+                        weights = self._wait_turn(have, weights)
                 except (ServerUnavailable, Stopped) as exc:
                     raise WorkerError(str(exc)) from None
                 except wire.ProtocolError as exc:
@@ -152,6 +165,19 @@ class Fetcher:
                 self._results.put(w.prepare(self.shard, weights))
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
+
+    def _wait_turn(self, have: int, weights: Weights) -> Weights:
+        """ssp: the server holds this pull (this worker is too far ahead); ask again after
+        each ``wait_ms`` until it serves the weights. When the worker stops meanwhile, the
+        last "wait" reply (unchanged weights, no tensors)."""
+        w = self.worker
+        t0 = time.perf_counter()
+        w.stats["ssp_waits"] += 1
+        while weights.reply.wait_ms > 0 and not w._stop.wait(weights.reply.wait_ms / 1e3):
+            weights = self.client.pull(w.pull_request(self.shard, have))
+            w.shards.saw(self.shard, weights.reply.incarnation)
+        w.stats["ssp_wait_ms"] = 1e3 * (time.perf_counter() - t0)
+        return weights
 
     def _heartbeat(self) -> None:
         w = self.worker
@@ -264,6 +290,8 @@ class Worker:
         ]
         self._refresh = False  # a shard dropped a stale gradient: pull fresh weights next step
         self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
+        self.ssp = False  # the server holds pulls of workers too far ahead (hello: ssp:K)
+        self._in_flight = False  # every fetcher has a pull under way whose reply is not taken
         self._sync_stalled = False  # a sync wait timed out and no version moved since
         self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
         if self.dispatched:
@@ -281,6 +309,12 @@ class Worker:
     def version(self) -> int:
         """The weight version held (with shards: the oldest of the shards' versions)."""
         return self.shards.version
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether the next pull is requested ahead, as the current step computes (not under
+        ssp, whose server checks the pull when it arrives)."""
+        return self.config.prefetch and not self.ssp
 
     # ------------------------------------------------------------ lifecycle
 
@@ -347,15 +381,17 @@ class Worker:
                 "upgrade the server or use --compress none"
             )
         self.sync = hello.reply.policy.startswith("sync:")
+        self.ssp = hello.reply.policy.startswith("ssp:")
         self.seq = max(self.seq, hello.reply.last_seq)
 
     def pull_request(self, shard: Shard, have: int) -> wire.PullRequest:
         """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
         # a server from before bf16 pulls sends float32: fine
         encoding = wire.BF16 if self.config.pull_compress == "bf16" else wire.DENSE
+        pushed = self.seq if self.ssp else None  # an ssp server counts pushes not yet taken
         if have < 0:
-            return wire.PullRequest(encoding=encoding)
-        return wire.PullRequest(have, shard.incarnation, encoding)
+            return wire.PullRequest(encoding=encoding, pushed=pushed)
+        return wire.PullRequest(have, shard.incarnation, encoding, pushed)
 
     def prepare(self, shard: Shard, weights: Weights) -> Weights:
         """On the fetcher thread: a single shard's new weights converted for the step function
@@ -415,26 +451,29 @@ class Worker:
         """Start every shard's fetcher on a pull of weights newer than those held."""
         for shard, fetcher in zip(self.shards.shards, self.fetchers, strict=True):
             fetcher.request(shard.version)
+        self._in_flight = True
 
     def _fetch_all(self) -> list[Weights]:
         """Every shard's reply to the pull its fetcher is running (they run concurrently)."""
+        self._in_flight = False
         return [fetcher.take() for fetcher in self.fetchers]
 
     def pull(self) -> None:
         """Fetch weights from every shard that has a newer version than ours: waiting for the
         replies (--no-prefetch), or taking what the fetchers brought and starting the next."""
         t0 = time.perf_counter()
-        if not self.config.prefetch:
+        prefetched = self._in_flight
+        if not prefetched:
             self._request_all()
         self.install(self._fetch_all(), t0)
-        if self.config.prefetch and self._refresh:
+        if prefetched and self._refresh:
             # The server dropped gradients of ours as too stale, and what the fetchers brought
             # was requested a step ago: wait for the current weights before the next step.
             self.stats["stale_refreshes"] += 1
             self._request_all()
             self.install(self._fetch_all(), t0)
         self._refresh = False
-        if self.config.prefetch:
+        if self.prefetching:
             self._request_all()
 
     def await_new_version(self, pushed_from: list[int]) -> None:
@@ -451,12 +490,10 @@ class Worker:
         t0 = time.perf_counter()
         deadline = Deadline(self.config.sync_wait_s)
         delay = backoff_delays(0.002, 0.05)
-        in_flight = self.config.prefetch  # with prefetch a request per shard is outstanding
         while not self._stop.is_set():
-            if not in_flight:
+            if not self._in_flight:  # with prefetch a request per shard is outstanding
                 self._request_all()
             self.install(self._fetch_all(), t0)
-            in_flight = False
             if all(v > p for v, p in zip(self.shards.versions, pushed_from, strict=True)):
                 break
             if self.shards.restarted_since_push():
@@ -472,7 +509,7 @@ class Worker:
                 )
                 break
             self._stop.wait(min(delay(), deadline.remaining()))
-        if self.config.prefetch and not in_flight:
+        if self.prefetching and not self._in_flight:
             self._request_all()
         self.stats["sync_wait_ms"] = 1e3 * (time.perf_counter() - t0)
 
@@ -601,7 +638,7 @@ class Worker:
         for fetcher in self.fetchers:  # the first pull from every shard at once
             fetcher.request(-1)
         self.install(self._fetch_all(), time.perf_counter())
-        if cfg.prefetch:
+        if self.prefetching:
             self._request_all()
         finished = False  # the input ran out: --epochs done (or --steps)
         while not self._stop.is_set():
@@ -614,7 +651,9 @@ class Worker:
                 break
             x, y = batch
             if step and step % cfg.n_fetch == 0:
-                self.pull()
+                self.pull()  # under ssp it may wait here for the slowest worker
+                if self._stop.is_set():
+                    break
             if acc.count == 0:  # the oldest weights in this accumulation, per shard
                 if self.sync and pushed_from is not None:
                     self.await_new_version(pushed_from)
@@ -672,6 +711,7 @@ class Worker:
             "dropped_stale": int(self.stats["dropped_stale"]),
             "stale_refreshes": int(self.stats["stale_refreshes"]),
             "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
+            "ssp_waits": int(self.stats["ssp_waits"]),
             "last_seq": self.seq,
             "epochs": self.epoch + 1 if step else 0,
             "stopped_early": not finished,
