@@ -1,7 +1,7 @@
 """``make study``: staleness policies and gradient compression, trained to 96 % on MNIST-5k.
 
 For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
-``bounded:2``, ``sync:K/N`` with K = N - N//4) and every compression (``none``, ``bf16``,
+``bounded:2``, ``ssp:2``, ``sync:K/N`` with K = N - N//4) and every compression (``none``, ``bf16``,
 ``topk:0.01``): the applied updates, gradients and time to reach 96 % held-out accuracy on
 the fixed MNIST-5k split (4,000 train / 1,000 held out, ``downpour.data.load_mnist_5k``), or
 the accuracy reached within a cap. Writes ``study-results.json``, ``study.md`` (the tables)
@@ -17,7 +17,9 @@ exactly as on the wire and densified as the server does. What is simulated is on
 worker i needs ``speed_i * lognormal(0, 0.2)`` gradient-times per step (``speed_i`` uniform
 in [0.85, 1.15], all seeded), the server is a single queue that spends the measured
 apply time per applied update, and a worker pulls right after the server has taken its push
-(like ``--no-prefetch``), then computes its next gradient from those weights. The staleness
+(like ``--no-prefetch``), then computes its next gradient from those weights. Under
+``ssp:K`` that pull goes through the policy's ``pull_wait_ms`` (every worker alive): a
+worker held there starts its next gradient when the slow ones have caught up. The staleness
 of a gradient is therefore what W equally busy machines would produce (about W - 1), not
 what two oversubscribed cores produce. A worker of a ``sync:K/N`` server whose gradient was
 held waits for the next version (as ``downpour worker`` does); a dropped gradient's worker
@@ -116,6 +118,7 @@ class Plan:
     jobs: int
     lr: float = 1e-3
     bounded_k: int = 2
+    ssp_k: int = 2
 
 
 PLANS = {
@@ -123,7 +126,7 @@ PLANS = {
         "full",
         (1, 2, 4, 8),
         ("none", "bf16", "topk:0.01"),
-        ("async", "staleness-aware", "bounded", "sync"),
+        ("async", "staleness-aware", "bounded", "ssp", "sync"),
         0.96,
         20,
         1500,
@@ -138,7 +141,7 @@ PLANS = {
         "quick",
         (1, 8),
         ("none", "topk:0.01"),
-        ("async", "staleness-aware", "bounded", "sync"),
+        ("async", "staleness-aware", "bounded", "ssp", "sync"),
         0.96,
         25,
         800,
@@ -153,7 +156,7 @@ PLANS = {
         "smoke",
         (1, 2),
         ("none", "bf16"),
-        ("sync",),
+        ("sync", "ssp"),
         0.7,
         10,
         30,
@@ -171,6 +174,8 @@ def policy_for(kind: str, workers: int, plan: Plan) -> str:
     """The policy text of a kind at a worker count (sync: K = N - N//4, i.e. 25 % backups)."""
     if kind == "bounded":
         return f"bounded:{plan.bounded_k}"
+    if kind == "ssp":
+        return f"ssp:{plan.ssp_k}"
     if kind == "sync":
         return f"sync:{workers - workers // 4}/{workers}"
     return kind
@@ -327,9 +332,19 @@ def simulate(job: Job) -> dict[str, Any]:
         curve.append([state.version, gradients, round(clock * job.grad_s, 3), acc])
         return acc
 
+    everyone = {f"w{i}" for i in range(w)}
+    ssp_held: list[int] = []  # ssp: workers whose pull the policy holds
+
+    def pull(i: int, t: float) -> None:
+        """Worker i's pull at clock t: served (it starts its next gradient) or held."""
+        if policy.gates_pulls and policy.pull_wait_ms(f"w{i}", 0, everyone) > 0:
+            ssp_held.append(i)
+        else:
+            start(i, t)
+
     evaluate(0.0)
     for i in range(w):
-        start(i, 0.0)
+        pull(i, 0.0)
     server_free = 0.0
     waiting: list[int] = []
     reached: dict[str, Any] | None = None
@@ -366,8 +381,9 @@ def simulate(job: Job) -> dict[str, Any]:
             if curve[-1][0] != state.version:
                 evaluate(server_free)
             break
-        for j in resume:
-            start(j, server_free)
+        again, ssp_held[:] = list(ssp_held), []
+        for j in [*again, *resume]:  # a held pull is asked again once the clocks moved
+            pull(j, server_free)
     accs = [c[3] for c in curve]
     tail = accs[-5:]
     return {
@@ -734,7 +750,7 @@ def plot(doc: dict[str, Any], out: Path) -> list[str]:
     runs = [r for r in doc["runs"] if "error" not in r and not r.get("variant")]
     ws, cs = plan["workers"], plan["compressions"]
     kinds = plan["policy_kinds"]
-    colors = {"async": "C0", "staleness-aware": "C1", "bounded": "C2", "sync": "C3"}
+    colors = {"async": "C0", "staleness-aware": "C1", "bounded": "C2", "sync": "C3", "ssp": "C4"}
     fig, axes = plt.subplots(
         len(cs), len(ws), figsize=(4 * len(ws), 3.2 * len(cs)), squeeze=False, sharey=True
     )
@@ -818,6 +834,8 @@ def policy_for_text(kind: str, workers: int, plan: dict[str, Any]) -> str:
     """``policy_for`` for a plan read back from JSON."""
     if kind == "bounded":
         return f"bounded:{plan['bounded_k']}"
+    if kind == "ssp":
+        return f"ssp:{plan.get('ssp_k', 2)}"
     if kind == "sync":
         return f"sync:{workers - workers // 4}/{workers}"
     return kind
