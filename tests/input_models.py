@@ -5,7 +5,9 @@
   With ``DOWNPOUR_TEST_IDS_DIR`` set, its input_fn appends the ids of every batch it yields
   to ``ids-<worker index>-<pid>.txt`` there (a test hook of this plugin, not of downpour).
   With ``DOWNPOUR_TEST_GATE`` naming a file too, each batch, once recorded, waits (at most
-  ``GATE_S``) while that file exists: a test holds the workers mid-split with it.
+  ``GATE_S``) while that file exists: a test holds the workers mid-split with it. With
+  ``DOWNPOUR_TEST_BATCH_S`` set, each batch takes at least that many seconds (pacing, so
+  an epoch lasts long enough for a test to act in the middle of it).
 - ``two_inputs``: a dict of two named inputs, four classes.
 - ``multilabel``: 2-D float labels (four independent yes/no targets), sigmoid loss.
 - ``not_a_dataset``, ``wrong_shape``, ``missing_key``, ``few_files``: bad input, refused.
@@ -33,6 +35,7 @@ N_IDS = 600  # training examples of ``ids`` (120 more are held out)
 IDS_DIR_ENV = "DOWNPOUR_TEST_IDS_DIR"
 GATE_ENV = "DOWNPOUR_TEST_GATE"
 GATE_S = 120.0
+PACE_ENV = "DOWNPOUR_TEST_BATCH_S"
 
 
 def _blobs(n: int, dim: int = 8, classes: int = 4, seed: int = 3) -> tuple[np.ndarray, ...]:
@@ -52,6 +55,7 @@ def _record(ids: tf.Tensor, worker_index: int) -> None:
         path = Path(directory) / f"ids-{worker_index}-{os.getpid()}.txt"
         with open(path, "a") as f:
             f.write("".join(f"{i}\n" for i in ids.numpy().tolist()))
+    time.sleep(float(os.environ.get(PACE_ENV) or 0))
     gate = os.environ.get(GATE_ENV)
     deadline = time.monotonic() + GATE_S
     while gate and os.path.exists(gate) and time.monotonic() < deadline:
