@@ -213,13 +213,14 @@ class ShardClient:
     def next_split(
         self,
         universe: wire.DataUniverse,
-        acks: tuple[tuple[int, int], ...] = (),
+        acks: tuple[tuple[int, ...], ...] = (),
         *,
         epochs: int | None = None,
         want: bool = True,
         process: str | None = None,
     ) -> SplitGrant:
-        """Acknowledge the finished splits ``acks`` ((epoch, index) pairs) and ask for the
+        """Acknowledge the finished splits ``acks`` ((epoch, index, seq): seq is the push
+        carrying the split's last gradients, see ``wire.SplitRequest``) and ask for the
         next one of ``universe`` (sent whole on this client's first call, then only its
         digest; ``epochs``: the bound to propose, 0 unbounded). Safe to retry: an ack
         repeated after a lost reply is ignored, and a worker at its in-flight limit gets
@@ -249,7 +250,7 @@ class ShardClient:
     def _split_request(
         self,
         universe: wire.DataUniverse,
-        acks: tuple[tuple[int, int], ...],
+        acks: tuple[tuple[int, ...], ...],
         epochs: int | None,
         want: bool,
         process: str | None,
@@ -273,7 +274,7 @@ class ShardClient:
             raise
 
     def ack_splits(
-        self, universe: wire.DataUniverse, acks: tuple[tuple[int, int], ...]
+        self, universe: wire.DataUniverse, acks: tuple[tuple[int, ...], ...]
     ) -> wire.SplitReply:
         """Acknowledge finished splits without asking for another (e.g. before exiting)."""
         return self.next_split(universe, acks, want=False).reply

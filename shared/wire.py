@@ -70,12 +70,15 @@ Message types (REQ/REP unless noted)::
     status   -> status     body = metrics snapshot (status socket)
     split    -> split      data dispatch (``--data-dispatch server``, shard 0 only): body
                            ``SplitRequest`` (the universe digest, acks of finished splits as
-                           [epoch, index] pairs, the universe itself and an epoch bound on
-                           the first call, the sender's process token); reply body
-                           ``SplitReply``: a split (index, file or [start, stop)) of an
-                           epoch, or "wait" (retry after retry_ms), or "end". A server that
-                           does not dispatch answers ERROR "dispatch_off"; another universe's
-                           digest, ERROR "data_universe"
+                           [epoch, index, seq] triples -- seq: the push that carried the
+                           split's last gradients; [epoch, index] waits for no push -- the
+                           universe itself and an epoch bound on the first call, the
+                           sender's process token); reply body ``SplitReply``: a split
+                           (index, file or [start, stop)) of an epoch, or "wait" (retry after
+                           retry_ms), or "end", and how many acks completed, were held until
+                           their push arrives, or were stale. A server that does not
+                           dispatch answers ERROR "dispatch_off"; another universe's digest,
+                           ERROR "data_universe"
     any      -> error      body {"code": reason, "message": text}
     Bodies are built and read by the typed classes below (``HelloRequest`` ... ``ErrorReply``);
     a body field of the wrong type is refused as "bad_header".
@@ -1075,24 +1078,32 @@ class DataUniverse:
 class SplitRequest:
     """A worker asks the dispatcher for its next split and reports the ones it finished.
 
-    ``digest``: its universe's (always). ``acks``: (epoch, index) of finished splits.
+    ``digest``: its universe's (always). ``acks``: (epoch, index, seq) of finished splits,
+    ``seq`` the sequence number of the push that carried the split's last gradients: the
+    dispatcher completes the ack only once that push has reached it, so an ack never
+    overtakes its gradients (0: wait for no push; an (epoch, index) pair means seq 0).
     ``want``: False to only acknowledge. ``universe`` and ``epochs`` (0: unbounded) on the
     first call; the first worker's universe and bound are the ones served. ``process``: a
     token of the sender's process (a new one releases what the old process held).
     """
 
     digest: str
-    acks: tuple[tuple[int, int], ...] = ()
+    acks: tuple[tuple[int, ...], ...] = ()
     want: bool = True
     universe: DataUniverse | None = None
     epochs: int | None = None
     process: str | None = None
 
+    def __post_init__(self) -> None:
+        # every ack as (epoch, index, seq): a pair waits for no push
+        acks = tuple((int(a[0]), int(a[1]), int(a[2]) if len(a) > 2 else 0) for a in self.acks)
+        object.__setattr__(self, "acks", acks)
+
     def to_body(self) -> dict[str, Any]:
-        """The split request body map."""
+        """The split request body map (an ack with seq 0 goes as an [epoch, index] pair)."""
         body: dict[str, Any] = {"digest": self.digest, "want": self.want}
         if self.acks:
-            body["acks"] = [[int(e), int(i)] for e, i in self.acks]
+            body["acks"] = [[e, i, s] if s else [e, i] for e, i, s in self.acks]
         if self.universe is not None:
             body["universe"] = self.universe.to_body()
         return {**body, **_without_none({"epochs": self.epochs, "process": self.process})}
@@ -1110,11 +1121,13 @@ class SplitRequest:
             raise ProtocolError(R_HEADER, f"{len(raw_acks)} acks in one request (max {MAX_ACKS})")
         acks = []
         for a in raw_acks:
-            ok = isinstance(a, list) and len(a) == 2
+            ok = isinstance(a, list) and len(a) in (2, 3)
             ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in a)
             if not ok:
-                raise ProtocolError(R_HEADER, f"ack {a!r} is not [epoch, index] (ints >= 0)")
-            acks.append((a[0], a[1]))
+                raise ProtocolError(
+                    R_HEADER, f"ack {a!r} is not [epoch, index] or [epoch, index, seq] (ints >= 0)"
+                )
+            acks.append((a[0], a[1], a[2] if len(a) == 3 else 0))
         universe = _field(b, "universe", "map")
         epochs = _field(b, "epochs", "int")
         if epochs is not None and epochs < 0:
@@ -1133,8 +1146,10 @@ class SplitRequest:
 class SplitReply:
     """The dispatcher's answer. ``grant``: "split" (``index`` and ``file`` or ``[start,
     stop)`` of ``epoch``), "wait" (ask again after ``retry_ms``: the epoch's last splits are
-    in flight elsewhere) or "end" (the epoch bound is reached). ``acked`` / ``stale``: how
-    many of the request's acks completed a lease / were ignored (not leased to the sender).
+    in flight elsewhere) or "end" (the epoch bound is reached). ``acked`` / ``held`` /
+    ``stale``: how many of the request's acks completed a lease / are held until the push
+    they name arrives (then they complete, the worker need not send them again) / were
+    ignored (not leased to the sender).
     """
 
     grant: str
@@ -1146,6 +1161,7 @@ class SplitReply:
     retry_ms: int = 0
     acked: int = 0
     stale: int = 0
+    held: int = 0
 
     def to_body(self) -> dict[str, Any]:
         """The split reply body map."""
@@ -1170,6 +1186,7 @@ class SplitReply:
             retry_ms=_field(b, "retry_ms", "int", 0),
             acked=_field(b, "acked", "int", 0),
             stale=_field(b, "stale", "int", 0),
+            held=_field(b, "held", "int", 0),
         )
         if grant == "split":
             ranged = r.start is not None and r.stop is not None and 0 <= r.start < r.stop

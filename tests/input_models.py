@@ -5,10 +5,16 @@
   With ``DOWNPOUR_TEST_IDS_DIR`` set, its input_fn appends the ids of every batch it yields
   to ``ids-<worker index>-<pid>.txt`` there (a test hook of this plugin, not of downpour).
   With ``DOWNPOUR_TEST_GATE`` naming a file too, each batch, once recorded, waits (at most
-  ``GATE_S``) while that file exists: a test holds the workers mid-split with it.
+  ``GATE_S``) while that file exists: a test holds the workers mid-split with it. With
+  ``DOWNPOUR_TEST_BATCH_S`` set, each batch takes at least that many seconds (pacing, so
+  an epoch lasts long enough for a test to act in the middle of it).
 - ``two_inputs``: a dict of two named inputs, four classes.
 - ``multilabel``: 2-D float labels (four independent yes/no targets), sigmoid loss.
 - ``not_a_dataset``, ``wrong_shape``, ``missing_key``, ``few_files``: bad input, refused.
+- ``big_records``: streams the TFRecord files of ``--data-dir`` (``write_big_records``
+  writes them): records of ``BLOB_FLOATS`` float32 each (512 KiB), read with ``interleave``
+  and ``prefetch``; the model averages each blob down to 64 numbers before a Dense, so an
+  epoch over a gigabyte is a few hundred cheap steps.
 
 Importable by spawned services through PYTHONPATH (the tests directory).
 """
@@ -29,6 +35,7 @@ N_IDS = 600  # training examples of ``ids`` (120 more are held out)
 IDS_DIR_ENV = "DOWNPOUR_TEST_IDS_DIR"
 GATE_ENV = "DOWNPOUR_TEST_GATE"
 GATE_S = 120.0
+PACE_ENV = "DOWNPOUR_TEST_BATCH_S"
 
 
 def _blobs(n: int, dim: int = 8, classes: int = 4, seed: int = 3) -> tuple[np.ndarray, ...]:
@@ -48,6 +55,7 @@ def _record(ids: tf.Tensor, worker_index: int) -> None:
         path = Path(directory) / f"ids-{worker_index}-{os.getpid()}.txt"
         with open(path, "a") as f:
             f.write("".join(f"{i}\n" for i in ids.numpy().tolist()))
+    time.sleep(float(os.environ.get(PACE_ENV) or 0))
     gate = os.environ.get(GATE_ENV)
     deadline = time.monotonic() + GATE_S
     while gate and os.path.exists(gate) and time.monotonic() < deadline:
@@ -207,3 +215,68 @@ def few_files() -> ModelSpec:
         return ids_input_fn(ctx).take(len(mine))
 
     return ModelSpec(name="ids", build=_ids_model, input_fn=input_fn, batch_size=32)
+
+
+BLOB_FLOATS = 1 << 17  # float32 per record: 512 KiB
+BLOB_ROWS = 64  # the model averages a blob to this many numbers
+BIG_FEATURES = {
+    "blob": tf.io.FixedLenFeature([], tf.string),
+    "label": tf.io.FixedLenFeature([], tf.int64),
+}
+
+
+def write_big_records(directory: Path, files: int, records_per_file: int) -> int:
+    """Write ``files`` TFRecord files of ``records_per_file`` records each (``big_records``'
+    format) into ``directory``; return the bytes written. Eight distinct records, serialized
+    once and written over and over: generation costs about what the disk write costs."""
+    rng = np.random.default_rng(0)
+    templates = []
+    for k in range(8):
+        label = k % 2
+        blob = (rng.normal(size=BLOB_FLOATS) + label).astype(np.float32)
+        example = tf.train.Example(
+            features=tf.train.Features(
+                feature={
+                    "blob": tf.train.Feature(bytes_list=tf.train.BytesList(value=[blob.tobytes()])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
+                }
+            )
+        )
+        templates.append(example.SerializeToString())
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        path = directory / f"part-{f:03d}.tfrecord"
+        with tf.io.TFRecordWriter(str(path)) as writer:
+            for r in range(records_per_file):
+                writer.write(templates[(f + r) % len(templates)])
+    return sum(p.stat().st_size for p in directory.glob("*.tfrecord"))
+
+
+def big_records_input_fn(ctx: InputContext) -> tf.data.Dataset:
+    """This worker's files of ``--data-dir``, streamed: a few records in flight per file,
+    parsed a batch at a time, batches prefetched."""
+    files = ctx.shard_files(sorted(str(p) for p in Path(ctx.data_dir or ".").glob("*.tfrecord")))
+    ds = tf.data.Dataset.from_tensor_slices(files).interleave(
+        tf.data.TFRecordDataset, cycle_length=2, num_parallel_calls=tf.data.AUTOTUNE
+    )
+
+    def parse(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        ex = tf.io.parse_example(serialized, BIG_FEATURES)
+        blob = tf.io.decode_raw(ex["blob"], tf.float32)
+        return tf.ensure_shape(blob, (None, BLOB_FLOATS)), ex["label"]
+
+    return ds.batch(ctx.batch_size).map(parse).prefetch(tf.data.AUTOTUNE)
+
+
+def _big_model() -> keras.Model:
+    blob = keras.Input((BLOB_FLOATS,), name="blob")
+    rows = keras.layers.Reshape((BLOB_ROWS, BLOB_FLOATS // BLOB_ROWS))(blob)
+    means = keras.layers.GlobalAveragePooling1D(data_format="channels_first")(rows)
+    return keras.Model(blob, keras.layers.Dense(2, name="logits")(means), name="big_records")
+
+
+def big_records() -> ModelSpec:
+    """512 KiB records streamed from TFRecord files (see the module docstring)."""
+    return ModelSpec(
+        name="big_records", build=_big_model, input_fn=big_records_input_fn, batch_size=8
+    )

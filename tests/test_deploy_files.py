@@ -167,3 +167,47 @@ def test_kubernetes_objects_are_the_ones_the_readme_describes() -> None:
     assert "Secret" in kinds
     for spec in (sts["template"]["spec"], workers):
         assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+# ---------------------------------------------------------------- data dispatch
+
+
+def test_every_deploy_file_passes_the_data_dispatch_setting_through_its_environment() -> None:
+    """``--data-dispatch`` reaches the server and the workers the way every other setting
+    does (DOWNPOUR_DATA_DISPATCH, or ``data_dispatch`` in the systemd TOML files), with a
+    value the setting accepts and the same value on both sides."""
+    from downpour import config
+    from downpour.cli import SERVICES
+    from downpour.settings import DISPATCH_MODES
+
+    compose = documents(DOCKER / "compose.yaml")[0]["services"]
+    k8s = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+        for p in K8S.glob("*.yaml")
+        for d in documents(p)
+        if d["kind"] == "StatefulSet"
+    }
+    envs = {
+        "server": [
+            compose["server"]["environment"],
+            {e["name"]: e.get("value") for e in k8s["downpour-server"]["env"]},
+        ],
+        "worker": [
+            *(v["environment"] for k, v in compose.items() if k.startswith("worker")),
+            {e["name"]: e.get("value") for e in k8s["downpour-worker"]["env"]},
+        ],
+    }
+    values = set()
+    for service, service_envs in envs.items():
+        options = SERVICES[service].OPTIONS
+        for env in service_envs:
+            value = env["DOWNPOUR_DATA_DISPATCH"]
+            assert value in DISPATCH_MODES
+            loaded = config.load(service, options, [], {"DOWNPOUR_DATA_DISPATCH": value})
+            assert loaded.values()["data_dispatch"] == value
+            values.add(value)
+        toml = ROOT / "deploy" / "systemd" / f"{service}.toml"
+        loaded = config.load(service, options, ["--config", str(toml)], {})
+        assert loaded.items["data_dispatch"].source == f"file {toml}"
+        values.add(loaded.values()["data_dispatch"])
+    assert len(values) == 1  # the server and its workers agree

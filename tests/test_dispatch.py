@@ -1,6 +1,7 @@
 """The split dispatcher (``--data-dispatch server``) without sockets: every split of an epoch
 acknowledged exactly once while workers come and go, released splits back in the queue, an
-epoch that ends only when all are acknowledged, and the state through a checkpoint round trip.
+epoch that ends only when all are acknowledged, an ack held until its split's last push
+arrives, and the state through a checkpoint round trip.
 Also the wire bodies of split requests and replies."""
 
 from __future__ import annotations
@@ -192,6 +193,51 @@ def test_state_round_trip_resumes_the_epoch_with_in_flight_splits_requeued() -> 
     assert sorted([*done, *seen]) == list(range(FILES.num_splits))
 
 
+def test_an_ack_before_its_push_is_held_until_the_push_arrives() -> None:
+    d = dispatcher()
+    first = take(d, "w")
+    assert d.hold("w", 0, first, seq=5) is True  # the push of seq 5 is still on its way
+    p = d.progress()
+    assert (p["splits_done"], p["splits_in_flight"], p["splits_awaiting_push"]) == (0, 1, 1)
+    second = take(d, "w")  # a held ack frees the in-flight slot: a new split, not a resend
+    assert second != first and d.counters["resent"] == 0
+    assert d.pushed("w", 4) == [] and d.progress()["splits_done"] == 0
+    assert d.pushed("other", 9) == []  # another worker's push completes nothing of w's
+    assert d.pushed("w", 5) == [first]
+    assert d.progress()["splits_done"] == 1 and d.held_by("w") == [second]
+    assert (d.counters["acked"], d.counters["acks_held"]) == (1, 1)
+    assert d.ack("w", 0, first) is False  # done once: a repeat is stale
+
+
+def test_the_epoch_ends_when_the_push_of_its_last_held_ack_arrives() -> None:
+    d = dispatcher(wire.DataUniverse(files=("a", "b")), epochs=1)
+    a, b = take(d, "w0"), take(d, "w1")
+    d.ack("w0", 0, a)
+    d.hold("w1", 0, b, seq=3)
+    assert d.next_split("w0", 0.0).kind == GRANT_WAIT and d.epochs_done == 0
+    d.pushed("w1", 3)
+    assert d.epochs_done == 1 and d.next_split("w0", 0.0).kind == GRANT_END
+
+
+def test_a_gone_workers_held_ack_is_released_with_its_leases() -> None:
+    d = dispatcher()
+    held = take(d, "w")
+    d.hold("w", 0, held, seq=2)
+    assert d.release("w") == [held]  # gone before its push arrived: the split is redone
+    assert d.pushed("w", 2) == [] and d.progress()["splits_done"] == 0
+    assert take(d, "other") == held
+
+
+def test_a_held_ack_is_checkpointed_in_flight_not_done() -> None:
+    d = dispatcher()
+    held = take(d, "w")
+    d.hold("w", 0, held, seq=2)
+    doc = json.loads(json.dumps(d.state()))
+    assert held in doc["in_flight"] and held not in doc["acked"]
+    r = Dispatcher.from_state(doc)
+    assert r.progress()["splits_done"] == 0 and take(r, "w") == held  # back in the queue
+
+
 def test_an_unconfigured_or_damaged_state_is_handled() -> None:
     fresh = Dispatcher.from_state(Dispatcher(seed=3).state())
     assert not fresh.configured and fresh.seed == 3
@@ -233,12 +279,14 @@ def test_a_bad_universe_is_refused_with_its_reason(kw: dict, match: str) -> None
 
 def test_split_bodies_round_trip_through_the_wire() -> None:
     req = wire.SplitRequest(
-        FILES.digest(), acks=((0, 3), (1, 2)), universe=FILES, epochs=2, process="p"
+        FILES.digest(), acks=((0, 3, 17), (1, 2)), universe=FILES, epochs=2, process="p"
     )
+    assert req.acks == ((0, 3, 17), (1, 2, 0))  # a pair waits for no push
+    assert req.to_body()["acks"] == [[0, 3, 17], [1, 2]]
     msg = wire.decode(wire.encode(wire.split_request("w0", req, seq=4)))
     assert msg.type == wire.SPLIT and wire.SplitRequest.from_body(msg.body) == req
     for rep in (
-        wire.SplitReply("split", 1, index=3, file="a.tfrecord", acked=1),
+        wire.SplitReply("split", 1, index=3, file="a.tfrecord", acked=1, held=2),
         wire.SplitReply("split", 0, index=2, start=20, stop=30, stale=1),
         wire.SplitReply("wait", 0, retry_ms=200),
         wire.SplitReply("end", 2),
@@ -262,6 +310,9 @@ def test_the_digest_names_the_data_not_the_object() -> None:
         {"digest": "short"},
         {"digest": "0" * 64, "acks": [[0]]},
         {"digest": "0" * 64, "acks": [[0, -1]]},
+        {"digest": "0" * 64, "acks": [[0, 1, -3]]},
+        {"digest": "0" * 64, "acks": [[0, 1, 2, 3]]},
+        {"digest": "0" * 64, "acks": [[0, 1, True]]},
         {"digest": "0" * 64, "acks": [["0", 1]]},
         {"digest": "0" * 64, "acks": [[0, 1]] * (wire.MAX_ACKS + 1)},
         {"digest": "0" * 64, "universe": {"files": [1]}},

@@ -1,19 +1,27 @@
 """The server's split handling without sockets: real ParameterState on the tiny model, real
 wire messages through ``handle_request``. Splits handed out and acknowledged, bad requests
-refused and counted, release on a restarted worker's hello and on liveness, the dispatcher
-in checkpoints, the status document and the Prometheus text."""
+refused and counted, release on a restarted worker's hello and on liveness, acks held until
+their split's last push arrives (through the gradient handler), the dispatcher in
+checkpoints, the status document and the Prometheus text."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from downpour import wire
 from downpour.server.checkpoint import CheckpointStore, capture, restore_dispatcher
 from downpour.server.dispatch import Dispatcher
-from downpour.server.handlers import HandlerContext, handle_request, release_gone
+from downpour.server.handlers import (
+    HandlerContext,
+    apply_decision,
+    handle_gradients,
+    handle_request,
+    release_gone,
+)
 from downpour.server.policies import parse_policy
 from downpour.server.prometheus import render_text
 from downpour.server.registry import WorkerRegistry
@@ -69,7 +77,7 @@ def frames(msg: Message) -> list[bytes]:
 def ask(
     ctx: HandlerContext,
     sender: str,
-    acks: tuple[tuple[int, int], ...] = (),
+    acks: tuple[tuple[int, ...], ...] = (),
     universe: wire.DataUniverse = FILES,
     process: str = "p1",
     raw: dict[str, Any] | None = None,
@@ -97,6 +105,68 @@ def test_workers_get_each_split_once_and_the_epoch_moves_on(ctx: HandlerContext)
     assert replies[-1].grant == "split" and replies[-1].epoch == 1  # the last ack ended it
     assert ctx.dispatcher is not None and ctx.dispatcher.epochs_done == 1
     assert "w0" in ctx.registry  # a split request enrols its worker for liveness
+
+
+def push(ctx: HandlerContext, sender: str, seq: int, value: float = 0.01) -> None:
+    """A gradient push through the gradient handler (and applied), as the loop does it."""
+    tensors = {
+        n: np.full(shape, value, dtype)
+        for n, shape, dtype in zip(ctx.state.names, ctx.state.shapes, ctx.state.dtypes, strict=True)
+    }
+    msg = wire.push_message(sender, seq, ctx.state.version, wire.PushBody(), tensors)
+    outcome = handle_gradients(frames(msg), ctx)
+    if outcome.decision is not None:
+        apply_decision(outcome.decision, ctx)
+
+
+def test_an_ack_that_overtakes_its_push_is_held_until_the_push_arrives(
+    ctx: HandlerContext,
+) -> None:
+    r = granted(ask(ctx, "w0"))
+    push(ctx, "w0", seq=1)
+    # the split's last push (seq 2) is still on the gradient socket when its ack comes
+    reply = granted(ask(ctx, "w0", acks=((r.epoch, r.index, 2),)))
+    assert (reply.acked, reply.held, reply.stale) == (0, 1, 0)
+    assert reply.grant == "split" and reply.index != r.index  # the next split, not a resend
+    d = ctx.dispatcher
+    assert d is not None and d.progress()["splits_done"] == 0
+    assert r.index in d.state()["in_flight"]  # a checkpoint now would redo the split
+    push(ctx, "w0", seq=2)
+    assert d.progress()["splits_done"] == 1 and r.index in d.state()["acked"]
+    assert ctx.state.version == 2 and d.counters["acks_held"] == 1
+
+
+def test_an_ack_after_its_push_completes_at_once(ctx: HandlerContext) -> None:
+    r = granted(ask(ctx, "w0"))
+    push(ctx, "w0", seq=1)
+    reply = granted(ask(ctx, "w0", acks=((r.epoch, r.index, 1),)))
+    assert (reply.acked, reply.held, reply.stale) == (1, 0, 0)
+    d = ctx.dispatcher
+    assert d is not None and d.progress()["splits_done"] == 1 and d.counters["acks_held"] == 0
+
+
+def test_a_refused_last_push_still_completes_its_held_ack(ctx: HandlerContext) -> None:
+    """A refused push is never sent again: the ack waiting for it must not wait forever."""
+    r = granted(ask(ctx, "w0"))
+    granted(ask(ctx, "w0", acks=((r.epoch, r.index, 1),)))
+    push(ctx, "w0", seq=1, value=float("nan"))
+    d = ctx.dispatcher
+    assert ctx.stats.rejected[wire.R_NONFINITE] == 1 and ctx.state.version == 0
+    assert d is not None and d.progress()["splits_done"] == 1
+
+
+def test_a_gone_workers_held_ack_is_released(spec: Any) -> None:
+    clock = Clock()
+    ctx = make_ctx(spec, clock=clock)
+    r = granted(ask(ctx, "w0"))
+    assert granted(ask(ctx, "w0", acks=((r.epoch, r.index, 3),))).held == 1
+    clock.now += 61.0  # w0 is gone before its last push arrived
+    assert release_gone(ctx) == ["w0"]
+    d = ctx.dispatcher
+    assert d is not None and d.progress()["splits_done"] == 0
+    assert granted(ask(ctx, "w1")).index == r.index  # the split is read again
+    push(ctx, "w0", seq=3)  # the push arriving late completes nothing
+    assert d.progress()["splits_done"] == 0 and d.held_by("w1") == [r.index]
 
 
 def test_a_server_without_dispatch_refuses_split_requests(spec: Any) -> None:

@@ -2,7 +2,8 @@
 epoch. In-process: three workers on one epoch see the training set exactly once between
 them; bad settings and undividable input are refused before the hello. Slow tier (real
 processes): a worker SIGKILLed mid-split and a fourth joining, every split acknowledged
-once and no example lost."""
+once and no example lost; a server SIGKILLed mid-epoch and restarted from its checkpoint
+resumes the epoch with the same worker processes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import input_models
 import pytest
 import tensorflow as tf
-from conftest import Cluster, summary, wait_until
+from conftest import Cluster, free_ports, summary, wait_until
 from inproc import WorkerThread, make_worker, serving
 
 from downpour import InputContext, ModelSpec, cli
@@ -23,6 +24,7 @@ from downpour.examples import digits_csv
 from downpour.examples.records import TRAIN, split_files
 from downpour.inputs import Split
 from downpour.pipeline import InputError
+from downpour.server.checkpoint import CheckpointStore
 from downpour.settings import ConfigError
 from downpour.worker.service import WorkerError
 
@@ -223,3 +225,98 @@ def test_a_killed_worker_split_is_reread_and_a_joiner_takes_work(
     d = doc["dispatch"]
     assert (d["epochs_done"], d["splits_done"], d["acked"]) == (1, N_SPLITS, N_SPLITS)
     assert (d["released"], d["handed_out"], d["acks_stale"]) == (1, N_SPLITS + 1, 0)
+
+
+def split_ids(index: int, size: int) -> set[int]:
+    """The ids of split ``index`` of epoch 0 (``size`` elements each), as a worker reads it:
+    the plugin's input_fn for that split, with the workers' default seed (data order) and
+    the global seed a worker sets as it builds its model (``build_model``)."""
+    tf.random.set_seed(0)
+    ctx = InputContext(seed=0, batch_size=32).for_epoch(
+        0, Split(index, start=index * size, stop=min(input_models.N_IDS, (index + 1) * size))
+    )
+    return {int(i) for x, _ in input_models.ids_input_fn(ctx) for i in x["id"].numpy()}
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_epoch_resumes_it_with_the_workers_it_had(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three real workers, a server checkpointing every 0.2 s. Once some splits are done the
+    workers are frozen (SIGSTOP) and the server is SIGKILLed as soon as its newest checkpoint
+    holds exactly the dispatcher state it serves; it restarts from that checkpoint on the
+    same ports and the workers go on (SIGCONT).
+
+    The same epoch resumes with the done count of the checkpoint, every split ends
+    acknowledged once, and every example is trained on. An example is trained on twice only
+    if its split was in flight in that checkpoint: its worker finishes reading it, but its
+    lease died with the old server, so the split is handed out and read again."""
+    size = 32  # 19 splits of one batch each
+    n_splits = -(-input_models.N_IDS // size)
+    expected = {i: split_ids(i, size) for i in range(n_splits)}  # before the record hook is on
+    ids_dir = tmp_path / "ids"
+    ids_dir.mkdir()
+    monkeypatch.setenv(input_models.IDS_DIR_ENV, str(ids_dir))
+    monkeypatch.setenv(input_models.PACE_ENV, "0.3")  # an epoch of 19 batches lasts seconds
+    state = tmp_path / "state"
+    ports = free_ports(3)
+    args = (
+        "--data-dispatch", "server", "--state-dir", str(state), "--checkpoint-secs", "0.2",
+        "--push-port", str(ports[1]), "--status-port", str(ports[2]),
+    )  # fmt: skip
+    server = cluster.server(*args, model="input_models:ids", port=ports[0])
+    wargs = ("--data-dispatch", "server", "--split-size", str(size), "--epochs", "1")
+    workers = [
+        cluster.worker(ports[0], *wargs, model="input_models:ids", worker_id=f"w{i}")
+        for i in range(3)
+    ]
+
+    def dispatch() -> dict:
+        return fetch_status(server.status)["dispatch"]
+
+    wait_until(lambda: dispatch()["splits_done"] >= 3, 300, "three splits done")
+    for w in workers:
+        os.kill(w.proc.pid, signal.SIGSTOP)
+
+    def settled() -> dict | None:  # the checkpoint holds what the server serves, all frozen
+        doc = fetch_status(server.status)
+        live = doc["dispatch"]
+        ckpt = CheckpointStore(state).latest()
+        saved = None if ckpt is None else ckpt.meta.get("dispatch")
+        if saved is None or live["splits_awaiting_push"] or ckpt.version != doc["version"]:
+            return None
+        same = (saved["epoch"], len(saved["acked"]), len(saved["in_flight"])) == (
+            live["epoch"],
+            live["splits_done"],
+            live["splits_in_flight"],
+        )
+        return saved if same and saved["counters"]["acked"] == live["acked"] else None
+
+    saved = wait_until(settled, 60, "a checkpoint of the frozen dispatcher")
+    assert saved["epoch"] == 0 and 3 <= len(saved["acked"]) < n_splits  # mid-epoch
+    server.proc.kill()
+    server.wait(30)
+    server = cluster.server(*args, model="input_models:ids", port=ports[0])
+    resumed = dispatch()
+    assert (resumed["epoch"], resumed["splits_done"], resumed["splits_in_flight"]) == (
+        0,
+        len(saved["acked"]),
+        0,
+    )  # the same epoch, nothing done lost, the splits in flight back in the queue
+    for w in workers:
+        os.kill(w.proc.pid, signal.SIGCONT)
+    for w in workers:
+        assert w.wait(timeout=300) == 0, w.log_text()
+
+    d = wait_until(
+        lambda: (d := dispatch())["finished"] and d, 30, "the status document after the epoch"
+    )
+    assert (d["epoch"], d["epochs_done"], d["splits_done"]) == (0, 1, n_splits)
+    assert d["acked"] == n_splits  # each split acknowledged once, across both servers
+    seen = Counter(recorded_ids(ids_dir))
+    assert set(seen) == set(range(input_models.N_IDS))  # no example lost
+    in_flight = set().union(*(expected[i] for i in saved["in_flight"]))
+    twice = {i for i, n in seen.items() if n > 1}
+    assert twice <= in_flight and max(seen.values()) <= 2, (twice - in_flight, saved)
+    sums = [summary(w) for w in workers]
+    assert all(not s["stopped_early"] for s in sums)

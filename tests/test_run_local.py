@@ -95,3 +95,41 @@ def test_run_local_with_two_shards_reaches_the_one_shard_bar(tmp_path: Path) -> 
         reported = doc["workers"][w]["reported"]
         # bf16 pushes: half the payload; with tiny's small tensors the headers are the rest
         assert reported["bytes_sent"] < 0.7 * reported["bytes_raw"], reported
+
+
+def test_run_local_with_data_dispatch_runs_its_epochs_through_the_server(tmp_path: Path) -> None:
+    """``--data-dispatch server``: the server dispatches, both workers take splits, and the
+    run ends when the server has counted the epochs asked for, each split acknowledged
+    once per epoch."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "downpour", "run-local", "--model", "tiny_models:tiny",
+            "--workers", "2", "--epochs", "4", "--data-dispatch", "server",
+            "--split-size", "64", "--no-progress", "--run-dir", str(run_dir),
+        ],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=480,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr + (run_dir / "server.log").read_text()
+    doc = json.loads((run_dir / "status.json").read_text())
+    d = doc["dispatch"]
+    splits = -(-960 // 64)  # tiny's 960 training examples in splits of 64
+    assert (d["universe"], d["splits_total"]) == ("960 elements / 64", splits)
+    assert (d["epochs_done"], d["max_epochs"], d["finished"]) == (4, 4, True)
+    assert (d["acked"], d["handed_out"], d["released"]) == (4 * splits, 4 * splits, 0)
+    assert doc["updates_applied"] == 4 * 30  # 30 batches of 32 an epoch, between the workers
+    assert all(w["steps"] > 0 for w in doc["workers"].values())  # both took splits
+    assert f"dispatch: 4 epoch(s) done of 4, {4 * splits} splits acknowledged" in out.stdout
+    assert float(out.stdout.splitlines()[-1].removeprefix("held-out accuracy: ")) > 0.8
+
+
+def test_run_local_refuses_a_fraction_of_an_epoch_with_data_dispatch(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "downpour", "run-local", "--model", "tiny_models:tiny",
+            "--epochs", "1.5", "--data-dispatch", "server", "--run-dir", str(tmp_path / "run"),
+        ],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "counts whole epochs: --epochs 1.5" in out.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything started

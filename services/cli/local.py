@@ -1,5 +1,8 @@
 """``downpour run-local``: the demo. A server and N workers as separate processes on loopback.
 
+The workers read static shards of the training data (worker i of N), or, with
+``--data-dispatch server``, take splits from the server (shard 0) for exactly-once epochs.
+
 Shows progress bars while training, evaluates the held-out set with the server's weights,
 writes ``history.csv``, ``workers.csv``, ``status.json``, TensorBoard events and PNG plots
 (``downpour plot``) into a run directory, and prints
@@ -30,11 +33,13 @@ from downpour.settings import DATA_DIR, MODEL, Option, add_options, at_least
 from downpour.transport import Deadline, tcp
 from downpour.worker.settings import (
     COMPRESS,
+    DATA_DISPATCH,
     EPOCHS,
     GRAPH,
     N_FETCH,
     N_PUSH,
     PULL_COMPRESS,
+    SPLIT_SIZE,
     STEPS,
 )
 
@@ -78,6 +83,14 @@ LOCAL_OPTIONS: tuple[Option, ...] = (
     replace(COMPRESS, help="the workers' --compress (none, bf16, topk:RATIO)", section=_WORKERS),
     replace(PULL_COMPRESS, help="the workers' pulls", section=_WORKERS),
     replace(GRAPH, help="the workers' --graph", section=_WORKERS),
+    replace(
+        DATA_DISPATCH,
+        help="server: the server hands out splits of the training data and the workers take "
+        "them (exactly-once epochs, --epochs counted by the server, whole epochs only); "
+        "none: worker i reads static shard i of --workers",
+        section=_RUN,
+    ),
+    replace(SPLIT_SIZE, section=_WORKERS),
     replace(OPTIMIZER, section=_SERVER),
     replace(LR, section=_SERVER),
     Option(
@@ -191,8 +204,21 @@ class Evaluator:
         return versions[0], evaluate(self.spec, self.model, self.held_out)
 
 
+def dispatch_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--data-dispatch``/``--split-size`` cannot run as given (None: they can): the
+    workers would refuse the same, each with exit 2, after the servers started."""
+    if args.data_dispatch != "server":
+        return "--split-size goes with --data-dispatch server" if args.split_size else None
+    if not args.steps and args.epochs != int(args.epochs):
+        return f"--data-dispatch server counts whole epochs: --epochs {args.epochs} is not one"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole demo; returns the exit code."""
+    if (problem := dispatch_problem(args)) is not None:
+        print(f"downpour run-local: error: {problem}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     run_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
@@ -217,6 +243,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     from tqdm import tqdm
 
     shards = max(1, args.shards)
+    dispatched = args.data_dispatch == "server"
     key_dir = run_dir / "keys"
     status_keys = eval_keys = None
     server_extra: list[str] = []
@@ -288,12 +315,15 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             args.pull_compress,
             "--graph",
             args.graph,
-            "--num-workers",  # static sharding: worker i reads shard i of N
-            str(args.workers),
-            "--worker-index",
-            str(i),
         ]
-        wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
+        if dispatched:  # splits from shard 0's dispatcher, epochs counted by the server
+            wargs += ["--data-dispatch", "server"]
+            wargs += ["--split-size", str(args.split_size)] if args.split_size else []
+            epochs = str(int(args.epochs))
+        else:  # static sharding: worker i reads shard i of N
+            wargs += ["--num-workers", str(args.workers), "--worker-index", str(i)]
+            epochs = str(args.epochs)
+        wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", epochs]
         if args.data_dir:
             wargs += ["--data-dir", args.data_dir]
         if args.secure:
@@ -303,7 +333,10 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         procs.append(workers[-1])
     loader.join(timeout=300)
     evaluator: Evaluator = evaluator_box["e"]
-    per_worker = args.steps or evaluator.steps_per_worker(args.workers, args.epochs)
+    # a dispatched worker's share is whatever splits it gets: no per-worker total then
+    per_worker = args.steps or (
+        None if dispatched else evaluator.steps_per_worker(args.workers, args.epochs)
+    )
     bars = {
         f"worker-{i}": tqdm(
             total=per_worker,
@@ -393,6 +426,12 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             f"{d['updates_applied']} updates, staleness mean {st['mean']:.2f} max "
             f"{st['max']:.0f}, rejected {d['rejected_total']}"
         )
+    if (d := doc.get("dispatch")) is not None:
+        print(
+            f"dispatch: {d['epochs_done']} epoch(s) done of {d['max_epochs'] or 'unbounded'}, "
+            f"{d['acked']} splits acknowledged ({d['splits_total']} per epoch), "
+            f"{d['released']} released"
+        )
     if failed:
         print(
             f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
@@ -434,6 +473,11 @@ def _spawn_server(
             str(run_dir / "tensorboard" / (f"shard-{shard}" if sharded else "")),
             "--eval-every",
             str(0 if sharded else args.server_eval_every),
+            *(
+                ["--data-dispatch", "server"]
+                if args.data_dispatch == "server" and shard == 0
+                else []
+            ),
             *(["--data-dir", args.data_dir] if args.data_dir else []),
             *extra,
         ],

@@ -18,6 +18,14 @@ of such a split is ignored and counted as stale, so each split is acknowledged e
 once. While the queue is empty but splits are still in flight a worker is told to wait:
 the epoch is not over until those are acknowledged or released.
 
+An ack must not overtake the split's gradients: acks come over REQ/REP, gradients over
+PUSH/PULL, so the ack of a split can reach the server before the push that carried the
+split's last gradients. An ack names that push's sequence number; while the worker's
+accepted seq is below it the ack is *held* (``hold``): the lease stays in flight, no longer
+counts against the worker's in-flight limit, and completes when the push arrives
+(``pushed``). A held ack is released with the worker's other leases (gone, restarted,
+expired), and checkpoints carry it as in flight, never as done.
+
 Pure Python: no sockets, no TensorFlow. The server's loop thread is its only caller.
 ``state()`` / ``from_state()`` carry it through checkpoints; restored, the splits that were
 in flight are back in the queue (their gradients after the checkpoint are lost with it).
@@ -42,6 +50,7 @@ COUNTER_NAMES = (
     "handed_out",  # leases granted
     "acked",  # splits acknowledged (each once)
     "acks_stale",  # acks of splits the sender no longer holds (released, other epoch)
+    "acks_held",  # acks that arrived before their split's last push (completed on its arrival)
     "released",  # leases taken back (liveness gone, restarted worker, expiry)
     "resent",  # a request at the in-flight limit: the newest lease sent again
     "refused_universe",  # requests with another universe's digest
@@ -83,6 +92,7 @@ class Grant:
 class _Lease:
     worker: str
     since: float
+    awaiting: int | None = None  # acknowledged, once the worker's push of this seq arrives
 
 
 @dataclass
@@ -173,10 +183,10 @@ class Dispatcher:
         self.expire(now)
         if self.finished:
             return Grant(GRANT_END, self.epoch)
-        held = self._held.get(worker_id, [])
-        if len(held) >= self.lease.max_in_flight:
+        reading = [i for i in self._held.get(worker_id, []) if self._leases[i].awaiting is None]
+        if len(reading) >= self.lease.max_in_flight:
             self.counters["resent"] += 1
-            return Grant(GRANT_SPLIT, self.epoch, self._split(held[-1]))
+            return Grant(GRANT_SPLIT, self.epoch, self._split(reading[-1]))
         if not self._queue:
             return Grant(GRANT_WAIT, self.epoch)
         index = self._queue.popleft()
@@ -194,10 +204,43 @@ class Dispatcher:
         its lease; False (counted as stale) when the split is not leased to it in the
         current epoch: released meanwhile, or an ack repeated after a lost reply. The
         epoch's last ack starts the next epoch."""
-        lease = self._leases.get(index)
-        if epoch != self.epoch or lease is None or lease.worker != worker_id:
+        if not self._leased_to(worker_id, epoch, index):
             self.counters["acks_stale"] += 1
             return False
+        self._complete(worker_id, index)
+        return True
+
+    def hold(self, worker_id: str, epoch: int, index: int, seq: int) -> bool:
+        """``worker_id`` has finished split ``index`` of ``epoch``, its last gradients going
+        in push ``seq``, which has not arrived yet: hold the ack until ``pushed`` reports it.
+        True if held; False (counted as stale) when the split is not leased to it."""
+        if not self._leased_to(worker_id, epoch, index):
+            self.counters["acks_stale"] += 1
+            return False
+        lease = self._leases[index]
+        if lease.awaiting is None:
+            self.counters["acks_held"] += 1
+        lease.awaiting = max(lease.awaiting or 0, seq)
+        return True
+
+    def pushed(self, worker_id: str, seq: int) -> list[int]:
+        """The push ``seq`` of ``worker_id`` has reached the server: complete its held acks
+        awaiting that seq or an earlier one; return their indices."""
+        done = [
+            i
+            for i in self._held.get(worker_id, [])
+            if (a := self._leases[i].awaiting) is not None and a <= seq
+        ]
+        for index in done:
+            self._complete(worker_id, index)
+        return done
+
+    def _leased_to(self, worker_id: str, epoch: int, index: int) -> bool:
+        lease = self._leases.get(index)
+        return epoch == self.epoch and lease is not None and lease.worker == worker_id
+
+    def _complete(self, worker_id: str, index: int) -> None:
+        """Split ``index``'s lease by ``worker_id`` is done; the epoch's last starts the next."""
         del self._leases[index]
         self._held[worker_id].remove(index)
         if not self._held[worker_id]:
@@ -208,7 +251,6 @@ class Dispatcher:
             self.epochs_done += 1
             if not self.finished:
                 self._start_epoch(self.epoch + 1)
-        return True
 
     def release(self, worker_id: str) -> list[int]:
         """Take back every split leased to ``worker_id`` (front of the queue, in the order
@@ -268,6 +310,7 @@ class Dispatcher:
             "splits_total": self.num_splits,
             "splits_done": len(self._acked),
             "splits_in_flight": len(self._leases),
+            "splits_awaiting_push": sum(1 for x in self._leases.values() if x.awaiting is not None),
             "splits_left": len(self._queue),
             "in_flight": {w: list(ix) for w, ix in self._held.items()},
             **self.counters,

@@ -3,7 +3,10 @@ or a decision.
 
 Under ``--data-dispatch server`` the REP socket also serves split requests
 (``handle_split``, over ``downpour.server.dispatch.Dispatcher``), and the loop calls
-``release_gone`` so that the splits of workers gone by liveness go back to the queue.
+``release_gone`` so that the splits of workers gone by liveness go back to the queue. An ack
+whose split's last push (its seq) has not reached the server yet is held by the dispatcher,
+and ``handle_gradients`` completes it when that push arrives: an ack never overtakes its
+split's gradients.
 
 Nothing here touches a socket or starts a thread. The service's loop receives frames, calls
 ``handle_request`` (REP socket: hello, weight pulls, heartbeats) or ``handle_gradients``
@@ -298,9 +301,11 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
     (``bad_header``); the first request registers the universe, every request's digest
     must be the served universe's (``data_universe``); a new process token of the sender
     releases what its old process held; every ack names a split of the universe
-    (``bad_header``, before any is applied). Then the acks are applied (an ack of a split
-    the sender no longer holds is stale: ignored and counted) and, if ``want``, the next
-    split is leased. A split request counts as hearing from the worker (liveness).
+    (``bad_header``, before any is applied). Then the acks are applied: an ack whose seq
+    the sender's accepted pushes have reached completes at once, a later one is held until
+    that push arrives (``handle_gradients``), an ack of a split the sender no longer holds
+    is stale (ignored and counted). If ``want``, the next split is leased. A split request
+    counts as hearing from the worker (liveness).
     """
     d = ctx.dispatcher
     if d is None:
@@ -329,14 +334,19 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
         raise ProtocolError(
             wire.R_HEADER, f"ack {list(bad[0])} names no split of the {d.num_splits}"
         )
-    ctx.registry.enrol(msg.sender, ctx.clock())
+    rec = ctx.registry.enrol(msg.sender, ctx.clock())
     if req.process is not None:
         _note_process(ctx, d, msg.sender, req.process)
-    done = sum(d.ack(msg.sender, epoch, index) for epoch, index in req.acks)
-    stale = len(req.acks) - done
+    done = held = 0
+    for epoch, index, seq in req.acks:
+        if seq > rec.last_seq:  # its last gradients are not here yet
+            held += d.hold(msg.sender, epoch, index, seq)
+        else:
+            done += d.ack(msg.sender, epoch, index)
+    stale = len(req.acks) - done - held
     if not req.want:
         kind = GRANT_END if d.finished else GRANT_WAIT
-        return wire.split_reply(wire.SplitReply(kind, d.epoch, acked=done, stale=stale))
+        return wire.split_reply(wire.SplitReply(kind, d.epoch, acked=done, stale=stale, held=held))
     grant = d.next_split(msg.sender, ctx.clock())
     s = grant.split
     return wire.split_reply(
@@ -350,6 +360,7 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
             retry_ms=WAIT_RETRY_MS if grant.kind == GRANT_WAIT else 0,
             acked=done,
             stale=stale,
+            held=held,
         )
     )
 
@@ -414,10 +425,15 @@ def handle_gradients(
 
     Checks 4 to 6 read only the header, so a replay is refused before any sparse gradient
     is densified. An ``apply`` decision is for the caller to pass to ``apply_decision``.
+
+    Under ``--data-dispatch server`` a push that passed check 4 (accepted, or refused after:
+    it will not come again) completes the sender's split acks held for its seq
+    (``Dispatcher.pushed``). Under ``sync:K/N`` a gradient held for a round counts as arrived.
     """
     ctx.stats.counters["pushes_received"] += 1
     ctx.stats.counters["bytes_in"] += _nbytes(frames)
     sender: str | None = None
+    rec = None
     try:
         msg = wire.decode(frames, ctx.limits)
         sender = msg.sender
@@ -442,10 +458,14 @@ def handle_gradients(
                 if not wire.all_finite(g.values if isinstance(g, wire.Sparse) else g):
                     raise ProtocolError(wire.R_NONFINITE, f"{name!r} has NaN or Inf")
     except ProtocolError as exc:
+        if rec is not None and ctx.dispatcher is not None:
+            ctx.dispatcher.pushed(msg.sender, msg.seq)
         return GradientOutcome(rejection=_refuse(ctx, exc, sender))
     # Valid and new: the policy decides. A drop or a hold is accepted, not an error.
     decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
     rec.last_seq = msg.seq
+    if ctx.dispatcher is not None:
+        ctx.dispatcher.pushed(msg.sender, msg.seq)
     rec.staleness = version - msg.base_version
     if decision.action == DROP:
         rec.dropped += 1

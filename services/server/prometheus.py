@@ -180,7 +180,8 @@ class SnapshotCollector(Collector):
         yield splits
         events = CounterMetricFamily(
             "downpour_dispatch_events",
-            "Dispatcher events: handed_out, acked, acks_stale, released, resent, refused_universe.",
+            "Dispatcher events: handed_out, acked, acks_stale, acks_held, released, resent, "
+            "refused_universe.",
             labels=["event"],
         )
         for event in DISPATCH_EVENTS:

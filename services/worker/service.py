@@ -673,7 +673,7 @@ class Worker:
             split_end = self.feed is not None and self.feed.last
             if acc.count >= cfg.n_push or (split_end and acc.count):
                 if self.push(acc.take(), base_versions, loss, step, batch_rows(y)) and split_end:
-                    self.feed.split_done()  # acknowledged with the next request
+                    self.feed.split_done(self.seq)  # acknowledged with the next request
                 pushed_from = base_versions
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(

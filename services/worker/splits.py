@@ -9,8 +9,10 @@ dataset has an unknown or infinite number of elements, cannot be divided and is 
 
 ``SplitFeed.batches`` then asks shard 0 for a split, reads ``input_fn(ctx.for_epoch(epoch,
 split))`` and yields its batches, one split after another. The worker calls ``split_done``
-once the gradients of a split's last batch are pushed (``last`` says when the batch yielded
-is a split's last); the acknowledgement goes with the next request, or with ``close``. When
+with the seq of the push that carried a split's last gradients (``last`` says when the batch
+yielded is a split's last); the acknowledgement goes with the next request, or with
+``close``, and names that seq: the server completes it once that push has arrived (the
+gradients travel on another socket and may arrive after the ack). When
 the dispatcher says wait (the epoch's last splits are in flight elsewhere) the feed waits the
 server's retry hint, bounded and cut short by the worker's stop; "end" ends the batches.
 The worker's fetcher threads keep heartbeating shard 0 while a split is read.
@@ -95,9 +97,10 @@ class SplitFeed:
         self.epochs = epochs  # 0: unbounded
         self.stop = stop
         self.current: tuple[int, int] | None = None  # (epoch, index) being read
-        self.pending: list[tuple[int, int]] = []  # finished, not yet acknowledged
+        self.pending: list[tuple[int, int, int]] = []  # (epoch, index, seq), not yet sent
         self.last = False  # the batch yielded last is its split's last
-        self.counts = {"splits": 0, "acked": 0, "acks_stale": 0, "waits": 0}
+        # acked: acks the server took (acks_held of them completed once their push arrived)
+        self.counts = {"splits": 0, "acked": 0, "acks_held": 0, "acks_stale": 0, "waits": 0}
 
     def batches(self) -> Iterator[tuple[int, Any]]:
         """``(epoch, batch)`` of split after split until the dispatcher says end (or stop)."""
@@ -129,11 +132,11 @@ class SplitFeed:
         except (tf.errors.OpError, ValueError, TypeError) as exc:
             raise InputError(f"reading split {self.current}: {exc}") from None
 
-    def split_done(self) -> None:
-        """The split being read is finished and its gradients pushed: acknowledge it with the
-        next request."""
+    def split_done(self, seq: int = 0) -> None:
+        """The split being read is finished and its last gradients went in push ``seq`` (0:
+        none of its batches was pushed): acknowledge it with the next request."""
         if self.current is not None:
-            self.pending.append(self.current)
+            self.pending.append((*self.current, seq))
             self.current = None
         self.last = False
 
@@ -151,9 +154,13 @@ class SplitFeed:
         except (ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
             raise DispatchError(f"split request to {self.client.endpoint}: {exc}") from None
         self.pending.clear()
-        self.counts["acked"] += grant.reply.acked
-        self.counts["acks_stale"] += grant.reply.stale
+        self._count(grant.reply)
         return grant
+
+    def _count(self, reply: wire.SplitReply) -> None:
+        self.counts["acked"] += reply.acked + reply.held
+        self.counts["acks_held"] += reply.held
+        self.counts["acks_stale"] += reply.stale
 
     def close(self) -> None:
         """Acknowledge the finished splits not yet acknowledged (the worker is leaving)."""
@@ -164,6 +171,5 @@ class SplitFeed:
         except (Stopped, ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
             log.warning("could not acknowledge splits %s: %s", self.pending, exc)
             return
-        self.counts["acked"] += reply.acked
-        self.counts["acks_stale"] += reply.stale
+        self._count(reply)
         self.pending.clear()
