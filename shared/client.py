@@ -282,7 +282,7 @@ class ShardClient:
         """The server's status document from its status socket (one attempt)."""
         if self._status is None:
             self._status = self._client(self.status_endpoint, "status")
-        reply = self._status.request(wire.status_request(self.sender), wire.DEFAULT_LIMITS)
+        reply = self._status.request(wire.status_request(self.sender), wire.STATUS_LIMITS)
         wire.expect(reply, wire.STATUS)
         return dict(wire.StatusReply.from_body(reply.body).doc)
 

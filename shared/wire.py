@@ -158,6 +158,7 @@ R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not
 R_INTERNAL = "internal"  # the server failed handling a valid-looking message
 R_DISPATCH_OFF = "dispatch_off"  # a split request to a server that does not dispatch data
 R_UNIVERSE = "data_universe"  # a split request over other data than the dispatcher serves
+R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
 
 
 class ProtocolError(Exception):
@@ -195,6 +196,10 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+# A status reply carries the server's whole status document in its header: one entry per
+# worker it tracks (--max-workers, at most MAX_STATUS_WORKERS), so it gets larger bounds.
+MAX_STATUS_WORKERS = 1 << 16
+STATUS_LIMITS = Limits(max_header_bytes=1 << 28, max_tensors=MAX_STATUS_WORKERS)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class SnapshotCollector(Collector):
         yield from self._policy(doc.get(m.POLICY.key))
         yield from self._eval(doc.get("eval"))
         yield from self._workers(doc.get("workers") or {})
+        yield from self._registry(doc.get("registry"))
         yield from self._checkpoints(doc.get("checkpoints"))
         yield from self._dispatch(doc.get("dispatch"))
 
@@ -148,6 +149,24 @@ class SnapshotCollector(Collector):
                     if v is not None:
                         fam.add_metric([wid], v * mi.scale)
                 yield fam
+
+    def _registry(self, reg: dict[str, Any] | None) -> Iterator[Metric]:
+        """The worker registry's fill and bound (``--max-workers``), and what it forgot."""
+        if not reg:
+            return
+        for key, help_text in (
+            ("size", "Worker records the server holds."),
+            ("max_workers", "Worker records the server holds at most (--max-workers)."),
+        ):
+            fam = GaugeMetricFamily(f"downpour_registry_{key}", help_text)
+            fam.add_metric([], float(reg.get(key, 0)))
+            yield fam
+        forgotten = CounterMetricFamily(
+            "downpour_registry_forgotten",
+            "Worker records forgotten (silent for --forget-after, or a gone one replaced).",
+        )
+        forgotten.add_metric([], float(reg.get("forgotten", 0)))
+        yield forgotten
 
     def _checkpoints(self, cp: dict[str, Any] | None) -> Iterator[Metric]:
         if not cp:
