@@ -459,7 +459,7 @@ def handle_gradients(
     assert rec is not None
     decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
     rec.last_seq = msg.seq
-    rec.staleness = version - msg.base_version
+    rec.observe_staleness(version - msg.base_version)
     if decision.action == DROP:
         rec.dropped += 1
         if decision.reason in (REASON_STALE, REASON_LATE):  # told at its next pull

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from downpour.metrics import WORKER_STALENESS_BOUNDS, Histogram
+
 log = logging.getLogger("downpour.server")
 
 ALIVE = "alive"
@@ -58,6 +60,12 @@ class WorkerRecord:
     loss: float | None = None
     staleness: int | None = None
     reported: dict[str, Any] = field(default_factory=dict)
+    staleness_hist: Histogram = field(default_factory=lambda: Histogram(WORKER_STALENESS_BOUNDS))
+
+    def observe_staleness(self, staleness: int) -> None:
+        """Note the staleness of an accepted gradient: the last value and the histogram."""
+        self.staleness = staleness
+        self.staleness_hist.observe(staleness)
 
     def status(self, state: str, now: float) -> dict[str, Any]:
         """This worker's entry in the status document's ``workers`` map."""
@@ -74,6 +82,7 @@ class WorkerRecord:
             "steps": self.steps,
             "loss": self.loss,
             "staleness": self.staleness,
+            "staleness_histogram": self.staleness_hist.snapshot(),
             "reported": dict(self.reported),
         }
 
