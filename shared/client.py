@@ -194,7 +194,10 @@ class ShardClient:
         except RemoteError as exc:
             raise Refused(exc.code, exc.message, self.endpoint) from None
         wire.expect(reply, wire.HELLO)
-        return Hello(reply.base_version, wire.HelloReply.from_body(reply.body))
+        hello = Hello(reply.base_version, wire.HelloReply.from_body(reply.body))
+        if hello.reply.max_request_bytes is not None:  # bigger requests are refused here
+            self.req.max_request_bytes = hello.reply.max_request_bytes
+        return hello
 
     def pull(self, body: wire.PullRequest | None = None) -> Weights:
         """The server's weights (or "unchanged" when ``body.have`` is still current)."""

@@ -208,6 +208,7 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
         shard=mine["shard"],
         num_shards=mine["num_shards"],
         partition=mine["partition"],
+        max_request_bytes=wire.REQUEST_MAX_BYTES,
     )
     return Reply(wire.hello_reply(ctx.state.version, body))
 
