@@ -194,7 +194,10 @@ class ShardClient:
         except RemoteError as exc:
             raise Refused(exc.code, exc.message, self.endpoint) from None
         wire.expect(reply, wire.HELLO)
-        return Hello(reply.base_version, wire.HelloReply.from_body(reply.body))
+        hello = Hello(reply.base_version, wire.HelloReply.from_body(reply.body))
+        if hello.reply.max_request_bytes is not None:  # bigger requests are refused here
+            self.req.max_request_bytes = hello.reply.max_request_bytes
+        return hello
 
     def pull(self, body: wire.PullRequest | None = None) -> Weights:
         """The server's weights (or "unchanged" when ``body.have`` is still current)."""
@@ -283,7 +286,7 @@ class ShardClient:
         """The server's status document from its status socket (one attempt)."""
         if self._status is None:
             self._status = self._client(self.status_endpoint, "status")
-        reply = self._status.request(wire.status_request(self.sender), wire.DEFAULT_LIMITS)
+        reply = self._status.request(wire.status_request(self.sender), wire.STATUS_LIMITS)
         wire.expect(reply, wire.STATUS)
         return dict(wire.StatusReply.from_body(reply.body).doc)
 

@@ -19,6 +19,8 @@ from typing import Any
 
 # Staleness buckets (upper bounds, inclusive); the last bucket is "+Inf".
 STALENESS_BOUNDS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+# Per-worker staleness buckets: fewer, so that series stay few (x --max-workers workers).
+WORKER_STALENESS_BOUNDS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
 class Histogram:
@@ -38,14 +40,28 @@ class Histogram:
         self.sum += value
         self.max = max(self.max, value)
 
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the ``q`` quantile (the max for the last
+        bucket): an upper estimate, as precise as the buckets. None before any observation."""
+        if not self.count:
+            return None
+        rank, seen = q * self.count, 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            seen += n
+            if seen >= rank and seen:
+                return min(float(bound), self.max)
+        return self.max
+
     def snapshot(self) -> dict[str, Any]:
-        """count, sum, mean, max and [upper_bound, count] buckets ("+Inf" last)."""
+        """count, sum, mean, max, p50, p99 and [upper_bound, count] buckets ("+Inf" last)."""
         labels: list[Any] = [*self.bounds, "+Inf"]
         return {
             "count": self.count,
             "sum": self.sum,
             "mean": self.sum / self.count if self.count else 0.0,
             "max": self.max,
+            "p50": self.quantile(0.5),
+            "p99": self.quantile(0.99),
             "buckets": [[b, c] for b, c in zip(labels, self.counts, strict=True)],
         }
 
@@ -281,7 +297,7 @@ WORKER_METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("steps", "downpour_worker_steps", GAUGE, "", "Training steps the worker has run."),
     MetricInfo(
         "staleness",
-        "downpour_worker_staleness",
+        "downpour_worker_staleness_last",
         GAUGE,
         "",
         "Staleness of this worker's last accepted gradient (applied, held or dropped).",
@@ -294,6 +310,16 @@ WORKER_METRICS: tuple[MetricInfo, ...] = (
         "seconds",
         "Seconds since the server last heard from this worker.",
     ),
+)
+
+# The per-worker staleness histogram (``workers.<id>.staleness_histogram``).
+WORKER_STALENESS = MetricInfo(
+    "staleness_histogram",
+    "downpour_worker_staleness",
+    HISTOGRAM,
+    "",
+    "Staleness of this worker's accepted gradients (applied, held or dropped), in buckets "
+    "0, 1, 2, 4, 8, 16, 32, 64, +Inf.",
 )
 
 # What a worker reports with every push and heartbeat (``workers.<id>.reported``).

@@ -168,6 +168,8 @@ class ReqClient:
         self.retries = retries
         self.configure = configure
         self.max_msg_bytes = max_msg_bytes
+        # The server's announced request limit (hello): a bigger request is refused here.
+        self.max_request_bytes: int | None = None
         self.recreated = 0
         self.sock = self._open()
 
@@ -188,7 +190,20 @@ class ReqClient:
     def request_frames(
         self, frames: list[Any], timeout_s: float | None = None, retries: int | None = None
     ) -> list[zmq.Frame]:
-        """Send frames, return the reply frames; raise RequestTimeout when none comes."""
+        """Send frames, return the reply frames; raise RequestTimeout when none comes.
+
+        A request larger than the server's announced limit (``max_request_bytes``) is refused
+        here (``Refused``, code ``oversize``): the server would drop the connection and the
+        request would only time out. A request that times out while larger than the limit
+        (or, before a hello told it, than ``wire.REQUEST_MAX_BYTES``) says so."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        limit = self.max_request_bytes
+        if limit is not None and size > limit:
+            raise Refused(
+                wire.R_OVERSIZE,
+                f"the request is {size} bytes, larger than the server accepts ({limit} bytes)",
+                self.endpoint,
+            )
         timeout_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
         attempts = 1 + (self.retries if retries is None else retries)
         for attempt in range(attempts):
@@ -204,7 +219,14 @@ class ReqClient:
                     return self.sock.recv_multipart(copy=False)
             log.debug("no reply from %s (attempt %d/%d)", self.endpoint, attempt + 1, attempts)
             self._reset()
-        raise RequestTimeout(f"no reply from {self.endpoint} after {attempts} attempt(s)")
+        known = wire.REQUEST_MAX_BYTES if limit is None else limit
+        why = (
+            f": the request was {size} bytes, larger than the server accepts ({known} bytes), "
+            "so it dropped the connection"
+            if size > known
+            else ""
+        )
+        raise RequestTimeout(f"no reply from {self.endpoint} after {attempts} attempt(s){why}")
 
     def request(
         self,

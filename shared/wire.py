@@ -164,6 +164,12 @@ R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not
 R_INTERNAL = "internal"  # the server failed handling a valid-looking message
 R_DISPATCH_OFF = "dispatch_off"  # a split request to a server that does not dispatch data
 R_UNIVERSE = "data_universe"  # a split request over other data than the dispatcher serves
+R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
+R_OVERSIZE = "oversize"  # a request larger than the server accepts (refused by the client)
+
+# The most a request (hello, pull, heartbeat, split) may carry: the server's REP socket drops
+# the connection of a bigger one (ZeroMQ MAXMSGSIZE), and hello replies announce it.
+REQUEST_MAX_BYTES = 1 << 20
 
 
 class ProtocolError(Exception):
@@ -201,6 +207,10 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+# A status reply carries the server's whole status document in its header: one entry per
+# worker it tracks (--max-workers, at most MAX_STATUS_WORKERS), so it gets larger bounds.
+MAX_STATUS_WORKERS = 1 << 16
+STATUS_LIMITS = Limits(max_header_bytes=1 << 28, max_tensors=MAX_STATUS_WORKERS)
 
 
 @dataclass(frozen=True)
@@ -778,6 +788,7 @@ class HelloReply:
     shard: int | None = None
     num_shards: int | None = None
     partition: str | None = None
+    max_request_bytes: int | None = None  # bigger requests get the connection dropped
 
     def to_body(self) -> dict[str, Any]:
         """The hello reply body map."""
@@ -810,6 +821,7 @@ class HelloReply:
             shard=_field(b, "shard", "int"),
             num_shards=_field(b, "num_shards", "int"),
             partition=_field(b, "partition", "str"),
+            max_request_bytes=_field(b, "max_request_bytes", "int"),
         )
 
 

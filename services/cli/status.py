@@ -55,8 +55,16 @@ def _eval_line(doc: dict[str, Any]) -> str | None:
 
 WORKER_HEADER = (
     f"{'worker':<20} {'state':<8} {'steps':>7} {'steps/s':>8} {'staleness':>9} {'loss':>8} "
-    f"{'last seen':>9} {'applied':>8} {'rejected':>8}"
+    f"{'last seen':>9} {'applied':>8} {'rejected':>8} {'stale p50/p99':>13}"
 )
+
+
+def _stale_quantiles(w: dict[str, Any]) -> str:
+    """The worker's staleness p50/p99 from its histogram ("-" before any gradient)."""
+    h = w.get("staleness_histogram") or {}
+    if not h.get("count"):
+        return "-"
+    return f"{_fmt(h.get('p50'))}/{_fmt(h.get('p99'))}"
 
 
 def _worker_row(wid: str, w: dict[str, Any], extra: str = "") -> str:
@@ -66,7 +74,7 @@ def _worker_row(wid: str, w: dict[str, Any], extra: str = "") -> str:
         f"{wid:<20} {w.get('state', '?'):<8} {w.get('steps', 0):>7} "
         f"{_fmt(reported.get('steps_per_s'), 3):>8} {_fmt(w.get('staleness')):>9} "
         f"{_fmt(loss):>8} {w.get('last_seen_s', 0):>8.1f}s {w.get('applied', 0):>8} "
-        f"{w.get('rejected', 0):>8}{extra}"
+        f"{w.get('rejected', 0):>8} {_stale_quantiles(w):>13}{extra}"
     )
 
 

@@ -194,7 +194,9 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
             f"(partition {mine['partition']}): list every shard's endpoint in shard order in "
             f"the worker's --server",
         )
-    rec = ctx.registry.enrol(msg.sender, ctx.clock())
+    rec = ctx.registry.admit(msg.sender, ctx.clock())
+    if rec is None:
+        return _refuse_hello(ctx, msg, wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
     if ctx.dispatcher is not None and req.process is not None:
         _note_process(ctx, ctx.dispatcher, msg.sender, req.process)
     body = wire.HelloReply(
@@ -210,8 +212,18 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
         shard=mine["shard"],
         num_shards=mine["num_shards"],
         partition=mine["partition"],
+        max_request_bytes=wire.REQUEST_MAX_BYTES,
     )
     return Reply(wire.hello_reply(ctx.state.version, body))
+
+
+def _registry_full(ctx: HandlerContext) -> str:
+    """The explanation of a ``too_many_workers`` refusal."""
+    n = ctx.registry.max_workers
+    return (
+        f"the server already tracks {n} workers that are alive or missing (--max-workers "
+        f"{n}): a new worker id is taken once one of them is gone"
+    )
 
 
 def _refuse_hello(ctx: HandlerContext, msg: Message, code: str, text: str) -> Reply:
@@ -222,11 +234,14 @@ def _refuse_hello(ctx: HandlerContext, msg: Message, code: str, text: str) -> Re
 
 def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
     """A silent worker says it is alive (and may report its figures). Raises
-    ProtocolError(R_HEADER) for a body field of the wrong type, before anything is noted."""
+    ProtocolError(R_HEADER) for a body field of the wrong type, before anything is noted.
+    Only an enrolled worker is noted: a heartbeat does not enrol (hello does)."""
     req = wire.HeartbeatRequest.from_body(msg.body)
-    rec = ctx.registry.enrol(msg.sender, ctx.clock())
-    if req.stats is not None:
-        rec.reported = clean_reported(req.stats)
+    rec = ctx.registry.get(msg.sender)
+    if rec is not None:
+        ctx.registry.touch(msg.sender, rec, ctx.clock())
+        if req.stats is not None:
+            rec.reported = clean_reported(req.stats)
     return wire.heartbeat_reply(ctx.state.version, wire.HeartbeatReply(ctx.incarnation))
 
 
@@ -247,7 +262,7 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     dropped = 0
     if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
         rec.pulls += 1
-        rec.last_seen = ctx.clock()
+        ctx.registry.touch(msg.sender, rec, ctx.clock())
         if (wait_ms := pull_wait_ms(ctx, msg.sender, rec.last_seq, req)) > 0:
             body = wire.PullReply(ctx.incarnation, unchanged=True, wait_ms=wait_ms)
             return wire.weights_reply(ctx.state.version, body)
@@ -334,7 +349,9 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
         raise ProtocolError(
             wire.R_HEADER, f"ack {list(bad[0])} names no split of the {d.num_splits}"
         )
-    rec = ctx.registry.enrol(msg.sender, ctx.clock())
+    rec = ctx.registry.admit(msg.sender, ctx.clock())
+    if rec is None:
+        raise ProtocolError(wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
     if req.process is not None:
         _note_process(ctx, d, msg.sender, req.process)
     done = held = 0
@@ -416,15 +433,19 @@ def handle_gradients(
        refusal counts against that key's owner;
     4. body: ``loss``, ``batch_size``, ``steps`` and ``stats`` have their types
        (``wire.PushBody``; ``bad_header``);
-    5. duplicate seq: seq above the sender's last accepted one (``duplicate``);
+    5. duplicate seq: seq above the sender's last accepted one, remembered even when its
+       record was forgotten (``duplicate``);
     6. future version: base_version not ahead of the server (``future_version``);
     7. shape/dtype: tensor count, names, shapes and dtypes of the model (``count``,
        ``name``, ``shape``, ``dtype``);
     8. finite: no NaN or Inf unless ``allow_nonfinite`` (``nonfinite``);
-    9. policy: the staleness policy decides apply, drop or hold.
+    9. registry: a sender without a record gets one if the registry has room
+       (``too_many_workers``): only a push that passed every check creates a record;
+    10. policy: the staleness policy decides apply, drop or hold.
 
     Checks 4 to 6 read only the header, so a replay is refused before any sparse gradient
-    is densified. An ``apply`` decision is for the caller to pass to ``apply_decision``.
+    is densified. A refused push from an enrolled sender still counts as hearing from it.
+    An ``apply`` decision is for the caller to pass to ``apply_decision``.
 
     Under ``--data-dispatch server`` a push that passed check 4 (accepted, or refused after:
     it will not come again) completes the sender's split acks held for its seq
@@ -443,10 +464,14 @@ def handle_gradients(
             sender = peer_key
             check_identity(ctx, peer_key, msg.sender)
         body = wire.PushBody.from_body(msg.body)
-        rec = ctx.registry.enrol(msg.sender, ctx.clock())
-        rec.pushes += 1
-        if msg.seq <= rec.last_seq:
-            raise ProtocolError(wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {rec.last_seq}")
+        now = ctx.clock()
+        rec = ctx.registry.get(msg.sender)
+        if rec is not None:
+            ctx.registry.touch(msg.sender, rec, now)
+            rec.pushes += 1
+        last_seq = ctx.registry.last_seq(msg.sender)
+        if msg.seq <= last_seq:
+            raise ProtocolError(wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {last_seq}")
         version = ctx.state.version
         if msg.base_version > version:
             raise ProtocolError(
@@ -457,16 +482,22 @@ def handle_gradients(
             for name, g in zip(ctx.state.names, grads, strict=True):
                 if not wire.all_finite(g.values if isinstance(g, wire.Sparse) else g):
                     raise ProtocolError(wire.R_NONFINITE, f"{name!r} has NaN or Inf")
+        if rec is None:
+            rec = ctx.registry.admit(msg.sender, now)
+            if rec is None:
+                raise ProtocolError(wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
+            rec.pushes += 1
     except ProtocolError as exc:
         if rec is not None and ctx.dispatcher is not None:
             ctx.dispatcher.pushed(msg.sender, msg.seq)
         return GradientOutcome(rejection=_refuse(ctx, exc, sender))
-    # Valid and new: the policy decides. A drop or a hold is accepted, not an error.
+    # Valid, new and enrolled: the policy decides. A drop or a hold is accepted, not an error.
+    assert rec is not None
     decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
     rec.last_seq = msg.seq
     if ctx.dispatcher is not None:
         ctx.dispatcher.pushed(msg.sender, msg.seq)
-    rec.staleness = version - msg.base_version
+    rec.observe_staleness(version - msg.base_version)
     if decision.action == DROP:
         rec.dropped += 1
         if decision.reason in (REASON_STALE, REASON_LATE):  # told at its next pull

@@ -53,6 +53,15 @@ def _scalars(catalogue: Iterable[m.MetricInfo], doc: dict[str, Any]) -> Iterator
             yield fam
 
 
+def _cumulative(hist: dict[str, Any]) -> list[tuple[str, float]]:
+    """A status histogram's per-bucket counts as Prometheus' cumulative (le, count) pairs."""
+    buckets, total = [], 0.0
+    for bound, count in hist.get("buckets", []):
+        total += count
+        buckets.append(("+Inf" if bound == "+Inf" else floatToGoString(bound), total))
+    return buckets
+
+
 class SnapshotCollector(Collector):
     """Builds the metric families from the status document ``get_doc()`` returns."""
 
@@ -91,19 +100,15 @@ class SnapshotCollector(Collector):
         yield from self._policy(doc.get(m.POLICY.key))
         yield from self._eval(doc.get("eval"))
         yield from self._workers(doc.get("workers") or {})
+        yield from self._registry(doc.get("registry"))
         yield from self._checkpoints(doc.get("checkpoints"))
         yield from self._dispatch(doc.get("dispatch"))
 
     def _staleness(self, st: dict[str, Any] | None) -> Iterator[Metric]:
         if not st:
             return
-        buckets, total = [], 0.0
-        for bound, count in st.get("buckets", []):
-            total += count
-            le = "+Inf" if bound == "+Inf" else floatToGoString(bound)
-            buckets.append((le, total))
         fam = HistogramMetricFamily(m.STALENESS.name, m.STALENESS.help)
-        fam.add_metric([], buckets, sum_value=float(st.get("sum", 0.0)))
+        fam.add_metric([], _cumulative(st), sum_value=float(st.get("sum", 0.0)))
         yield fam
 
     def _policy(self, pol: dict[str, Any] | None) -> Iterator[Metric]:
@@ -139,6 +144,13 @@ class SnapshotCollector(Collector):
         for s, n in counts.items():
             by_state.add_metric([s], float(n))
         yield by_state
+        hist = HistogramMetricFamily(
+            m.WORKER_STALENESS.name, m.WORKER_STALENESS.help, labels=["worker"]
+        )
+        for wid, w in sorted(workers.items()):
+            if h := w.get(m.WORKER_STALENESS.key):
+                hist.add_metric([wid], _cumulative(h), sum_value=float(h.get("sum", 0.0)))
+        yield hist
         for source, catalogue in ((None, m.WORKER_METRICS), ("reported", m.WORKER_REPORTED)):
             for mi in catalogue:
                 fam = _family(mi, ["worker"])
@@ -148,6 +160,24 @@ class SnapshotCollector(Collector):
                     if v is not None:
                         fam.add_metric([wid], v * mi.scale)
                 yield fam
+
+    def _registry(self, reg: dict[str, Any] | None) -> Iterator[Metric]:
+        """The worker registry's fill and bound (``--max-workers``), and what it forgot."""
+        if not reg:
+            return
+        for key, help_text in (
+            ("size", "Worker records the server holds."),
+            ("max_workers", "Worker records the server holds at most (--max-workers)."),
+        ):
+            fam = GaugeMetricFamily(f"downpour_registry_{key}", help_text)
+            fam.add_metric([], float(reg.get(key, 0)))
+            yield fam
+        forgotten = CounterMetricFamily(
+            "downpour_registry_forgotten",
+            "Worker records forgotten (silent for --forget-after, or a gone one replaced).",
+        )
+        forgotten.add_metric([], float(reg.get("forgotten", 0)))
+        yield forgotten
 
     def _checkpoints(self, cp: dict[str, Any] | None) -> Iterator[Metric]:
         if not cp:

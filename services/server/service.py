@@ -102,7 +102,11 @@ class Server:
             self._restore()
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
         self.registry = WorkerRegistry(
-            config.missing_after_s, config.gone_after_s, self.restored_seqs
+            config.missing_after_s,
+            config.gone_after_s,
+            self.restored_seqs,
+            max_workers=config.max_workers,
+            forget_after_s=config.forget_after_s,
         )
         self.stats = ServerStats()
         self.started = time.monotonic()
@@ -270,6 +274,7 @@ class Server:
                     self._serve_request_once()
                 if grad_sock in events:
                     self._drain_gradients(max_messages=16)
+                self.registry.forget_idle(time.monotonic())
                 release_gone(self.handler_ctx)
                 self._maybe_checkpoint()
                 watchdog.tick(healthy=self._status_thread.is_alive())

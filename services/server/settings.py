@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from downpour import security
+from downpour import security, wire
+from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 from downpour.settings import (
     DATA_DIR,
     DISPATCH_MODES,
@@ -125,6 +126,24 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         _WORKERS,
         type=positive(),
         attr="gone_after_s",
+    ),
+    Option(
+        "max_workers",
+        MAX_WORKERS,
+        "worker ids the server tracks at most; a new id beyond it takes the place of a gone "
+        "worker, or is refused (hello: an error; push: dropped) and counted as too_many_workers",
+        _WORKERS,
+        type=at_least(1),
+        metavar="N",
+    ),
+    Option(
+        "forget_after",
+        FORGET_AFTER_S,
+        "seconds of silence before a worker's record is forgotten (its last seq is kept, so "
+        "replays are still refused); 0 = only when a new worker needs its place",
+        _WORKERS,
+        type=non_negative(),
+        attr="forget_after_s",
     ),
     Option(
         "allow_nonfinite", False, "apply gradients with NaN/Inf (default: reject)", _TRAIN, bool
@@ -262,4 +281,11 @@ def validate_server(cfg: ServerConfig) -> None:
         )
     if not cfg.missing_after_s < cfg.gone_after_s:
         problems.append("--missing-after must be < --gone-after")
+    if cfg.max_workers > wire.MAX_STATUS_WORKERS:
+        problems.append(
+            f"--max-workers must be at most {wire.MAX_STATUS_WORKERS}: every worker has an entry "
+            "in the status document"
+        )
+    if cfg.forget_after_s and not cfg.gone_after_s < cfg.forget_after_s:
+        problems.append("--forget-after must be 0 (never) or > --gone-after")
     refuse(problems)

@@ -17,10 +17,10 @@ from typing import Any
 
 import zmq
 
-from downpour import security
+from downpour import security, wire
 from downpour.transport import bind, make_context
 
-REQUEST_MAX_BYTES = 1 << 20  # hello, pull and heartbeat requests carry no tensors
+REQUEST_MAX_BYTES = wire.REQUEST_MAX_BYTES  # hello, pull and heartbeat requests carry no tensors
 STATUS_MAX_BYTES = 1 << 16
 
 

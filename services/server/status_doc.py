@@ -49,6 +49,7 @@ def build_status(
         "rejected_total": stats.rejected.total(),
         **security.status_fields(auth),
         "workers": ctx.registry.status(now),
+        "registry": ctx.registry.summary(),
         "incarnation": ctx.incarnation,
         "restored_from": restored_from,
         "checkpoints": checkpoints,
