@@ -235,14 +235,16 @@ AUTH_DENIED = MetricInfo(
     "Connections or messages refused by CURVE/ZAP, by reason.",
 )
 
-# The ``eval`` part of the status document (``--eval-every``).
+# The ``eval`` part of the status document (``--eval-every``). The score is under the spec's
+# metric name (``eval["metric"]``): ``accuracy`` by default, exported as
+# downpour_heldout_accuracy as well; every metric is exported as HELDOUT_METRIC{metric=name}.
 EVAL_METRICS: tuple[MetricInfo, ...] = (
     MetricInfo(
         "accuracy",
         "downpour_heldout_accuracy",
         GAUGE,
         "",
-        "The model's metric on the held-out set at the last evaluation.",
+        "The held-out accuracy at the last evaluation (specs whose metric is accuracy).",
     ),
     MetricInfo(
         "version",
@@ -262,6 +264,25 @@ EVAL_METRICS: tuple[MetricInfo, ...] = (
         "Duration of the last held-out evaluation.",
     ),
 )
+
+HELDOUT_METRIC = MetricInfo(
+    "metric",
+    "downpour_heldout_metric",
+    GAUGE,
+    "",
+    "The model's held-out metric at the last evaluation, labelled by its name (accuracy, auc).",
+)
+
+
+def eval_score(ev: dict[str, Any] | None) -> tuple[str, float | None]:
+    """(metric name, value) of a held-out evaluation result (the status document's ``eval``);
+    the value is None when there is no result or no number under the name."""
+    ev = ev or {}
+    name = str(ev.get("metric", "accuracy"))
+    value = ev.get(name)
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return name, float(value) if ok else None
+
 
 # What the server records per worker (``workers.<id>`` in the status document).
 WORKER_METRICS: tuple[MetricInfo, ...] = (

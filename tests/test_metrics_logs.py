@@ -124,6 +124,7 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
         *metrics.WORKER_METRICS,
         *metrics.WORKER_REPORTED,
         *metrics.EVAL_METRICS,
+        metrics.HELDOUT_METRIC,
         metrics.STALENESS,
         metrics.REJECTED,
         metrics.AUTH_DENIED,
@@ -173,6 +174,8 @@ def test_collector_turns_a_status_document_into_metric_families() -> None:
     compute = fams["downpour_worker_compute_seconds"].samples
     assert [(s.labels["worker"], s.value) for s in compute] == [("w0", 0.25)]
     assert fams["downpour_heldout_accuracy"].samples[0].value == 0.75
+    (score,) = fams["downpour_heldout_metric"].samples  # a result without "metric": accuracy
+    assert score.labels == {"metric": "accuracy"} and score.value == 0.75
     assert {s.labels["state"]: s.value for s in fams["downpour_workers"].samples} == {
         "alive": 1,
         "missing": 1,

@@ -87,10 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_arguments(
         sub.add_parser(
             "data",
-            help="write the shipped data as TFRecord or CSV shards (docs/data.md)",
+            help="write the shipped data, or the synthetic click log, as TFRecord or CSV "
+            "shards (docs/data.md)",
             description="Write MNIST-5k or scikit-learn's digits as TFRecord or CSV shards, "
             "train and held-out, for input_fn pipelines (downpour.examples.mnist_tfrecord, "
-            "downpour.examples.digits_csv).",
+            "downpour.examples.digits_csv), or the generated click log of "
+            "downpour.examples.recsys (clicks).",
         )
     )
     return parser

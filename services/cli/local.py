@@ -6,7 +6,8 @@ The workers read static shards of the training data (worker i of N), or, with
 Shows progress bars while training, evaluates the held-out set with the server's weights,
 writes ``history.csv``, ``workers.csv``, ``status.json``, TensorBoard events and PNG plots
 (``downpour plot``) into a run directory, and prints
-``held-out accuracy: 0.xxxx`` as its last line. Ctrl-C stops every process it started.
+``held-out accuracy: 0.xxxx`` as its last line (``held-out <name>: ...`` for a model whose
+``metric_name`` is another: ``auc``). Ctrl-C stops every process it started.
 """
 
 from __future__ import annotations
@@ -333,6 +334,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         procs.append(workers[-1])
     loader.join(timeout=300)
     evaluator: Evaluator = evaluator_box["e"]
+    metric = evaluator.spec.metric_name
     # a dispatched worker's share is whatever splits it gets: no per-worker total then
     per_worker = args.steps or (
         None if dispatched else evaluator.steps_per_worker(args.workers, args.epochs)
@@ -363,8 +365,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             "loss": doc["loss"],
             "staleness_mean": doc["staleness"]["mean"],
             "updates_per_s": doc["updates_per_s"],
-            "accuracy": None,
-            **_eval_columns(doc),
+            metric: None,
+            **_eval_columns(doc, metric),
         }
         worker_rows += _worker_rows(row["t"], doc)
         for wid, w in doc["workers"].items():
@@ -375,12 +377,12 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
                 )
                 bars[wid].refresh()
         if time.monotonic() - last_eval >= args.eval_every:
-            row["version"], row["accuracy"] = evaluator.score(host, port, eval_keys)
+            row["version"], row[metric] = evaluator.score(host, port, eval_keys)
             last_eval = time.monotonic()
             if args.no_progress:
                 print(
                     f"t={row['t']:.0f}s version {row['version']} loss {row['loss']} "
-                    f"held-out {row['accuracy']:.4f}",
+                    f"held-out {metric} {row[metric]:.4f}",
                     flush=True,
                 )
         history.append(row)
@@ -406,8 +408,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             "loss": doc["loss"],
             "staleness_mean": doc["staleness"]["mean"],
             "updates_per_s": doc["updates_per_s"],
-            "accuracy": acc,
-            **_eval_columns(doc),
+            metric: acc,
+            **_eval_columns(doc, metric),
         }
     )
     (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
@@ -436,7 +438,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         print(
             f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
         )
-    print(f"held-out accuracy: {acc:.4f}", flush=True)
+    print(f"held-out {metric}: {acc:.4f}", flush=True)
     return 1 if failed else 0
 
 
@@ -497,10 +499,10 @@ def _wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:
             running[0].wait(timeout=timeout_s)
 
 
-def _eval_columns(doc: dict[str, Any]) -> dict[str, Any]:
+def _eval_columns(doc: dict[str, Any], metric: str) -> dict[str, Any]:
     """history.csv columns of the server's last held-out evaluation (--eval-every)."""
     ev = doc.get("eval") or {}
-    return {"eval_version": ev.get("version"), "eval_accuracy": ev.get("accuracy")}
+    return {"eval_version": ev.get("version"), f"eval_{metric}": ev.get(metric)}
 
 
 def _worker_rows(t: float, doc: dict[str, Any]) -> list[dict[str, Any]]:

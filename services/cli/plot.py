@@ -2,7 +2,8 @@
 
 Reads what ``downpour run-local`` writes into a run directory and writes, next to it:
 
-- ``training.png``  from ``history.csv``: training loss and held-out accuracy over time
+- ``training.png``  from ``history.csv``: training loss and the held-out metric over time (the
+  metric is the ``eval_<name>`` column: ``accuracy`` by default, ``auc`` for an AUC model)
 - ``staleness.png`` from ``status.json``: the histogram of gradient staleness over the run
 - ``throughput.png`` from ``workers.csv`` (and ``history.csv``): steps/s per worker and the
   server's updates/s over time
@@ -30,6 +31,14 @@ def _floats(rows: list[dict[str, str]], key: str) -> tuple[list[float], list[flo
     return xs, ys
 
 
+def _metric_name(rows: list[dict[str, str]]) -> str:
+    """The held-out metric's name: the ``eval_<name>`` column beside ``eval_version``."""
+    for key in rows[0] if rows else ():
+        if key.startswith("eval_") and key != "eval_version":
+            return key.removeprefix("eval_")
+    return "accuracy"
+
+
 def _read_csv(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -45,8 +54,9 @@ def _pyplot() -> Any:
 
 
 def plot_training(run_dir: Path, rows: list[dict[str, str]]) -> Path:
-    """``training.png``: training loss (server EWMA) and held-out accuracy over time."""
+    """``training.png``: training loss (server EWMA) and the held-out metric over time."""
     plt = _pyplot()
+    metric = _metric_name(rows)
     fig, (ax_loss, ax_acc) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     ax_loss.plot(*_floats(rows, "loss"), color="tab:blue")
     ax_loss.set_ylabel("training loss (server EWMA)")
@@ -56,15 +66,15 @@ def plot_training(run_dir: Path, rows: list[dict[str, str]]) -> Path:
     evals = [
         r for r in rows if r.get("eval_version") not in seen and not seen.add(r["eval_version"])
     ]
-    xs, ys = _floats(evals, "eval_accuracy")
+    xs, ys = _floats(evals, f"eval_{metric}")
     if xs:
         ax_acc.plot(xs, ys, color="tab:olive", label="server --eval-every")
     ax_acc.plot(
-        *_floats(rows, "accuracy"), marker="o", ls="-", color="tab:green", label="run-local pull"
+        *_floats(rows, metric), marker="o", ls="-", color="tab:green", label="run-local pull"
     )
     if xs:
         ax_acc.legend(loc="lower right")
-    ax_acc.set_ylabel("held-out accuracy")
+    ax_acc.set_ylabel(f"held-out {metric}")
     ax_acc.set_xlabel("seconds since the workers started")
     ax_acc.set_ylim(0, 1.02)  # a line at 1.0 stays visible
     ax_acc.grid(True, alpha=0.3)

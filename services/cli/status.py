@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from downpour.client import fetch_status
+from downpour.metrics import eval_score
 from downpour.security import ClientKeys
 
 __all__ = ["fetch_status", "main", "render", "render_cluster"]
@@ -47,8 +48,9 @@ def _eval_line(doc: dict[str, Any]) -> str | None:
     if not ev:
         return None
     age = time.time() - ev.get("time", time.time())
+    name, value = eval_score(ev)
     return (
-        f"held-out accuracy {ev.get('accuracy', 0):.4f} at version {ev.get('version')} "
+        f"held-out {name} {value or 0:.4f} at version {ev.get('version')} "
         f"({age:.0f}s ago, every {ev.get('every')} updates, {ev.get('count')} evaluations)"
     )
 
@@ -200,7 +202,7 @@ def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"{ep:<28} {shard:>5} {d.get('version', 0):>8} {_fmt(d.get('updates_per_s')):>9} "
             f"{_fmt(d.get('loss')):>8} {_fmt((d.get('staleness') or {}).get('mean')):>10} "
-            f"{d.get('rejected_total', 0):>8} {_fmt(ev.get('accuracy')):>8}"
+            f"{d.get('rejected_total', 0):>8} {_fmt(eval_score(ev)[1]):>8}"
         )
     lines += ["", WORKER_HEADER + f" {'shards':>6}"]
     for wid, w in sorted(merge_workers(ok).items()):

@@ -29,7 +29,9 @@ class HeldOutEvaluator:
     """Scores weight snapshots on the held-out set in its own thread.
 
     ``on_result`` is called (in the evaluator's thread) with each result dict:
-    ``{"version", "accuracy", "time", "seconds", "count", "every", "examples"}``.
+    ``{"version", "metric", <metric>, "time", "seconds", "count", "every", "examples"}``, where
+    ``metric`` is the spec's ``metric_name`` (``accuracy`` by default) and the value is under
+    that name (``result["auc"]`` for an AUC spec).
     """
 
     def __init__(
@@ -127,11 +129,13 @@ class HeldOutEvaluator:
             )
         recalibrate_batchnorm(self.model, self._bn_batches)  # no-op without BatchNormalization
         labels, outputs = predict(self.model, self.held_out)
-        accuracy = float(self.spec.metric(labels, outputs))
+        score = float(self.spec.metric(labels, outputs))
+        name = self.spec.metric_name
         self.count += 1
         self.last = {
             "version": version,
-            "accuracy": accuracy,
+            "metric": name,
+            name: score,
             "time": time.time(),
             "seconds": round(time.perf_counter() - t0, 4),
             "count": self.count,
@@ -139,8 +143,9 @@ class HeldOutEvaluator:
             "examples": len(labels),
         }
         log.info(
-            "held-out accuracy %.4f at version %d (%.2f s)",
-            accuracy,
+            "held-out %s %.4f at version %d (%.2f s)",
+            name,
+            score,
             version,
             self.last["seconds"],
             extra={"version": version},

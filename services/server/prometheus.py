@@ -124,6 +124,11 @@ class SnapshotCollector(Collector):
         if not ev:
             return
         yield from _scalars(m.EVAL_METRICS, ev)
+        name, value = m.eval_score(ev)
+        if value is not None:
+            fam = _family(m.HELDOUT_METRIC, ["metric"])
+            fam.add_metric([name], value)
+            yield fam
 
     def _workers(self, workers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         state = GaugeMetricFamily(

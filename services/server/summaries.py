@@ -10,7 +10,8 @@ step = the weight version (updates applied):
 - ``rejected/total``, ``workers/alive``
 - ``worker/<id>/steps_per_s``, ``worker/<id>/loss`` (the worker's local batch loss) and
   ``worker/<id>/staleness``
-- ``heldout/accuracy`` and ``heldout/eval_seconds`` at the evaluated version, for every
+- ``heldout/<metric>`` (``heldout/accuracy`` by default, ``heldout/auc`` for an AUC spec) and
+  ``heldout/eval_seconds`` at the evaluated version, for every
   held-out evaluation (``--eval-every``), handed over by the evaluator as it finishes.
 
 TensorFlow's ``tf.summary.scalar``/``histogram`` are thin wrappers that live in the separate
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from downpour.metrics import eval_score
 
 log = logging.getLogger("downpour.server")
 
@@ -116,7 +119,8 @@ class SummaryWriter:
 
     def _write_eval(self, ev: dict[str, Any]) -> None:
         with self.writer.as_default():
-            self._scalar("heldout/accuracy", ev.get("accuracy"), int(ev["version"]))
+            name, value = eval_score(ev)
+            self._scalar(f"heldout/{name}", value, int(ev["version"]))
             self._scalar("heldout/eval_seconds", ev.get("seconds"), int(ev["version"]))
 
     def _write_doc(self, doc: dict[str, Any]) -> None:
