@@ -17,6 +17,7 @@ received, applies a partial sync round, writes a final checkpoint and closes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -135,6 +136,9 @@ class Server:
             push_port=self.push_port,
             status_port=self.status_port,
             limits=self.limits,
+            request_limits=dataclasses.replace(
+                wire.DEFAULT_LIMITS, max_pull_rows=config.max_pull_rows
+            ),
             stats=self.stats,
             allow_nonfinite=config.allow_nonfinite,
             authenticated=self.sockets.authenticated,
