@@ -417,6 +417,48 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         "",
         "With a sync:K/N server: waits for the next version that timed out.",
     ),
+    MetricInfo(
+        "bytes_pulled",
+        "downpour_worker_pulled_bytes_total",
+        COUNTER,
+        "bytes",
+        "Tensor bytes received in weight pulls (whole variables and table rows).",
+    ),
+    MetricInfo(
+        "rows_pulled",
+        "downpour_worker_rows_pulled_total",
+        COUNTER,
+        "",
+        "Table rows received in row pulls.",
+    ),
+    MetricInfo(
+        "row_bytes_pulled",
+        "downpour_worker_row_pulled_bytes_total",
+        COUNTER,
+        "bytes",
+        "Bytes of table rows (ids and values) received in row pulls.",
+    ),
+    MetricInfo(
+        "row_hits",
+        "downpour_worker_row_hits_total",
+        COUNTER,
+        "",
+        "A batch's table rows found fresh in the row cache (within --row-staleness).",
+    ),
+    MetricInfo(
+        "row_misses",
+        "downpour_worker_row_misses_total",
+        COUNTER,
+        "",
+        "A batch's table rows that had to be pulled (not fetched, or too stale).",
+    ),
+    MetricInfo(
+        "row_sync_pulls",
+        "downpour_worker_row_sync_pulls_total",
+        COUNTER,
+        "",
+        "Row pulls the training thread waited for: rows the look-ahead pull did not bring.",
+    ),
 )
 
 # A worker reports at most this many figures; more (or non-numeric, or non-finite) are dropped,

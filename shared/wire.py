@@ -95,7 +95,9 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              come whole as in a plain pull (a row-sparse table not named in the request, too:
              that is a first full load), or are left out with body {"unchanged": true} when
              the sender's "have" is still current: "unchanged" then speaks of the whole
-             variables only, and the requested rows are sent all the same. Tensors keep the
+             variables only, and the requested rows are sent all the same. A request body
+             {"rows_only": true} leaves out every variable but the requested rows (a worker
+             topping up rows between its regular pulls). Tensors keep the
              server's variable order. A server that predates row requests ignores the ids
              and replies with every variable whole, which a row-pulling worker takes as well.
 
@@ -855,11 +857,13 @@ class HelloReply:
 @dataclass(frozen=True)
 class PullRequest:
     """A weight pull. ``have``: the version the sender holds from server ``incarnation``
-    (None: it holds none, send everything). ``encoding``: dense or bf16 weights."""
+    (None: it holds none, send everything). ``encoding``: dense or bf16 weights.
+    ``rows_only``: with a row request, send the requested rows and nothing else."""
 
     have: int | None = None
     incarnation: str | None = None
     encoding: str = DENSE
+    rows_only: bool = False
 
     def to_body(self) -> dict[str, Any]:
         """The pull body map (``encoding`` only when not dense: an older server accepts it)."""
@@ -869,6 +873,8 @@ class PullRequest:
             body["incarnation"] = self.incarnation
         if self.encoding != DENSE:
             body["encoding"] = self.encoding
+        if self.rows_only:
+            body["rows_only"] = True
         return body
 
     @classmethod
@@ -880,6 +886,7 @@ class PullRequest:
             have=_field(b, "have", "int"),
             incarnation=_field(b, "incarnation", "str"),
             encoding=_field(b, "encoding", "str", DENSE),
+            rows_only=_field(b, "rows_only", "bool", False),
         )
 
 

@@ -310,7 +310,8 @@ def row_reply(
 ) -> Message:
     """The reply to a checked row request: each requested table's rows as a ``sparse``
     tensor (gathered, O(rows)), the other variables whole unless ``req.have`` is current
-    (then ``unchanged``, and only the rows travel). bf16 applies to the whole variables."""
+    (then ``unchanged``, and only the rows travel) or the request is ``rows_only``. bf16
+    applies to the whole variables."""
     state = ctx.state
     version, dense = state.dense_weights()
     unchanged = req.have == version and req.incarnation == ctx.incarnation
@@ -323,7 +324,7 @@ def row_reply(
         if ids is not None:
             tensors[name] = wire.Sparse(ids, state.gather(i, ids), state.shapes[i])
             ctx.stats.counters["rows_served"] += len(ids)
-        elif not unchanged:
+        elif not (unchanged or req.rows_only):
             a = dense[i] if dense[i] is not None else state.array(i)
             tensors[name] = wire.as_bf16(a) if req.encoding == wire.BF16 else a
     body = wire.PullReply(ctx.incarnation, unchanged=unchanged, dropped_stale=dropped)

@@ -71,9 +71,10 @@ from downpour.transport import (
     make_context,
 )
 from downpour.worker.compress import Compressor, parse_compression
+from downpour.worker.rows import Lookahead, RowPlan
 from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.splits import DispatchError, SplitFeed, probe_universe
-from downpour.worker.step import Accumulator, GradientStep
+from downpour.worker.step import Accumulator, GradientStep, batch_signature
 from downpour.worker.tf1 import Tf1Step, check_tf1_inputs
 
 log = logging.getLogger("downpour.worker")
@@ -104,16 +105,18 @@ class Fetcher:
         self.worker = worker
         self.shard = shard
         self.client = worker.shards.new_client(shard)
-        self._requests: queue.Queue[int | None] = queue.Queue(maxsize=1)
+        self._requests: queue.Queue[tuple[int, dict[str, np.ndarray] | None] | None] = queue.Queue(
+            maxsize=1
+        )
         self._results: queue.Queue[Weights | BaseException] = queue.Queue()
         self._thread = threading.Thread(
             target=self._loop, name=f"fetcher-{shard.index}", daemon=True
         )
         self._thread.start()
 
-    def request(self, have: int) -> None:
-        """Start fetching weights newer than ``have``."""
-        self._requests.put_nowait(have)
+    def request(self, have: int, rows: dict[str, np.ndarray] | None = None) -> None:
+        """Start fetching weights newer than ``have`` (and the table ``rows``, if any)."""
+        self._requests.put_nowait((have, rows))
 
     def take(self) -> Weights:
         """The reply to the last request; waits at most the worker's server timeout."""
@@ -133,15 +136,16 @@ class Fetcher:
         w = self.worker
         while True:
             try:
-                have = self._requests.get(timeout=w.config.heartbeat_s)
+                item = self._requests.get(timeout=w.config.heartbeat_s)
             except queue.Empty:
                 self._heartbeat()
                 continue
-            if have is None:
+            if item is None:
                 return
+            have, rows = item
             try:
                 try:
-                    weights = self.client.pull(w.pull_request(self.shard, have))
+                    weights = self.client.pull(w.pull_request(self.shard, have), rows=rows)
                 except (ServerUnavailable, Stopped) as exc:
                     raise WorkerError(str(exc)) from None
                 except wire.ProtocolError as exc:
@@ -201,6 +205,7 @@ class Worker:
         else:
             first = build_dataset(self.inputs.train, self.input_ctx)  # InputError: refused
         check_element_spec(first.element_spec, self.model)
+        self.element_spec = first.element_spec
         if config.graph == "tf1":  # the model's Session graph, checked against this Keras model
             check_tf1_inputs(spec, first.element_spec)
             self.step_fn: GradientStep | Tf1Step = Tf1Step(spec, self.model)
@@ -263,6 +268,8 @@ class Worker:
         self._refresh = False  # a shard dropped a stale gradient: pull fresh weights next step
         self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
         self._sync_stalled = False  # a sync wait timed out and no version moved since
+        self.rows: RowPlan | None = None  # --row-pulls auto: the tables pulled by row
+        self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
         self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
         if self.dispatched:
             self.feed = SplitFeed(
@@ -319,6 +326,18 @@ class Worker:
             raise WorkerError(f"server {exc.endpoint} refused this worker: {exc.message}") from None
         except (ServerUnavailable, Stopped) as exc:
             raise WorkerError(str(exc)) from None
+        if self.rows is None and self.config.row_pulls == "auto" and self.config.graph == "tf2":
+            features = batch_signature(tuple(self.element_spec))[0]
+            offered = [h.reply.row_tables for h in hellos]
+            self.rows = RowPlan.build(
+                self.model, self.partition, offered, features, self.config.row_staleness
+            )
+            if self.rows is not None:
+                log.info(
+                    "row pulls for %s (staleness bound %d versions)",
+                    ", ".join(str(t.variable.path) for t in self.rows.tables),
+                    self.config.row_staleness,
+                )
         for shard, hello in zip(self.shards.shards, hellos, strict=True):
             log.info(
                 "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
@@ -347,13 +366,14 @@ class Worker:
         self.sync = hello.reply.policy.startswith("sync:")
         self.seq = max(self.seq, hello.reply.last_seq)
 
-    def pull_request(self, shard: Shard, have: int) -> wire.PullRequest:
-        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
+    def pull_request(self, shard: Shard, have: int, rows_only: bool = False) -> wire.PullRequest:
+        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet.
+        ``rows_only``: a row top-up, the requested rows and nothing else."""
         # a server from before bf16 pulls sends float32: fine
         encoding = wire.BF16 if self.config.pull_compress == "bf16" else wire.DENSE
         if have < 0:
-            return wire.PullRequest(encoding=encoding)
-        return wire.PullRequest(have, shard.incarnation, encoding)
+            return wire.PullRequest(encoding=encoding, rows_only=rows_only)
+        return wire.PullRequest(have, shard.incarnation, encoding, rows_only)
 
     def prepare(self, shard: Shard, weights: Weights) -> Weights:
         """On the fetcher thread: a single shard's new weights converted for the step function
@@ -361,6 +381,7 @@ class Worker:
         first, which needs every reply, so ``install`` converts those."""
         if (
             len(self.shards.shards) == 1
+            and self.rows is None
             and not weights.unchanged
             and list(weights.tensors) == self.shards.wire_names[shard.index]
         ):
@@ -371,6 +392,9 @@ class Worker:
     def install(self, replies: list[Weights], started: float) -> None:
         """Load the weights of one pull reply per shard into the model, unless all are
         unchanged; a step then never sees weights of two pulls."""
+        if self.rows is not None:
+            self._install_rows(replies, started)
+            return
         self.stats["pulls"] += 1
         changed = False
         for shard, weights in zip(self.shards.shards, replies, strict=True):
@@ -386,6 +410,7 @@ class Worker:
                 raise WorkerError(str(exc)) from None
             shard.arrays = list(weights.tensors.values())
             shard.version = weights.version
+            self.stats["bytes_pulled"] += sum(wire.densify(a).nbytes for a in shard.arrays)
             changed = True
             self._sync_stalled = False
         if changed:
@@ -394,10 +419,119 @@ class Worker:
             self.stats["pulls_unchanged"] += 1
         self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
 
-    def _request_all(self) -> None:
-        """Start every shard's fetcher on a pull of weights newer than those held."""
-        for shard, fetcher in zip(self.shards.shards, self.fetchers, strict=True):
-            fetcher.request(shard.version)
+    def _install_rows(
+        self, replies: list[Weights], started: float, rows_only: bool = False
+    ) -> None:
+        """``install`` with tables kept by row: a table's piece comes as rows (scattered into
+        the variable) or whole; the other variables as ``install`` loads them. ``rows_only``:
+        replies to a row top-up, which carry rows only and leave the shard versions as
+        they are."""
+        plan = self.rows
+        assert plan is not None
+        if not rows_only:
+            self.stats["pulls"] += 1
+        changed = False
+        for shard, weights in zip(self.shards.shards, replies, strict=True):
+            if self.shards.note_incarnation(shard, weights.reply.incarnation, weights.version):
+                plan.forget(shard.index)  # its versions started again
+            if weights.reply.dropped_stale > 0:
+                self.stats["dropped_stale"] += weights.reply.dropped_stale
+                self._refresh = True
+            names = self.shards.wire_names[shard.index]
+            whole = not (weights.unchanged or rows_only)
+            got = list(weights.tensors)
+            expected = [n for n in names if whole or plan.is_table(n)]
+            if got != [n for n in expected if n in got] or (
+                whole
+                and [n for n in expected if not plan.is_table(n)]
+                != [n for n in got if not plan.is_table(n)]
+            ):
+                raise WorkerError(
+                    f"weights from server {shard.endpoint} do not match this model's "
+                    f"variables on shard {shard.index} (got {got[:3]}..., expected "
+                    f"{names[:3]}...): the endpoints are not this model's shards in shard order"
+                )
+            if len(shard.arrays) != len(names):
+                shard.arrays = [None] * len(names)
+            for j, name in enumerate(names):
+                t = weights.tensors.get(name)
+                if t is None:
+                    continue
+                if plan.is_table(name):
+                    n, nbytes = plan.install(name, t, weights.version, self.step_fn.scatter_rows)
+                    shard.arrays[j] = None
+                    if isinstance(t, wire.Sparse):
+                        self.stats["rows_pulled"] += int(t.indices.shape[0])
+                        self.stats["row_bytes_pulled"] += nbytes
+                    self.stats["bytes_pulled"] += nbytes
+                else:
+                    shard.arrays[j] = t
+                    self.stats["bytes_pulled"] += wire.densify(t).nbytes
+            if whole:
+                shard.version = weights.version
+                changed = True
+                self._sync_stalled = False
+        if changed:
+            joined = self.shards.join()
+            which = tuple(i for i, a in enumerate(joined) if a is not None)
+            self.step_fn.set_some(which, [joined[i] for i in which])
+        elif not rows_only:
+            self.stats["pulls_unchanged"] += 1
+        if not rows_only:
+            self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
+
+    def _ensure_rows(self, x: Any) -> None:
+        """Before a step: pull at once the rows of its batch that are stale (the look-ahead
+        pull did not bring them, or the version moved on since), then count the batch's
+        rows as cache hits or misses."""
+        plan = self.rows
+        assert plan is not None
+        ids = plan.batch_ids(x)
+        wanted = plan.wanted(ids, self.shards.versions)
+        if plan.count(wanted):
+            self.stats["row_sync_pulls"] += 1
+            replies = []
+            for shard, rows in zip(self.shards.shards, wanted, strict=True):
+                if not any(r.size for r in rows.values()):
+                    replies.append(Weights(shard.version, wire.PullReply(shard.incarnation)))
+                    continue
+                body = self.pull_request(shard, shard.version, rows_only=True)
+                try:
+                    replies.append(shard.client.pull(body, rows=rows))
+                except (ServerUnavailable, Stopped) as exc:
+                    raise WorkerError(str(exc)) from None
+                except wire.ProtocolError as exc:
+                    raise WorkerError(
+                        f"server {shard.endpoint} sent a malformed reply: {exc}"
+                    ) from None
+            self._install_rows(replies, time.perf_counter(), rows_only=True)
+        hits, misses = plan.consume(ids)
+        self.stats["row_hits"] += hits
+        self.stats["row_misses"] += misses
+
+    def _lookahead_rows(self, sync: bool) -> list[dict[str, np.ndarray] | None]:
+        """Per shard, the table rows to ask with the pull being requested: those of the
+        batches its reply will serve (``sync``: installed at once, from the current batch
+        on; else at the next pull step) that will be stale by then."""
+        plan, stream = self.rows, self._stream
+        if plan is None or stream is None:
+            return [None] * len(self.shards.shards)
+        n = self.config.n_fetch
+        ahead = stream.taken - 1 + n if stream.taken else n  # the next pull step's batches
+        start = max(stream.taken - 1, 0) if sync else ahead
+        try:
+            batches = stream.features(start, start + n)
+        except DispatchError as exc:
+            raise WorkerError(str(exc)) from None
+        ids = plan.union(batches)
+        return list(plan.wanted(ids, self.shards.versions, ahead=0 if sync else 1))
+
+    def _request_all(self, sync: bool = False) -> None:
+        """Start every shard's fetcher on a pull of weights newer than those held (with row
+        pulls: and the rows of the batches it serves; ``sync``: it is installed at once)."""
+        rows = self._lookahead_rows(sync)
+        for shard, fetcher, r in zip(self.shards.shards, self.fetchers, rows, strict=True):
+            fetcher.request(shard.version, r)
 
     def _fetch_all(self) -> list[Weights]:
         """Every shard's reply to the pull its fetcher is running (they run concurrently)."""
@@ -408,13 +542,13 @@ class Worker:
         replies (--no-prefetch), or taking what the fetchers brought and starting the next."""
         t0 = time.perf_counter()
         if not self.config.prefetch:
-            self._request_all()
+            self._request_all(sync=True)
         self.install(self._fetch_all(), t0)
         if self.config.prefetch and self._refresh:
             # The server dropped gradients of ours as too stale, and what the fetchers brought
             # was requested a step ago: wait for the current weights before the next step.
             self.stats["stale_refreshes"] += 1
-            self._request_all()
+            self._request_all(sync=True)
             self.install(self._fetch_all(), t0)
         self._refresh = False
         if self.config.prefetch:
@@ -437,7 +571,7 @@ class Worker:
         in_flight = self.config.prefetch  # with prefetch a request per shard is outstanding
         while not self._stop.is_set():
             if not in_flight:
-                self._request_all()
+                self._request_all(sync=True)
             self.install(self._fetch_all(), t0)
             in_flight = False
             if all(v > p for v, p in zip(self.shards.versions, pushed_from, strict=True)):
@@ -578,20 +712,23 @@ class Worker:
         for fetcher in self.fetchers:  # the first pull from every shard at once
             fetcher.request(-1)
         self.install(self._fetch_all(), time.perf_counter())
+        self._stream = Lookahead((x, y, self.feed is not None and self.feed.last) for x, y in data)
         if cfg.prefetch:
             self._request_all()
         finished = False  # the input ran out: --epochs done (or --steps)
         while not self._stop.is_set():
             try:
-                batch = next(data, None)
+                batch = self._stream.next()
             except DispatchError as exc:
                 raise WorkerError(str(exc)) from None
             if batch is None:  # a split feed also ends when stopped while it waits
                 finished = not self._stop.is_set()
                 break
-            x, y = batch
+            x, y, split_end = batch
             if step and step % cfg.n_fetch == 0:
                 self.pull()
+            if self.rows is not None:
+                self._ensure_rows(x)
             if acc.count == 0:  # the oldest weights in this accumulation, per shard
                 if self.sync and pushed_from is not None:
                     self.await_new_version(pushed_from)
@@ -608,7 +745,6 @@ class Worker:
             if math.isfinite(loss):
                 self.stats["loss"] = loss
                 recent.append(loss)
-            split_end = self.feed is not None and self.feed.last
             if acc.count >= cfg.n_push or (split_end and acc.count):
                 if self.push(acc.take(), base_versions, loss, step, batch_rows(y)) and split_end:
                     self.feed.split_done()  # acknowledged with the next request
@@ -648,6 +784,16 @@ class Worker:
             "dropped_stale": int(self.stats["dropped_stale"]),
             "stale_refreshes": int(self.stats["stale_refreshes"]),
             "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
+            "row_pulls": None
+            if self.rows is None
+            else [str(t.variable.path) for t in self.rows.tables],
+            "row_staleness": self.config.row_staleness,
+            "bytes_pulled": int(self.stats["bytes_pulled"]),
+            "rows_pulled": int(self.stats["rows_pulled"]),
+            "row_bytes_pulled": int(self.stats["row_bytes_pulled"]),
+            "row_hits": int(self.stats["row_hits"]),
+            "row_misses": int(self.stats["row_misses"]),
+            "row_sync_pulls": int(self.stats["row_sync_pulls"]),
             "last_seq": self.seq,
             "epochs": self.epoch + 1 if step else 0,
             "stopped_early": not finished,
