@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -189,3 +190,36 @@ def test_a_worker_on_a_split_table_trains_as_on_one_shard() -> None:
     assert a["rows_pulled"] > 0 and b["rows_pulled"] > 0
     for x, y in zip(whole, joined, strict=True):
         np.testing.assert_array_equal(x, y)  # the same arithmetic on the same rows
+
+
+class _Subclassed(keras.Model):
+    """An embedding model written as a subclass: no graph of layers to extract ids from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = keras.layers.Embedding(100, 4)
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):  # noqa: ANN001, ANN201
+        return self.out(keras.ops.mean(self.embed(x), axis=1))
+
+
+def test_a_model_without_a_layer_graph_falls_back_to_whole_pulls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = _Subclassed()
+    model(np.zeros((1, 3), np.int32))
+    variables = model.trainable_variables
+    part = make_partition(
+        [v.path for v in variables],
+        [tuple(v.shape) for v in variables],
+        [str(v.dtype) for v in variables],
+        1,
+        "fp",
+    )
+    offered = [[variables[0].path]]
+    with caplog.at_level("INFO", logger="downpour.worker"):
+        plan = RowPlan.build(model, part, offered, tf.TensorSpec((None, 3), tf.int32), 0)
+    assert plan is None
+    assert "row pulls off" in caplog.text and "pulled whole" in caplog.text
+    assert RowPlan.build(model, part, [[]], tf.TensorSpec((None, 3), tf.int32), 0) is None
