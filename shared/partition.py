@@ -16,8 +16,9 @@ The rule (greedy by bytes, as DistBelief balanced its shards):
 3. Within a shard, parts are ordered by variable index: that is the order on the wire.
 
 A whole variable travels under its own name; a row range under ``name[start:stop]``. The
-optimizers the server offers (Adam, Adagrad, SGD) are element-wise, so a sharded update is
-the same arithmetic as an unsharded one.
+optimizers the server offers (Adam, Adagrad, SGD, lazy Adam) are element-wise (row-wise for
+a table), so a sharded update is the same arithmetic as an unsharded one. A row pull of a
+split table sends each id to the shard holding its row, rebased (``Partition.route_rows``).
 """
 
 from __future__ import annotations
