@@ -35,6 +35,8 @@ from downpour.worker.settings import (
     N_FETCH,
     N_PUSH,
     PULL_COMPRESS,
+    ROW_PULLS,
+    ROW_STALENESS,
     STEPS,
 )
 
@@ -78,6 +80,8 @@ LOCAL_OPTIONS: tuple[Option, ...] = (
     replace(COMPRESS, help="the workers' --compress (none, bf16, topk:RATIO)", section=_WORKERS),
     replace(PULL_COMPRESS, help="the workers' pulls", section=_WORKERS),
     replace(GRAPH, help="the workers' --graph", section=_WORKERS),
+    replace(ROW_PULLS, help="the workers' --row-pulls (auto, off)", section=_WORKERS),
+    replace(ROW_STALENESS, help="the workers' --row-staleness", section=_WORKERS),
     replace(OPTIMIZER, section=_SERVER),
     replace(LR, section=_SERVER),
     Option(
@@ -288,6 +292,10 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             args.pull_compress,
             "--graph",
             args.graph,
+            "--row-pulls",
+            args.row_pulls,
+            "--row-staleness",
+            str(args.row_staleness),
             "--num-workers",  # static sharding: worker i reads shard i of N
             str(args.workers),
             "--worker-index",
