@@ -36,6 +36,7 @@ class RowPulling:
     step_fn: Any  # GradientStep when rows is set (tf2 graphs only)
     _refresh: bool
     _sync_stalled: bool
+    _row_version_steps: list[int]  # per shard, versions moved between its last two replies
 
     def _install_rows(
         self, replies: list[Weights], started: float, rows_only: bool = False
@@ -86,6 +87,8 @@ class RowPulling:
                     shard.arrays[j] = t
                     self.stats["bytes_pulled"] += wire.densify(t).nbytes
             if whole:
+                if shard.version >= 0:
+                    self._version_steps()[shard.index] = max(1, weights.version - shard.version)
                 shard.version = weights.version
                 changed = True
                 self._sync_stalled = False
@@ -142,4 +145,10 @@ class RowPulling:
         except DispatchError as exc:
             raise WorkerError(str(exc)) from None
         ids = plan.union(batches)
-        return list(plan.wanted(ids, self.shards.versions, ahead=0 if sync else 1))
+        # the reply is likely as many versions on as the shard moved between the last pulls
+        return list(plan.wanted(ids, self.shards.versions, ahead=self._version_steps()))
+
+    def _version_steps(self) -> list[int]:
+        """Per shard, how many versions it moved between the last two whole replies (at
+        least 1): what the next reply will likely add."""
+        return self._row_version_steps

@@ -157,18 +157,23 @@ class RowPlan:
         return [t.numpy() for t in self._batch_ids(features)]
 
     def wanted(
-        self, ids: Sequence[np.ndarray], versions: Sequence[int], ahead: int = 0
+        self,
+        ids: Sequence[np.ndarray],
+        versions: Sequence[int],
+        ahead: int | Sequence[int] = 0,
     ) -> list[dict[str, np.ndarray]]:
         """Per shard, {part wire name: rebased ids} of the rows in ``ids`` (per table) that
         are stale: fetched before their shard's version (``versions``) + ``ahead`` - K.
-        ``ahead`` = 1 for a look-ahead pull, whose reply will likely be a version newer.
+        ``ahead`` (per shard, or one for all): how many versions on the reply of a
+        look-ahead pull will likely be.
         Every table piece of a shard is named, with an empty list when no row of it is
         stale: a pull that names no table would get the tables whole."""
         out: list[dict[str, np.ndarray]] = [{} for _ in versions]
+        steps = [ahead] * len(versions) if isinstance(ahead, int) else list(ahead)
         for table, table_ids in zip(self.tables, ids, strict=True):
             for k, part, local in self.partition.route_rows(table.var, table_ids):
                 fetched = table.fetched[local + part.start]
-                out[k][part.wire_name] = local[fetched < versions[k] + ahead - self.staleness]
+                out[k][part.wire_name] = local[fetched < versions[k] + steps[k] - self.staleness]
         return out
 
     @staticmethod

@@ -268,6 +268,7 @@ class Worker(RowPulling):
         self._sync_stalled = False  # a sync wait timed out and no version moved since
         self.rows: RowPlan | None = None  # --row-pulls auto: the tables pulled by row
         self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
+        self._row_version_steps = [1] * len(endpoints)
         self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
         if self.dispatched:
             self.feed = SplitFeed(
@@ -618,14 +619,14 @@ class Worker(RowPulling):
             x, y, split_end = batch
             if step and step % cfg.n_fetch == 0:
                 self.pull()
-            if self.rows is not None:
-                self._ensure_rows(x)
             if acc.count == 0:  # the oldest weights in this accumulation, per shard
                 if self.sync and pushed_from is not None:
                     self.await_new_version(pushed_from)
                     if self._stop.is_set():
                         break
                 base_versions = self.shards.versions
+            if self.rows is not None:  # last: after every install this step may see
+                self._ensure_rows(x)
             t0 = time.perf_counter()
             loss, grads = self.step_fn(x, y)
             self.stats["compute_ms"] = 1e3 * (time.perf_counter() - t0)
