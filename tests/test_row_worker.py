@@ -61,6 +61,18 @@ def test_a_row_older_than_k_versions_is_pulled_again_and_a_fresh_one_is_not() ->
     assert RowPlan.count(fresh) == 0
 
 
+def test_a_restarted_shard_s_rows_count_as_never_fetched() -> None:
+    """Versions start again with a server's new incarnation: its rows are pulled again and
+    a reply may overwrite them, whatever version they were fetched at before."""
+    plan = plan_for(BIG, staleness=5, num_shards=2)
+    plan.tables[0].fetched[:] = 40
+    plan.forget(1)
+    assert (plan.tables[0].fetched[:50_000] == 40).all()
+    assert (plan.tables[0].fetched[50_000:] == -1).all()
+    wanted = plan.wanted([np.array([1, 60_000], np.int64)], [40, 3])
+    assert RowPlan.count(wanted) == 1 and wanted[1][f"{TABLE}[50000:100000]"].tolist() == [10_000]
+
+
 def test_a_split_tables_ids_are_routed_to_their_shard_rebased() -> None:
     plan = plan_for(BIG, staleness=0, num_shards=2)
     ids = [np.array([3, 49_999, 50_000, 75_049], np.int64)]

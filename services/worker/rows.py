@@ -173,7 +173,8 @@ class RowPlan:
         for table, table_ids in zip(self.tables, ids, strict=True):
             for k, part, local in self.partition.route_rows(table.var, table_ids):
                 fetched = table.fetched[local + part.start]
-                out[k][part.wire_name] = local[fetched < versions[k] + steps[k] - self.staleness]
+                stale = (fetched < 0) | (fetched < versions[k] + steps[k] - self.staleness)
+                out[k][part.wire_name] = local[stale]  # never fetched (-1) is always stale
         return out
 
     @staticmethod
