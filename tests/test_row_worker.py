@@ -4,14 +4,16 @@ shard holding them, the result equal to one shard's). In-process servers on real
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import wait_until
-from inproc import serving, train
+from conftest import free_ports, wait_until
+from inproc import InprocServer, WorkerThread, make_worker, serving, train
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -21,6 +23,7 @@ from downpour.partition import make_partition
 from downpour.spec import load_spec
 from downpour.transport import make_context
 from downpour.worker.rows import Lookahead, RowPlan
+from downpour.worker.service import WorkerError
 
 BIG = "tiny_models:big_embedding"
 TABLE = "embed/embeddings"
@@ -235,3 +238,45 @@ def test_a_model_without_a_layer_graph_falls_back_to_whole_pulls(
     assert plan is None
     assert "row pulls off" in caplog.text and "pulled whole" in caplog.text
     assert RowPlan.build(model, part, [[]], tf.TensorSpec((None, 3), tf.int32), 0) is None
+
+
+def test_a_row_pulling_worker_carries_on_through_a_server_restart(tmp_path: Path) -> None:
+    """The server goes away and comes back from its checkpoint (a new incarnation, an older
+    version): the worker forgets the versions its rows were fetched at, pulls them again and
+    trains on."""
+    port, push_port, status_port = free_ports(3)
+    config = {
+        "port": port,
+        "push_port": push_port,
+        "status_port": status_port,
+        "optimizer": "adagrad",
+        "learning_rate": 0.5,
+        "state_dir": str(tmp_path / "state"),
+        "checkpoint_every": 5,
+        "checkpoint_secs": 0.0,
+    }
+    worker = make_worker(
+        port, BIG, worker_id="w", steps=100_000, request_timeout_s=1.0, row_staleness=3
+    )
+    thread = WorkerThread(worker)
+    try:
+        first = InprocServer(BIG, **config)
+        try:
+            wait_until(lambda: fetch_status(first.status)["version"] >= 14, 60, "training")
+        finally:
+            first.stop()
+        before = worker.stats["rows_pulled"]
+        with serving(BIG, **config) as again:
+            restored = fetch_status(again.status)["restored_from"]
+            assert restored is not None
+            wait_until(
+                lambda: fetch_status(again.status)["version"] > restored + 20, 60, "training on"
+            )
+            doc = fetch_status(again.status)
+            assert doc["rejected_total"] == 0
+            assert worker.stats["rows_pulled"] > before
+    finally:
+        worker.stop()
+    with contextlib.suppress(WorkerError):
+        thread.result()
+    assert thread.error is None or "stopped while waiting" in str(thread.error), thread.error
