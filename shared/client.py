@@ -199,9 +199,16 @@ class ShardClient:
             self.req.max_request_bytes = hello.reply.max_request_bytes
         return hello
 
-    def pull(self, body: wire.PullRequest | None = None) -> Weights:
-        """The server's weights (or "unchanged" when ``body.have`` is still current)."""
-        reply = wire.expect(self.request(wire.pull_request(self.sender, body)), wire.WEIGHTS)
+    def pull(
+        self,
+        body: wire.PullRequest | None = None,
+        rows: dict[str, Any] | None = None,
+    ) -> Weights:
+        """The server's weights (or "unchanged" when ``body.have`` is still current).
+        ``rows``: a row request, the row ids wanted of each row-sparse table by wire name
+        (the reply carries those rows as ``wire.Sparse``; see ``downpour.wire``)."""
+        msg = wire.pull_request(self.sender, body, rows)
+        reply = wire.expect(self.request(msg), wire.WEIGHTS)
         return Weights(reply.base_version, wire.PullReply.from_body(reply.body), reply.tensors)
 
     def heartbeat(self, stats: dict[str, float] | None = None) -> tuple[int, wire.HeartbeatReply]:

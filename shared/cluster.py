@@ -311,6 +311,42 @@ class ShardSet:
                 shard.arrays, shard.version = list(w.tensors.values()), w.version
         return replies
 
+    def row_requests(self, var: int, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Per shard, the row request for rows ``ids`` (global) of variable ``var``: each id
+        routed to the shard holding its row range and rebased to that shard's slice
+        (``Partition.route_rows``); every piece named, an empty list where no id falls."""
+        out: list[dict[str, np.ndarray]] = [{} for _ in self.shards]
+        for k, part, local in self.partition.route_rows(var, ids):
+            out[k][part.wire_name] = local
+        return out
+
+    def pull_rows(self, var: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Rows ``ids`` of row-sparse variable ``var`` from the shards holding them, pulled
+        concurrently (one short-lived client per shard, rows only): (unique ids in global
+        numbering, their rows, each shard's version). The reassembled rows are what one
+        unsharded server would send."""
+        requests = self.row_requests(var, ids)
+
+        def pull(k: int) -> Weights:
+            client = self.new_client(self.shards[k])
+            try:
+                return client.pull(wire.PullRequest(rows_only=True), rows=requests[k])
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(len(self.shards)) as pool:
+            replies = list(pool.map(pull, range(len(self.shards))))
+        got_ids, got_rows = [], []
+        for k, part, _ in self.partition.route_rows(var, np.zeros(0, np.int64)):
+            t = replies[k].tensors.get(part.wire_name)
+            if not isinstance(t, wire.Sparse):
+                raise ValueError(
+                    f"server {self.shards[k].endpoint} sent no rows of {part.wire_name}"
+                )
+            got_ids.append(np.asarray(t.indices, np.int64) + part.start)
+            got_rows.append(np.asarray(t.values))
+        return np.concatenate(got_ids), np.concatenate(got_rows), [w.version for w in replies]
+
     def join(self) -> list[Any]:
         """The whole model's weights in variable order from every shard's slice."""
         if len(self.shards) == 1:

@@ -16,8 +16,9 @@ The rule (greedy by bytes, as DistBelief balanced its shards):
 3. Within a shard, parts are ordered by variable index: that is the order on the wire.
 
 A whole variable travels under its own name; a row range under ``name[start:stop]``. The
-optimizers the server offers (Adam, Adagrad, SGD) are element-wise, so a sharded update is
-the same arithmetic as an unsharded one.
+optimizers the server offers (Adam, Adagrad, SGD, lazy Adam) are element-wise (row-wise for
+a table), so a sharded update is the same arithmetic as an unsharded one. A row pull of a
+split table sends each id to the shard holding its row, rebased (``Partition.route_rows``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -101,18 +103,41 @@ class Partition:
         """A full gradient list (variable order) as one list per shard, in wire order."""
         return [[p.take(grads[p.var]) for p in parts] for parts in self.shards]
 
-    def join(self, per_shard: Sequence[Sequence[np.ndarray]], n_vars: int) -> list[np.ndarray]:
-        """Full variables from each shard's arrays (wire order); slices are concatenated."""
-        pieces: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n_vars)]
+    def join(self, per_shard: Sequence[Sequence[Any]], n_vars: int) -> list[Any]:
+        """Full variables from each shard's arrays (wire order); slices are concatenated.
+        A variable whose pieces are None (a table kept by row, not as arrays) joins to None."""
+        pieces: list[list[tuple[int, Any]]] = [[] for _ in range(n_vars)]
         for parts, arrays in zip(self.shards, per_shard, strict=True):
             for p, a in zip(parts, arrays, strict=True):
                 pieces[p.var].append((p.start, a))
-        out = []
+        out: list[Any] = []
         for i, ps in enumerate(pieces):
             if not ps:
                 raise ValueError(f"variable {i} is on no shard")
             ps.sort(key=lambda t: t[0])
-            out.append(ps[0][1] if len(ps) == 1 else np.concatenate([a for _, a in ps]))
+            if any(a is None for _, a in ps):
+                out.append(None)
+            else:
+                out.append(ps[0][1] if len(ps) == 1 else np.concatenate([a for _, a in ps]))
+        return out
+
+    def parts_of(self, var: int) -> list[tuple[int, Part]]:
+        """(shard index, part) of every piece of variable ``var``, by first row."""
+        found = [(k, p) for k, parts in enumerate(self.shards) for p in parts if p.var == var]
+        return sorted(found, key=lambda t: t[1].start)
+
+    def route_rows(self, var: int, ids: np.ndarray) -> list[tuple[int, Part, np.ndarray]]:
+        """Row ids of variable ``var`` (its global rows) split by the shard holding each:
+        (shard index, part, the ids in that part rebased to its first row, int64), for every
+        part of the variable (an empty id list where none fall)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        out = []
+        for k, p in self.parts_of(var):
+            if p.whole:
+                out.append((k, p, ids))
+            else:
+                mine = ids[(ids >= p.start) & (ids < p.stop)]
+                out.append((k, p, mine - p.start))
         return out
 
     def describe(self) -> str:

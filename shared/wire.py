@@ -54,6 +54,7 @@ Message types (REQ/REP unless noted)::
                            from server incarnation I (omitted when it holds none); reply
                            base_version = current version with all tensors, or body
                            {"unchanged": true} and no tensors when it is still V of I.
+                           A pull may be a row request, see "Row requests" below.
                            Replies to hello and pull carry the server's "incarnation" (random
                            per start), so versions from before a restart are never confused.
                            A pull reply carries "dropped_stale": n when the server's policy
@@ -83,6 +84,29 @@ Message types (REQ/REP unless noted)::
     Bodies are built and read by the typed classes below (``HelloRequest`` ... ``ErrorReply``);
     a body field of the wrong type is refused as "bad_header".
 
+Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables" names them)::
+
+    request  a pull whose tensors are row ids: one ``dense`` 1-D int32 or int64 tensor per
+             table, named by the table's wire name, listing the rows wanted (in the frame
+             after the header, zero-copy like any tensor). Decode refuses a pull tensor of
+             more than ``Limits.max_pull_rows`` elements (``rows_too_many``) from the header,
+             before any frame is read. The server refuses a name that is no variable of its
+             (``rows_unknown``) or a dense one (``rows_dense``), ids that are not a dense
+             1-D int32/int64 list (``rows_dtype``; another encoding: ``bad_header``), ids
+             < 0 (``rows_negative``) and ids >= the table's rows (``rows_range``), in that
+             order; it removes duplicates before gathering.
+    reply    a weights message. Each requested table comes as a ``sparse`` tensor: its
+             unique requested ids (sorted, int64) and those rows' values at the reply's
+             base_version; an empty id list gives an empty table entry. The other variables
+             come whole as in a plain pull (a row-sparse table not named in the request, too:
+             that is a first full load), or are left out with body {"unchanged": true} when
+             the sender's "have" is still current: "unchanged" then speaks of the whole
+             variables only, and the requested rows are sent all the same. A request body
+             {"rows_only": true} leaves out every variable but the requested rows (a worker
+             topping up rows between its regular pulls). Tensors keep the
+             server's variable order. A server that predates row requests ignores the ids
+             and replies with every variable whole, which a row-pulling worker takes as well.
+
 Decoding validates before it allocates: dtype in ``ALLOWED_DTYPES``, ``nbytes`` against the
 shape, frame lengths, tensor counts and totals against ``Limits`` before any array is made;
 msgpack's own limits with ``strict_map_key``; no ext types; never pickle. Dense payloads are
@@ -98,7 +122,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ml_dtypes
@@ -164,12 +188,24 @@ R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not
 R_INTERNAL = "internal"  # the server failed handling a valid-looking message
 R_DISPATCH_OFF = "dispatch_off"  # a split request to a server that does not dispatch data
 R_UNIVERSE = "data_universe"  # a split request over other data than the dispatcher serves
+R_ROWS_DTYPE = "rows_dtype"  # row ids that are not int32 / int64
+R_ROWS_TOO_MANY = "rows_too_many"  # more row ids for one table than Limits.max_pull_rows
+R_ROWS_NEGATIVE = "rows_negative"  # a row id below 0
+R_ROWS_RANGE = "rows_range"  # a row id at or past the table's last row
+R_ROWS_DENSE = "rows_dense"  # a row request for a variable that is not row-sparse
+R_ROWS_UNKNOWN = "rows_unknown"  # a row request for a variable the server does not hold
 R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
 R_OVERSIZE = "oversize"  # a request larger than the server accepts (refused by the client)
 
 # The most a request (hello, pull, heartbeat, split) may carry: the server's REP socket drops
 # the connection of a bigger one (ZeroMQ MAXMSGSIZE), and hello replies announce it.
 REQUEST_MAX_BYTES = 1 << 20
+
+
+def request_max_bytes(max_pull_rows: int, row_tables: int) -> int:
+    """The request limit of a server whose pulls may name up to ``max_pull_rows`` int64 ids
+    for each of ``row_tables`` tables: ``REQUEST_MAX_BYTES`` plus room for those ids."""
+    return REQUEST_MAX_BYTES + 8 * max_pull_rows * row_tables
 
 
 class ProtocolError(Exception):
@@ -194,16 +230,11 @@ class Limits:
     max_ndim: int = 8
     max_total_bytes: int = 1 << 31
     max_str_len: int = 4096
+    max_pull_rows: int = 1 << 20  # row ids per table in one row request
 
     def for_payload(self, payload_bytes: int) -> Limits:
         """Limits sized for a model: total payload at most ``payload_bytes`` plus slack."""
-        return Limits(
-            max_header_bytes=self.max_header_bytes,
-            max_tensors=self.max_tensors,
-            max_ndim=self.max_ndim,
-            max_total_bytes=int(payload_bytes * 1.05) + 4096,
-            max_str_len=self.max_str_len,
-        )
+        return replace(self, max_total_bytes=int(payload_bytes * 1.05) + 4096)
 
 
 DEFAULT_LIMITS = Limits()
@@ -555,6 +586,17 @@ def _view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
     return a
 
 
+def _check_row_count(name: str, shape: tuple[int, ...], limits: Limits) -> None:
+    """A pull's tensors are row ids: at most ``limits.max_pull_rows`` elements each. Read
+    from the descriptor alone, so a request claiming 10**9 ids is refused before its frames
+    are looked at (their dtype, rank and values are the server's to check)."""
+    n = math.prod(shape)
+    if n > limits.max_pull_rows:
+        raise ProtocolError(
+            R_ROWS_TOO_MANY, f"{n} row ids for {name[:80]!r}, at most {limits.max_pull_rows}"
+        )
+
+
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Multipart frames -> Message, or ProtocolError with a reason code.
 
@@ -601,6 +643,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             raise ProtocolError(R_HEADER, f"unknown encoding {encoding!r} for {name!r}")
         dtype = _dtype(desc.get("dtype"), ALLOWED_DTYPES)
         shape = _shape(desc, limits)
+        if mtype == PULL:
+            _check_row_count(name, shape, limits)
         nbytes = _int(desc, "nbytes")
         if encoding == DENSE:
             expect = math.prod(shape) * dtype.itemsize
@@ -773,7 +817,9 @@ class HelloReply:
     """The server's answer to hello (the message's base_version is its weight version).
 
     ``encodings`` is None for a server that predates compression (it decodes dense and
-    sparse); ``policy`` is the server's staleness policy, e.g. ``sync:2/2``.
+    sparse); ``policy`` is the server's staleness policy, e.g. ``sync:2/2``. ``row_tables``:
+    the wire names of the variables this server serves by row (None: a server that predates
+    row requests).
     """
 
     push_port: int
@@ -789,12 +835,15 @@ class HelloReply:
     num_shards: int | None = None
     partition: str | None = None
     max_request_bytes: int | None = None  # bigger requests get the connection dropped
+    row_tables: tuple[str, ...] | None = None
 
     def to_body(self) -> dict[str, Any]:
         """The hello reply body map."""
         body = _without_none(self.__dict__)
         if self.encodings is not None:
             body["encodings"] = list(self.encodings)
+        if self.row_tables is not None:
+            body["row_tables"] = list(self.row_tables)
         return body
 
     @classmethod
@@ -808,6 +857,9 @@ class HelloReply:
         encodings = _field(b, "encodings", "list")
         if encodings is not None and not all(isinstance(e, str) for e in encodings):
             raise ProtocolError(R_HEADER, "hello reply encodings must be strings")
+        row_tables = _field(b, "row_tables", "list")
+        if row_tables is not None and not all(isinstance(e, str) for e in row_tables):
+            raise ProtocolError(R_HEADER, "hello reply row_tables must be strings")
         return cls(
             push_port=push_port,
             status_port=_field(b, "status_port", "int"),
@@ -822,6 +874,7 @@ class HelloReply:
             num_shards=_field(b, "num_shards", "int"),
             partition=_field(b, "partition", "str"),
             max_request_bytes=_field(b, "max_request_bytes", "int"),
+            row_tables=None if row_tables is None else tuple(row_tables),
         )
 
 
@@ -833,12 +886,14 @@ class PullRequest:
     """A weight pull. ``have``: the version the sender holds from server ``incarnation``
     (None: it holds none, send everything). ``encoding``: dense or bf16 weights.
     ``pushed``: the seq of the sender's latest push (an ssp server counts the pushes it has
-    not received yet)."""
+    not received yet). ``rows_only``: with a row request, send the requested rows and
+    nothing else."""
 
     have: int | None = None
     incarnation: str | None = None
     encoding: str = DENSE
     pushed: int | None = None
+    rows_only: bool = False
 
     def to_body(self) -> dict[str, Any]:
         """The pull body map (``encoding`` only when not dense: an older server accepts it)."""
@@ -850,6 +905,8 @@ class PullRequest:
             body["encoding"] = self.encoding
         if self.pushed is not None:
             body["pushed"] = self.pushed
+        if self.rows_only:
+            body["rows_only"] = True
         return body
 
     @classmethod
@@ -862,6 +919,7 @@ class PullRequest:
             incarnation=_field(b, "incarnation", "str"),
             encoding=_field(b, "encoding", "str", DENSE),
             pushed=_field(b, "pushed", "int"),
+            rows_only=_field(b, "rows_only", "bool", False),
         )
 
 
@@ -1217,9 +1275,14 @@ def hello_reply(version: int, body: HelloReply, sender: str = "server") -> Messa
     return Message(HELLO, sender, base_version=version, body=body.to_body())
 
 
-def pull_request(sender: str, body: PullRequest | None = None) -> Message:
-    """A PULL request message."""
-    return Message(PULL, sender, body=(body or PullRequest()).to_body())
+def pull_request(
+    sender: str,
+    body: PullRequest | None = None,
+    rows: Mapping[str, np.ndarray] | None = None,
+) -> Message:
+    """A PULL request message; ``rows`` makes it a row request: the row ids wanted of each
+    row-sparse table, by wire name (int32 or int64, any order, repeats allowed)."""
+    return Message(PULL, sender, body=(body or PullRequest()).to_body(), tensors=dict(rows or {}))
 
 
 def weights_reply(

@@ -179,6 +179,7 @@ SERVER_FLAGS = {
     "eval_every": "--eval-every",
     "missing_after_s": "--missing-after",
     "gone_after_s": "--gone-after",
+    "max_pull_rows": "--max-pull-rows",
 }
 WORKER_FLAGS = {
     "steps": "--steps",
@@ -189,6 +190,8 @@ WORKER_FLAGS = {
     "n_fetch": "--n-fetch",
     "epochs": "--epochs",
     "graph": "--graph",
+    "row_pulls": "--row-pulls",
+    "row_staleness": "--row-staleness",
 }
 
 

@@ -186,9 +186,9 @@ def test_worker_cross_setting_checks() -> None:
 
 
 def test_optimizer_choices_are_the_optimizers_the_server_builds() -> None:
-    """--optimizer's choices are the keys of the server state's optimizer table (read from its
+    """--optimizer's choices are the keys of the server's optimizer table (read from its
     source: importing it would import TensorFlow)."""
-    tree = ast.parse((ROOT / "services" / "server" / "state.py").read_text())
+    tree = ast.parse((ROOT / "services" / "server" / "rows.py").read_text())
     table = next(
         node.value
         for node in tree.body

@@ -59,3 +59,21 @@ def test_a_large_table_pushes_bytes_in_proportion_to_rows_touched(services: Serv
         v.assign(a)
     data = spec.load_data(None)
     assert evaluate(spec, m, data.x_test, data.y_test) > 0.9
+
+
+def test_two_workers_pull_rows_of_a_large_table_and_train(services: Services) -> None:
+    """Row pulls on (the default) with a staleness bound: each worker loads the table once,
+    then pulls only the rows its batches gather, and both reach the held-out bar."""
+    model = "tiny_models:big_embedding"
+    server = services.server(model, optimizer="lazy_adam", learning_rate=0.05)
+    sums = services.train(server.port, 2, model, steps=60, row_staleness=2)
+    settle(server.status, sums)
+    doc = fetch_status(server.status)
+    assert doc["version"] == 120 and doc["rejected_total"] == 0
+    assert doc["row_pulls"] >= 2 * 59 and doc["rows_served"] > 0
+    table = 100_000 * 16 * 4
+    for s in sums:
+        assert s["row_pulls"] == ["embed/embeddings"] and s["held_out"] > 0.9
+        assert s["rows_pulled"] <= 60 * 120 and s["row_misses"] > 0
+        # one whole load; then rows (at most 120 a step, 72 bytes each) and the small layer
+        assert table < s["bytes_pulled"] < table + 60 * (120 * 72 + 1024)

@@ -174,3 +174,24 @@ def big_embedding() -> ModelSpec:
         return Dataset(x[:640], y[:640], x[640:], y[640:])
 
     return ModelSpec(name="big_embedding", build=build, load_data=data, batch_size=20)
+
+
+def million_embedding() -> ModelSpec:
+    """``big_embedding`` with a 1,000,000 x 16 table (64 MB): a row pull of a batch's rows
+    must cost bytes in proportion to the rows, not to the table."""
+    vocab = 1_000_000
+
+    def build() -> keras.Model:
+        inp = keras.Input((6,), dtype="int32", name="tokens")
+        e = keras.layers.Embedding(vocab, 16, name="embed")(inp)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
+        out = keras.layers.Dense(4, name="logits")(h)
+        return keras.Model(inp, out, name="million_embedding")
+
+    def data(_d: str | None) -> Dataset:
+        rng = np.random.default_rng(5)
+        y = rng.integers(0, 4, 800).astype(np.int64)
+        x = (rng.integers(0, 50, (800, 6)) + 250_000 * y[:, None]).astype(np.int32)
+        return Dataset(x[:640], y[:640], x[640:], y[640:])
+
+    return ModelSpec(name="million_embedding", build=build, load_data=data, batch_size=20)

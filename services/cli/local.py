@@ -40,6 +40,8 @@ from downpour.worker.settings import (
     N_FETCH,
     N_PUSH,
     PULL_COMPRESS,
+    ROW_PULLS,
+    ROW_STALENESS,
     SPLIT_SIZE,
     STEPS,
 )
@@ -92,6 +94,8 @@ LOCAL_OPTIONS: tuple[Option, ...] = (
         section=_RUN,
     ),
     replace(SPLIT_SIZE, section=_WORKERS),
+    replace(ROW_PULLS, help="the workers' --row-pulls (auto, off)", section=_WORKERS),
+    replace(ROW_STALENESS, help="the workers' --row-staleness", section=_WORKERS),
     replace(OPTIMIZER, section=_SERVER),
     replace(LR, section=_SERVER),
     Option(
@@ -316,6 +320,10 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             args.pull_compress,
             "--graph",
             args.graph,
+            "--row-pulls",
+            args.row_pulls,
+            "--row-staleness",
+            str(args.row_staleness),
         ]
         if dispatched:  # splits from shard 0's dispatcher, epochs counted by the server
             wargs += ["--data-dispatch", "server"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +75,9 @@ class HandlerContext:
     shard: dict[str, Any]
     push_port: int
     status_port: int
-    limits: wire.Limits  # for gradients; requests are decoded with wire.DEFAULT_LIMITS
+    limits: wire.Limits  # for gradients
+    request_limits: wire.Limits = wire.DEFAULT_LIMITS  # for requests (max_pull_rows)
+    max_request_bytes: int = wire.REQUEST_MAX_BYTES  # the REP socket's MAXMSGSIZE
     stats: ServerStats = field(default_factory=ServerStats)
     allow_nonfinite: bool = False
     authenticated: bool = False
@@ -137,11 +139,11 @@ def handle_request(
     frames: Sequence[Any], ctx: HandlerContext, peer_key: str | None = None
 ) -> Reply:
     """A request from the REP socket -> its reply. Checks, in order: decode (protocol version,
-    header, default limits), identity (under CURVE), a type this socket serves (hello, pull,
+    header, ``ctx.request_limits``), identity (under CURVE), a type this socket serves (hello, pull,
     heartbeat, split). A refusal is answered with ERROR carrying the reason code."""
     ctx.stats.counters["bytes_in"] += _nbytes(frames)
     try:
-        msg = wire.decode(frames, wire.DEFAULT_LIMITS)
+        msg = wire.decode(frames, ctx.request_limits)
         check_identity(ctx, peer_key, msg.sender)
         if msg.type == wire.HELLO:
             return handle_hello(msg, ctx)
@@ -212,7 +214,8 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
         shard=mine["shard"],
         num_shards=mine["num_shards"],
         partition=mine["partition"],
-        max_request_bytes=wire.REQUEST_MAX_BYTES,
+        max_request_bytes=ctx.max_request_bytes,
+        row_tables=tuple(n for n, s in zip(ctx.state.names, ctx.state.sparse, strict=True) if s),
     )
     return Reply(wire.hello_reply(ctx.state.version, body))
 
@@ -247,9 +250,11 @@ def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
 
 def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     """A weight pull -> the current weights (dense or bf16), or ``unchanged`` when the sender
-    already holds this version of this incarnation. Raises ProtocolError(R_HEADER) for a
-    body field of the wrong type or an encoding a pull may not ask for; the sender's record
-    (and its unreported stale drops) is untouched then."""
+    already holds this version of this incarnation. A row request (tensors of row ids, see
+    ``downpour.wire``) gets the requested rows of its tables (``row_reply``). Raises
+    ProtocolError for a body field of the wrong type (``bad_header``), an encoding a pull may
+    not ask for, or a row request the state cannot serve (``check_rows``); the sender's
+    record (and its unreported stale drops) is untouched then."""
     ctx.stats.counters["pulls"] += 1
     req = wire.PullRequest.from_body(msg.body)
     if req.encoding not in PULL_ENCODINGS:
@@ -258,15 +263,19 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
             f"pull encoding must be one of {', '.join(sorted(PULL_ENCODINGS))}, "
             f"not {req.encoding!r}",
         )
+    rows = check_rows(msg.tensors, ctx.state) if msg.tensors else None
     rec = ctx.registry.get(msg.sender)
     dropped = 0
     if rec is not None:  # pulls count as liveness; only hello and push enrol a worker
         rec.pulls += 1
         ctx.registry.touch(msg.sender, rec, ctx.clock())
-        if (wait_ms := pull_wait_ms(ctx, msg.sender, rec.last_seq, req)) > 0:
+        # a rows-only top-up serves a step the worker was already let through to: never held
+        if not req.rows_only and (wait_ms := pull_wait_ms(ctx, msg.sender, rec.last_seq, req)):
             body = wire.PullReply(ctx.incarnation, unchanged=True, wait_ms=wait_ms)
             return wire.weights_reply(ctx.state.version, body)
         dropped, rec.dropped_unreported = rec.dropped_unreported, 0  # told now: refresh
+    if rows is not None:
+        return row_reply(ctx, req, rows, dropped)
     version, arrays = ctx.state.weights()
     if req.have == version and req.incarnation == ctx.incarnation:
         ctx.stats.counters["pulls_unchanged"] += 1
@@ -293,6 +302,69 @@ def pull_wait_ms(ctx: HandlerContext, worker: str, last_seq: int, req: wire.Pull
     live = {w for w in reg if (r := reg.get(w)) is not None and reg.liveness(r, now) == ALIVE}
     in_flight = max(0, (req.pushed or 0) - last_seq)
     return ctx.policy.pull_wait_ms(worker, in_flight, live)
+
+
+def check_rows(requested: Mapping[str, Any], state: ParameterState) -> dict[int, np.ndarray]:
+    """A row request's ids -> {variable index: its unique ids, sorted int64}. ``wire.decode``
+    has bounded each list by ``max_pull_rows``; here every name must be a row-sparse variable
+    of the state (``rows_unknown``, ``rows_dense``), its ids a dense 1-D int32/int64 list
+    (``bad_header``, ``rows_dtype``) of its rows (``rows_negative``, ``rows_range``). Nothing
+    is gathered before every table passed."""
+    out: dict[int, np.ndarray] = {}
+    for name, ids in requested.items():
+        i = state.index.get(name)
+        if i is None:
+            raise ProtocolError(
+                wire.R_ROWS_UNKNOWN, f"row request for {name[:80]!r}: no such variable"
+            )
+        if not state.sparse[i]:
+            raise ProtocolError(
+                wire.R_ROWS_DENSE, f"row request for {name!r}, whose gradients are not row-sparse"
+            )
+        if not isinstance(ids, np.ndarray):
+            raise ProtocolError(wire.R_HEADER, f"row ids for {name!r} must travel dense")
+        if ids.dtype.name not in wire.INDEX_DTYPES or ids.ndim != 1:
+            raise ProtocolError(
+                wire.R_ROWS_DTYPE,
+                f"row ids for {name!r} are {ids.dtype} of shape {ids.shape}, not int32/int64 1-D",
+            )
+        if ids.size:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0:
+                raise ProtocolError(wire.R_ROWS_NEGATIVE, f"row id {low} of {name!r} is negative")
+            if high >= state.shapes[i][0]:
+                raise ProtocolError(
+                    wire.R_ROWS_RANGE,
+                    f"row id {high} of {name!r} is past its {state.shapes[i][0]} rows",
+                )
+        out[i] = np.unique(ids).astype(np.int64, copy=False)
+    return out
+
+
+def row_reply(
+    ctx: HandlerContext, req: wire.PullRequest, rows: Mapping[int, np.ndarray], dropped: int
+) -> Message:
+    """The reply to a checked row request: each requested table's rows as a ``sparse``
+    tensor (gathered, O(rows)), the other variables whole unless ``req.have`` is current
+    (then ``unchanged``, and only the rows travel) or the request is ``rows_only``. bf16
+    applies to the whole variables."""
+    state = ctx.state
+    version, dense = state.dense_weights()
+    unchanged = req.have == version and req.incarnation == ctx.incarnation
+    ctx.stats.counters["row_pulls"] += 1
+    if unchanged:
+        ctx.stats.counters["pulls_unchanged"] += 1
+    tensors: dict[str, wire.WireTensor] = {}
+    for i, name in enumerate(state.names):
+        ids = rows.get(i)
+        if ids is not None:
+            tensors[name] = wire.Sparse(ids, state.gather(i, ids), state.shapes[i])
+            ctx.stats.counters["rows_served"] += len(ids)
+        elif not (unchanged or req.rows_only):
+            a = dense[i] if dense[i] is not None else state.array(i)
+            tensors[name] = wire.as_bf16(a) if req.encoding == wire.BF16 else a
+    body = wire.PullReply(ctx.incarnation, unchanged=unchanged, dropped_stale=dropped)
+    return wire.weights_reply(version, body, tensors)
 
 
 def bf16_weights(

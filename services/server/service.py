@@ -17,6 +17,7 @@ received, applies a partial sync round, writes a final checkpoint and closes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -116,12 +117,17 @@ class Server:
         self._last_publish = 0.0
         self._warn = RateLimitedLog(log)
         self.obs = Observers(spec, config, lambda: self._published)  # reads snapshots only
+        # a row request carries ids: the request limit grows with --max-pull-rows per table
+        self.max_request_bytes = wire.request_max_bytes(
+            config.max_pull_rows, sum(self.state.sparse)
+        )
         self.sockets = ServerSockets(
             config.host,
             config.port,
             config.push_port,
             config.status_port,
             max_gradient_bytes=self.limits.max_total_bytes,
+            max_request_bytes=self.max_request_bytes,
             io_threads=config.io_threads,
             keys=config.keys,
         )
@@ -139,6 +145,10 @@ class Server:
             push_port=self.push_port,
             status_port=self.status_port,
             limits=self.limits,
+            max_request_bytes=self.max_request_bytes,
+            request_limits=dataclasses.replace(
+                wire.DEFAULT_LIMITS, max_pull_rows=config.max_pull_rows
+            ),
             stats=self.stats,
             allow_nonfinite=config.allow_nonfinite,
             authenticated=self.sockets.authenticated,

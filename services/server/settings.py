@@ -31,7 +31,8 @@ from downpour.settings import (
 )
 from downpour.transport import is_loopback
 
-OPTIMIZERS = ("adam", "adagrad", "sgd")  # --optimizer; downpour.server.state builds each
+OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
+MAX_PULL_ROWS = 1 << 20
 
 
 def policy_text(text: str) -> str:
@@ -53,7 +54,14 @@ _WORKERS = "workers"
 _OBS = "observability (see docs: observability.md)"
 
 OPTIMIZER = Option(
-    "optimizer", "adam", "the optimizer that applies gradients", _TRAIN, choices=OPTIMIZERS
+    "optimizer",
+    "adam",
+    "the optimizer that applies gradients; a row-sparse table (an Embedding) is updated on "
+    "the rows a gradient touches, slots too, with sgd and adagrad; lazy_adam: Adam whose "
+    "moments and rows change only where touched (adam keeps Keras's dense moments); see "
+    "docs: models.md",
+    _TRAIN,
+    choices=OPTIMIZERS,
 )
 METRICS_PORT = Option(
     "metrics_port",
@@ -111,6 +119,14 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         bool,
     ),
     Option("ready_file", None, "write bound ports as JSON here once serving", _NET),
+    Option(
+        "max_pull_rows",
+        MAX_PULL_ROWS,
+        "most row ids a row pull may ask of one table; a larger request is refused (rows_too_many)",
+        _NET,
+        type=at_least(1),
+        metavar="N",
+    ),
     Option(
         "missing_after",
         10.0,

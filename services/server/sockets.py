@@ -20,7 +20,7 @@ import zmq
 from downpour import security, wire
 from downpour.transport import bind, make_context
 
-REQUEST_MAX_BYTES = wire.REQUEST_MAX_BYTES  # hello, pull and heartbeat requests carry no tensors
+REQUEST_MAX_BYTES = wire.REQUEST_MAX_BYTES  # without row tables: requests carry no big tensors
 STATUS_MAX_BYTES = 1 << 16
 
 
@@ -40,6 +40,7 @@ class ServerSockets:
         status_port: int,
         *,
         max_gradient_bytes: int,
+        max_request_bytes: int = REQUEST_MAX_BYTES,
         io_threads: int = 2,
         keys: security.ServerKeys | None = None,
     ) -> None:
@@ -48,7 +49,7 @@ class ServerSockets:
         self.grad_sock = self.ctx.socket(zmq.PULL)
         self.status_sock = self.ctx.socket(zmq.REP)
         for sock, max_bytes in (
-            (self.rep, REQUEST_MAX_BYTES),
+            (self.rep, max_request_bytes),
             (self.grad_sock, max_gradient_bytes),
             (self.status_sock, STATUS_MAX_BYTES),
         ):

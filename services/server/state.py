@@ -30,27 +30,13 @@ import tensorflow as tf
 
 from downpour.models import build_model, describe_variables, evaluate, fingerprint
 from downpour.partition import Partition, make_partition
+from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
 from downpour.wire import Sparse
-
-OPTIMIZERS = {
-    "adam": keras.optimizers.Adam,
-    "adagrad": keras.optimizers.Adagrad,
-    "sgd": keras.optimizers.SGD,
-}
 
 # TensorFlow's kernels CHECK-fail on a tensor that is not aligned like its own allocator's
 # buffers (EIGEN_MAX_ALIGN_BYTES, at most 64), so arrays are staged at this alignment.
 ALIGN_BYTES = 64
-
-
-def make_optimizer(name: str, learning_rate: float) -> keras.optimizers.Optimizer:
-    """One of OPTIMIZERS by name, with the given learning rate."""
-    try:
-        cls = OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}") from None
-    return cls(learning_rate=learning_rate)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN_BYTES) -> np.ndarray:
@@ -97,6 +83,16 @@ def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     summed = np.zeros((len(rows), *values.shape[1:]), dtype=values.dtype)
     np.add.at(summed, inverse, values)
     return rows.astype(np.int64), summed
+
+
+def _gather_fn(variable: keras.Variable) -> tf.types.experimental.ConcreteFunction:
+    """A compiled ``tf.gather`` of ``variable``'s rows, traced once for any number of ids."""
+
+    @tf.function(input_signature=[tf.TensorSpec((None,), tf.int64)])
+    def gather(ids: tf.Tensor) -> tf.Tensor:
+        return tf.gather(variable.value, ids)
+
+    return gather.get_concrete_function()
 
 
 class ParameterState:
@@ -170,11 +166,25 @@ class ParameterState:
             int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)
         )
         self.learning_rate = float(learning_rate)
+        self.optimizer_name = optimizer
         self.optimizer = make_optimizer(optimizer, learning_rate)
+        # row-sparse tables updated row-wise here (downpour.server.rows), the rest by Keras
+        self.row_wise = [s and optimizer in ROW_WISE for s in self.sparse]
         self.optimizer.build(self.variables)
         self.version = 0
         self.apply_traces = 0
+        self.index = {name: i for i, name in enumerate(self.names)}
+        # Per-version snapshots, one array per variable, taken when a pull first needs it: a
+        # row-sparse table is snapshotted only when someone pulls it whole (a snapshot holds
+        # the variable's buffer, so the next apply would copy the whole table to write it).
+        self._snap_version = -1
+        self._snap: list[np.ndarray | None] = []
         self._snapshot: tuple[int, list[np.ndarray]] | None = None
+        self._gathers = {
+            i: _gather_fn(v)
+            for i, (v, sparse) in enumerate(zip(self.variables, self.sparse, strict=True))
+            if sparse
+        }
         # One staging buffer per variable, reused by every apply (the step is synchronous).
         self._staging = [aligned_empty(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
@@ -199,7 +209,16 @@ class ParameterState:
                 _slices(it, shape) if sparse else next(it)
                 for shape, sparse in zip(self.shapes, self.sparse, strict=True)
             ]
-            self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
+            rest = []
+            for g, v, row_wise in zip(grads, self.variables, self.row_wise, strict=True):
+                if row_wise:  # before apply_gradients: it increments the step Adam reads
+                    row_update(self.optimizer_name, self.optimizer, v, g.indices, g.values, lr)
+                else:
+                    rest.append((g, v))
+            if rest:
+                self.optimizer.apply_gradients(rest)
+            else:
+                self.optimizer.iterations.assign_add(1)
             return self.optimizer.iterations
 
         # Traced here, once. Calling the concrete function skips tf.function's per-call
@@ -241,11 +260,42 @@ class ParameterState:
         self.version += 1
         return self.version
 
+    def _arrays(self, which: Sequence[int]) -> list[np.ndarray | None]:
+        """This version's snapshot list, with the variables ``which`` filled in."""
+        if self._snap_version != self.version:
+            self._snap_version = self.version
+            self._snap = [None] * len(self.variables)
+        for i in which:
+            if self._snap[i] is None:
+                self._snap[i] = self.variables[i].numpy()
+        return self._snap
+
     def weights(self) -> tuple[int, list[np.ndarray]]:
-        """(version, arrays) — one snapshot per version, shared by every pull of it."""
+        """(version, arrays) — one snapshot per version, shared by every pull of it. O(model):
+        for whole pulls, evaluation and tests; a row pull uses ``dense_weights`` and
+        ``gather``."""
         if self._snapshot is None or self._snapshot[0] != self.version:
-            self._snapshot = (self.version, [v.numpy() for v in self.variables])
+            arrays = self._arrays(range(len(self.variables)))
+            self._snapshot = (self.version, [a for a in arrays if a is not None])
         return self._snapshot
+
+    def array(self, i: int) -> np.ndarray:
+        """Variable ``i`` at this version (a snapshot shared by every pull of it)."""
+        a = self._arrays((i,))[i]
+        assert a is not None
+        return a
+
+    def dense_weights(self) -> tuple[int, list[np.ndarray | None]]:
+        """(version, arrays) of the variables that are not row-sparse; None for row-sparse
+        ones, which are not snapshotted: a row pull gathers their rows (``gather``)."""
+        dense = [i for i, sparse in enumerate(self.sparse) if not sparse]
+        arrays = self._arrays(dense)
+        return self.version, [None if s else a for a, s in zip(arrays, self.sparse, strict=True)]
+
+    def gather(self, i: int, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (int64, in range: the caller checks) of row-sparse variable ``i`` at
+        this version, as a fresh array: O(len(ids)), the table is not copied."""
+        return self._gathers[i](tf.constant(ids, tf.int64)).numpy()
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
         """The spec's metric on (x, y) with the current weights (unsharded only)."""

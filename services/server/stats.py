@@ -12,6 +12,8 @@ COUNTER_NAMES = (
     "pulls",
     "pulls_unchanged",
     "pulls_bf16",
+    "row_pulls",
+    "rows_served",
     "hellos",
     "bytes_in",
     "bytes_out",

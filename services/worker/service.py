@@ -77,18 +77,17 @@ from downpour.transport import (
     make_context,
 )
 from downpour.worker.compress import Compressor, parse_compression
+from downpour.worker.errors import WorkerError
+from downpour.worker.row_pulling import RowPulling
+from downpour.worker.rows import Lookahead, RowPlan
 from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.splits import DispatchError, SplitFeed, probe_universe
-from downpour.worker.step import Accumulator, GradientStep
+from downpour.worker.step import Accumulator, GradientStep, batch_signature
 from downpour.worker.tf1 import Tf1Step, check_tf1_inputs
 
 log = logging.getLogger("downpour.worker")
 
 RECENT_LOSSES = 20  # the summary's loss_recent averages this many last batches (one is noise)
-
-
-class WorkerError(Exception):
-    """The worker cannot go on (refused by the server, or the server stayed away too long)."""
 
 
 def batch_rows(labels: Any) -> int:
@@ -110,16 +109,18 @@ class Fetcher:
         self.worker = worker
         self.shard = shard
         self.client = worker.shards.new_client(shard)
-        self._requests: queue.Queue[int | None] = queue.Queue(maxsize=1)
+        self._requests: queue.Queue[tuple[int, dict[str, np.ndarray] | None] | None] = queue.Queue(
+            maxsize=1
+        )
         self._results: queue.Queue[Weights | BaseException] = queue.Queue()
         self._thread = threading.Thread(
             target=self._loop, name=f"fetcher-{shard.index}", daemon=True
         )
         self._thread.start()
 
-    def request(self, have: int) -> None:
-        """Start fetching weights newer than ``have``."""
-        self._requests.put_nowait(have)
+    def request(self, have: int, rows: dict[str, np.ndarray] | None = None) -> None:
+        """Start fetching weights newer than ``have`` (and the table ``rows``, if any)."""
+        self._requests.put_nowait((have, rows))
 
     def take(self) -> Weights:
         """The reply to the last request; waits while the shard keeps answering (an ssp
@@ -144,18 +145,19 @@ class Fetcher:
         w = self.worker
         while True:
             try:
-                have = self._requests.get(timeout=w.config.heartbeat_s)
+                item = self._requests.get(timeout=w.config.heartbeat_s)
             except queue.Empty:
                 self._heartbeat()
                 continue
-            if have is None:
+            if item is None:
                 return
+            have, rows = item
             try:
                 try:
-                    weights = self.client.pull(w.pull_request(self.shard, have))
+                    weights = self.client.pull(w.pull_request(self.shard, have), rows=rows)
                     w.shards.saw(self.shard, weights.reply.incarnation)
                     if weights.reply.wait_ms > 0:
-                        weights = self._wait_turn(have, weights)
+                        weights = self._wait_turn(have, weights, rows)
                 except (ServerUnavailable, Stopped) as exc:
                     raise WorkerError(str(exc)) from None
                 except wire.ProtocolError as exc:
@@ -166,7 +168,9 @@ class Fetcher:
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
 
-    def _wait_turn(self, have: int, weights: Weights) -> Weights:
+    def _wait_turn(
+        self, have: int, weights: Weights, rows: dict[str, np.ndarray] | None = None
+    ) -> Weights:
         """ssp: the server holds this pull (this worker is too far ahead); ask again after
         each ``wait_ms`` until it serves the weights. When the worker stops meanwhile, the
         last "wait" reply (unchanged weights, no tensors)."""
@@ -174,7 +178,7 @@ class Fetcher:
         t0 = time.perf_counter()
         w.stats["ssp_waits"] += 1
         while weights.reply.wait_ms > 0 and not w._stop.wait(weights.reply.wait_ms / 1e3):
-            weights = self.client.pull(w.pull_request(self.shard, have))
+            weights = self.client.pull(w.pull_request(self.shard, have), rows=rows)
             w.shards.saw(self.shard, weights.reply.incarnation)
         w.stats["ssp_wait_ms"] = 1e3 * (time.perf_counter() - t0)
         return weights
@@ -201,7 +205,7 @@ class Fetcher:
         return True
 
 
-class Worker:
+class Worker(RowPulling):
     """One training worker. ``run()`` returns a summary dict, or raises WorkerError."""
 
     def __init__(self, spec: ModelSpec, config: WorkerConfig, inputs: Inputs | None = None) -> None:
@@ -229,6 +233,7 @@ class Worker:
         else:
             first = build_dataset(self.inputs.train, self.input_ctx)  # InputError: refused
         check_element_spec(first.element_spec, self.model)
+        self.element_spec = first.element_spec
         if config.graph == "tf1":  # the model's Session graph, checked against this Keras model
             check_tf1_inputs(spec, first.element_spec)
             self.step_fn: GradientStep | Tf1Step = Tf1Step(spec, self.model)
@@ -293,6 +298,9 @@ class Worker:
         self.ssp = False  # the server holds pulls of workers too far ahead (hello: ssp:K)
         self._in_flight = False  # every fetcher has a pull under way whose reply is not taken
         self._sync_stalled = False  # a sync wait timed out and no version moved since
+        self.rows: RowPlan | None = None  # --row-pulls auto: the tables pulled by row
+        self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
+        self._row_version_steps = [1] * len(endpoints)
         self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
         if self.dispatched:
             self.feed = SplitFeed(
@@ -355,6 +363,18 @@ class Worker:
             raise WorkerError(f"server {exc.endpoint} refused this worker: {exc.message}") from None
         except (ServerUnavailable, Stopped) as exc:
             raise WorkerError(str(exc)) from None
+        if self.rows is None and self.config.row_pulls == "auto" and self.config.graph == "tf2":
+            features = batch_signature(tuple(self.element_spec))[0]
+            offered = [h.reply.row_tables for h in hellos]
+            self.rows = RowPlan.build(
+                self.model, self.partition, offered, features, self.config.row_staleness
+            )
+            if self.rows is not None:
+                log.info(
+                    "row pulls for %s (staleness bound %d versions)",
+                    ", ".join(str(t.variable.path) for t in self.rows.tables),
+                    self.config.row_staleness,
+                )
         for shard, hello in zip(self.shards.shards, hellos, strict=True):
             log.info(
                 "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
@@ -384,14 +404,15 @@ class Worker:
         self.ssp = hello.reply.policy.startswith("ssp:")
         self.seq = max(self.seq, hello.reply.last_seq)
 
-    def pull_request(self, shard: Shard, have: int) -> wire.PullRequest:
-        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet."""
+    def pull_request(self, shard: Shard, have: int, rows_only: bool = False) -> wire.PullRequest:
+        """A pull request; ``have`` < 0 means this worker holds no weights of the shard yet.
+        ``rows_only``: a row top-up, the requested rows and nothing else."""
         # a server from before bf16 pulls sends float32: fine
         encoding = wire.BF16 if self.config.pull_compress == "bf16" else wire.DENSE
         pushed = self.seq if self.ssp else None  # an ssp server counts pushes not yet taken
         if have < 0:
-            return wire.PullRequest(encoding=encoding, pushed=pushed)
-        return wire.PullRequest(have, shard.incarnation, encoding, pushed)
+            return wire.PullRequest(encoding=encoding, pushed=pushed, rows_only=rows_only)
+        return wire.PullRequest(have, shard.incarnation, encoding, pushed, rows_only)
 
     def prepare(self, shard: Shard, weights: Weights) -> Weights:
         """On the fetcher thread: a single shard's new weights converted for the step function
@@ -399,6 +420,7 @@ class Worker:
         first, which needs every reply, so ``install`` converts those."""
         if (
             len(self.shards.shards) == 1
+            and self.rows is None
             and not weights.unchanged
             and list(weights.tensors) == self.shards.wire_names[shard.index]
         ):
@@ -409,6 +431,10 @@ class Worker:
     def install(self, replies: list[Weights], started: float) -> None:
         """Load the weights of one pull reply per shard into the model, unless all are
         unchanged; a step then never sees weights of two pulls."""
+        if self.rows is not None:
+            self._install_rows(replies, started)
+            self._rehello()
+            return
         self.stats["pulls"] += 1
         changed = False
         for shard, weights in zip(self.shards.shards, replies, strict=True):
@@ -424,6 +450,7 @@ class Worker:
                 raise WorkerError(str(exc)) from None
             shard.arrays = list(weights.tensors.values())
             shard.version = weights.version
+            self.stats["bytes_pulled"] += sum(wire.densify(a).nbytes for a in shard.arrays)
             changed = True
             self._sync_stalled = False
         if changed:
@@ -447,10 +474,12 @@ class Worker:
         except Stopped:
             return  # stopping: no step follows
 
-    def _request_all(self) -> None:
-        """Start every shard's fetcher on a pull of weights newer than those held."""
-        for shard, fetcher in zip(self.shards.shards, self.fetchers, strict=True):
-            fetcher.request(shard.version)
+    def _request_all(self, sync: bool = False) -> None:
+        """Start every shard's fetcher on a pull of weights newer than those held (with row
+        pulls: and the rows of the batches it serves; ``sync``: it is installed at once)."""
+        rows = self._lookahead_rows(sync)
+        for shard, fetcher, r in zip(self.shards.shards, self.fetchers, rows, strict=True):
+            fetcher.request(shard.version, r)
         self._in_flight = True
 
     def _fetch_all(self) -> list[Weights]:
@@ -464,13 +493,13 @@ class Worker:
         t0 = time.perf_counter()
         prefetched = self._in_flight
         if not prefetched:
-            self._request_all()
+            self._request_all(sync=True)
         self.install(self._fetch_all(), t0)
         if prefetched and self._refresh:
             # The server dropped gradients of ours as too stale, and what the fetchers brought
             # was requested a step ago: wait for the current weights before the next step.
             self.stats["stale_refreshes"] += 1
-            self._request_all()
+            self._request_all(sync=True)
             self.install(self._fetch_all(), t0)
         self._refresh = False
         if self.prefetching:
@@ -492,7 +521,7 @@ class Worker:
         delay = backoff_delays(0.002, 0.05)
         while not self._stop.is_set():
             if not self._in_flight:  # with prefetch a request per shard is outstanding
-                self._request_all()
+                self._request_all(sync=True)
             self.install(self._fetch_all(), t0)
             if all(v > p for v, p in zip(self.shards.versions, pushed_from, strict=True)):
                 break
@@ -638,18 +667,19 @@ class Worker:
         for fetcher in self.fetchers:  # the first pull from every shard at once
             fetcher.request(-1)
         self.install(self._fetch_all(), time.perf_counter())
+        self._stream = Lookahead((x, y, self.feed is not None and self.feed.last) for x, y in data)
         if self.prefetching:
             self._request_all()
         finished = False  # the input ran out: --epochs done (or --steps)
         while not self._stop.is_set():
             try:
-                batch = next(data, None)
+                batch = self._stream.next()
             except DispatchError as exc:
                 raise WorkerError(str(exc)) from None
             if batch is None:  # a split feed also ends when stopped while it waits
                 finished = not self._stop.is_set()
                 break
-            x, y = batch
+            x, y, split_end = batch
             if step and step % cfg.n_fetch == 0:
                 self.pull()  # under ssp it may wait here for the slowest worker
                 if self._stop.is_set():
@@ -660,6 +690,8 @@ class Worker:
                     if self._stop.is_set():
                         break
                 base_versions = self.shards.versions
+            if self.rows is not None:  # last: after every install this step may see
+                self._ensure_rows(x)
             t0 = time.perf_counter()
             loss, grads = self.step_fn(x, y)
             self.stats["compute_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -670,7 +702,6 @@ class Worker:
             if math.isfinite(loss):
                 self.stats["loss"] = loss
                 recent.append(loss)
-            split_end = self.feed is not None and self.feed.last
             if acc.count >= cfg.n_push or (split_end and acc.count):
                 if self.push(acc.take(), base_versions, loss, step, batch_rows(y)) and split_end:
                     self.feed.split_done(self.seq)  # acknowledged with the next request
@@ -712,6 +743,16 @@ class Worker:
             "stale_refreshes": int(self.stats["stale_refreshes"]),
             "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
             "ssp_waits": int(self.stats["ssp_waits"]),
+            "row_pulls": None
+            if self.rows is None
+            else [str(t.variable.path) for t in self.rows.tables],
+            "row_staleness": self.config.row_staleness,
+            "bytes_pulled": int(self.stats["bytes_pulled"]),
+            "rows_pulled": int(self.stats["rows_pulled"]),
+            "row_bytes_pulled": int(self.stats["row_bytes_pulled"]),
+            "row_hits": int(self.stats["row_hits"]),
+            "row_misses": int(self.stats["row_misses"]),
+            "row_sync_pulls": int(self.stats["row_sync_pulls"]),
             "last_seq": self.seq,
             "epochs": self.epoch + 1 if step else 0,
             "stopped_early": not finished,

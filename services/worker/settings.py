@@ -32,6 +32,7 @@ from downpour.settings import (
 )
 
 PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress
+ROW_PULL_MODES = ("auto", "off")  # --row-pulls
 GRAPHS = ("tf2", "tf1")  # --graph
 
 
@@ -143,6 +144,24 @@ PULL_COMPRESS = Option(
     _TRAIN,
     choices=PULL_COMPRESSIONS,
 )
+ROW_PULLS = Option(
+    "row_pulls",
+    "auto",
+    "auto: pull only the rows of row-sparse tables (Embeddings) that the coming batches "
+    "gather, found ahead from the input pipeline; off: pull every table whole (see docs: "
+    "models.md)",
+    _TRAIN,
+    choices=ROW_PULL_MODES,
+)
+ROW_STALENESS = Option(
+    "row_staleness",
+    0,
+    "with row pulls: a cached row fetched at most K versions before the server's current "
+    "one is used without pulling it again (0: every batch's rows at the current version)",
+    _TRAIN,
+    type=at_least(0),
+    metavar="K",
+)
 
 WORKER_OPTIONS: tuple[Option, ...] = (
     Option(
@@ -175,6 +194,8 @@ WORKER_OPTIONS: tuple[Option, ...] = (
     ),
     COMPRESS,
     PULL_COMPRESS,
+    ROW_PULLS,
+    ROW_STALENESS,
     Option(
         "sync_wait",
         5.0,

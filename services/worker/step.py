@@ -66,6 +66,8 @@ class GradientStep:
                 v.assign(a)
 
         self._assign_all = assign_all
+        self._assign_some: dict[tuple[int, ...], Any] = {}
+        self._scatters: dict[int, Any] = {}
 
     def trace(self) -> None:
         """Trace the step now (the only trace): a batch that cannot fit the model fails
@@ -87,6 +89,39 @@ class GradientStep:
     def set_weights(self, arrays: list[np.ndarray] | list[tf.Tensor]) -> None:
         """Load pulled weights into the local model copy (one compiled call for all)."""
         self._assign_all(*arrays)
+
+    def set_some(self, which: tuple[int, ...], arrays: list[Any]) -> None:
+        """Load the variables ``which`` (model order) only: the others are tables kept by
+        row (``scatter_rows``). One compiled call, traced once per set of variables."""
+        fn = self._assign_some.get(which)
+        if fn is None:
+            chosen = [self.variables[i] for i in which]
+
+            @tf.function(input_signature=[tf.TensorSpec(v.shape, v.dtype) for v in chosen])
+            def assign_some(*arrays: tf.Tensor) -> None:
+                for v, a in zip(chosen, arrays, strict=True):
+                    v.assign(a)
+
+            fn = self._assign_some[which] = assign_some
+        fn(*arrays)
+
+    def scatter_rows(self, i: int, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write rows ``rows`` (int64) of variable ``i`` (a table kept by row): O(rows)."""
+        fn = self._scatters.get(i)
+        if fn is None:
+            v = self.variables[i]
+
+            @tf.function(
+                input_signature=[
+                    tf.TensorSpec((None,), tf.int64),
+                    tf.TensorSpec((None, *v.shape[1:]), v.dtype),
+                ]
+            )
+            def scatter(rows: tf.Tensor, values: tf.Tensor) -> None:
+                v.value.scatter_update(tf.IndexedSlices(values, rows))
+
+            fn = self._scatters[i] = scatter
+        fn(rows, values)
 
 
 class Accumulator:

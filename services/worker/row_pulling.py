@@ -1,0 +1,154 @@
+"""The worker's side of row pulls that talks to the servers: installing replies that carry
+table rows, topping up a batch's stale rows before its step, and choosing the rows a
+look-ahead pull asks for. ``downpour.worker.rows`` holds the plan (tables, id extractor,
+per-row versions); this mixin of ``Worker`` applies it to the worker's shards, model and
+figures. Row pulls are off (``Worker.rows`` is None) for models without row-sparse tables.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from downpour import wire
+from downpour.client import Weights
+from downpour.transport import ServerUnavailable, Stopped
+from downpour.worker.errors import WorkerError
+from downpour.worker.splits import DispatchError
+
+if TYPE_CHECKING:
+    from downpour.cluster import ShardSet
+    from downpour.worker.rows import Lookahead, RowPlan
+    from downpour.worker.settings import WorkerConfig
+
+
+class RowPulling:
+    """Row pulls for ``Worker`` (see the module docstring): uses the worker's attributes
+    declared here and its ``pull_request``."""
+
+    rows: RowPlan | None
+    _stream: Lookahead | None
+    shards: ShardSet
+    config: WorkerConfig
+    stats: dict[str, float]
+    step_fn: Any  # GradientStep when rows is set (tf2 graphs only)
+    _refresh: bool
+    _sync_stalled: bool
+    _row_version_steps: list[int]  # per shard, versions moved between its last two replies
+
+    def _install_rows(
+        self, replies: list[Weights], started: float, rows_only: bool = False
+    ) -> None:
+        """``install`` with tables kept by row: a table's piece comes as rows (scattered into
+        the variable) or whole; the other variables as ``install`` loads them. ``rows_only``:
+        replies to a row top-up, which carry rows only and leave the shard versions as
+        they are."""
+        plan = self.rows
+        assert plan is not None
+        if not rows_only:
+            self.stats["pulls"] += 1
+        changed = False
+        for shard, weights in zip(self.shards.shards, replies, strict=True):
+            if self.shards.note_incarnation(shard, weights.reply.incarnation, weights.version):
+                plan.forget(shard.index)  # its versions started again
+            if weights.reply.dropped_stale > 0:
+                self.stats["dropped_stale"] += weights.reply.dropped_stale
+                self._refresh = True
+            names = self.shards.wire_names[shard.index]
+            whole = not (weights.unchanged or rows_only)
+            got = list(weights.tensors)
+            expected = [n for n in names if whole or plan.is_table(n)]
+            if got != [n for n in expected if n in got] or (
+                whole
+                and [n for n in expected if not plan.is_table(n)]
+                != [n for n in got if not plan.is_table(n)]
+            ):
+                raise WorkerError(
+                    f"weights from server {shard.endpoint} do not match this model's "
+                    f"variables on shard {shard.index} (got {got[:3]}..., expected "
+                    f"{names[:3]}...): the endpoints are not this model's shards in shard order"
+                )
+            if len(shard.arrays) != len(names):
+                shard.arrays = [None] * len(names)
+            for j, name in enumerate(names):
+                t = weights.tensors.get(name)
+                if t is None:
+                    continue
+                if plan.is_table(name):
+                    n, nbytes = plan.install(name, t, weights.version, self.step_fn.scatter_rows)
+                    shard.arrays[j] = None
+                    if isinstance(t, wire.Sparse):
+                        self.stats["rows_pulled"] += int(t.indices.shape[0])
+                        self.stats["row_bytes_pulled"] += nbytes
+                    self.stats["bytes_pulled"] += nbytes
+                else:
+                    shard.arrays[j] = t
+                    self.stats["bytes_pulled"] += wire.densify(t).nbytes
+            if whole:
+                if shard.version >= 0:
+                    self._version_steps()[shard.index] = max(1, weights.version - shard.version)
+                shard.version = weights.version
+                changed = True
+                self._sync_stalled = False
+        if changed:
+            joined = self.shards.join()
+            which = tuple(i for i, a in enumerate(joined) if a is not None)
+            self.step_fn.set_some(which, [joined[i] for i in which])
+        elif not rows_only:
+            self.stats["pulls_unchanged"] += 1
+        if not rows_only:
+            self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
+
+    def _ensure_rows(self, x: Any) -> None:
+        """Before a step: pull at once the rows of its batch that are stale (the look-ahead
+        pull did not bring them, or the version moved on since), then count the batch's
+        rows as cache hits or misses."""
+        plan = self.rows
+        assert plan is not None
+        ids = plan.batch_ids(x)
+        wanted = plan.wanted(ids, self.shards.versions)
+        if plan.count(wanted):
+            self.stats["row_sync_pulls"] += 1
+            replies = []
+            for shard, rows in zip(self.shards.shards, wanted, strict=True):
+                if not any(r.size for r in rows.values()):
+                    replies.append(Weights(shard.version, wire.PullReply(shard.incarnation)))
+                    continue
+                body = self.pull_request(shard, shard.version, rows_only=True)
+                try:
+                    replies.append(shard.client.pull(body, rows=rows))
+                except (ServerUnavailable, Stopped) as exc:
+                    raise WorkerError(str(exc)) from None
+                except wire.ProtocolError as exc:
+                    raise WorkerError(
+                        f"server {shard.endpoint} sent a malformed reply: {exc}"
+                    ) from None
+            self._install_rows(replies, time.perf_counter(), rows_only=True)
+        hits, misses = plan.consume(ids)
+        self.stats["row_hits"] += hits
+        self.stats["row_misses"] += misses
+
+    def _lookahead_rows(self, sync: bool) -> list[dict[str, np.ndarray] | None]:
+        """Per shard, the table rows to ask with the pull being requested: those of the
+        batches its reply will serve (``sync``: installed at once, from the current batch
+        on; else at the next pull step) that will be stale by then."""
+        plan, stream = self.rows, self._stream
+        if plan is None or stream is None:
+            return [None] * len(self.shards.shards)
+        n = self.config.n_fetch
+        ahead = stream.taken - 1 + n if stream.taken else n  # the next pull step's batches
+        start = max(stream.taken - 1, 0) if sync else ahead
+        try:
+            batches = stream.features(start, start + n)
+        except DispatchError as exc:
+            raise WorkerError(str(exc)) from None
+        ids = plan.union(batches)
+        # the reply is likely as many versions on as the shard moved between the last pulls
+        return list(plan.wanted(ids, self.shards.versions, ahead=self._version_steps()))
+
+    def _version_steps(self) -> list[int]:
+        """Per shard, how many versions it moved between the last two whole replies (at
+        least 1): what the next reply will likely add."""
+        return self._row_version_steps
