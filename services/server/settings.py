@@ -13,6 +13,7 @@ import dataclasses
 from downpour import security
 from downpour.settings import (
     DATA_DIR,
+    DEVICE,
     DISPATCH_MODES,
     KEY,
     LOG_FORMAT,
@@ -73,6 +74,7 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     OPTIMIZER,
     LR,
     dataclasses.replace(SEED, default=0, help="initialisation seed"),
+    DEVICE,
     Option(
         "policy",
         "async",
