@@ -139,10 +139,10 @@ def test_the_image_keeps_no_build_time_pip_settings(image: str) -> None:
     for text in (history.stdout, inspect.stdout):
         assert "pipconf" not in text and "pipca" not in text and "PIP_" not in text
         assert "/opt/pypi" not in text and "index-url" not in text
-    # what podman-build.py bind-mounts into the build here, and where pip settings could hide
+    # the local pip indexes and files this machine's settings name, and where settings hide
     script = build_script()
-    mounted = [str(p) for p in script.local_paths(script.pip_settings())]
-    leftovers = " ".join(["/run/secrets", "/etc/pip.conf", "/etc/xdg/pip", *mounted])
+    local = [str(p) for p in script.local_paths(script.pip_settings())]
+    leftovers = " ".join(["/run/secrets", "/etc/pip.conf", "/etc/xdg/pip", *local])
     found = run(
         [
             *PODMAN,

@@ -4,13 +4,14 @@
     deploy/docker/podman-build.py [--tag localhost/downpour:local]
         [--base localhost/downpour-base:bookworm] [--tf-package tensorflow]
 
-pip inside the build needs what pip on this machine uses: its index URLs, find-links and
-constraint files (``pip config list`` and the PIP_* variables) and its CA bundle (PIP_CERT,
-else SSL_CERT_FILE). They reach the build as the Dockerfile's build secrets ``pipconf`` (a
-pip.conf written to a temporary directory) and ``pipca``; local directories and files they
-name (``file://`` indexes, find-links folders, constraint files) are bind-mounted read-only
-into the build's RUN steps. Secrets and bind mounts are not stored in any layer, so the image
-holds none of it (``podman image inspect`` / ``podman history`` show no index or CA).
+pip inside the build needs what pip on this machine uses: its index URLs and options
+(``pip config list`` and the PIP_* variables) and its CA bundle (PIP_CERT, else
+SSL_CERT_FILE). They reach the build as the Dockerfile's build secrets ``pipconf`` (a pip.conf
+written to a temporary directory) and ``pipca``. Secrets are not stored in any layer, so the
+image holds none of it (``podman image inspect`` / ``podman history`` show no index or CA).
+Settings that name local files (a ``file://`` index, find-links folders, constraint files) are
+left out: a bind mount would leave its mount point in every stage's layers, and the indexes
+they mirror are reachable over the network.
 
 podman runs with ``PODMAN_OPTS`` (default ``--runtime runc --cgroup-manager cgroupfs``: crun
 refuses hybrid cgroups) and builds on the host network. Standard library only.
@@ -55,7 +56,7 @@ def pip_settings() -> dict[str, str]:
 
 
 def local_paths(settings: dict[str, str]) -> list[Path]:
-    """Existing local files and directories the settings name (to bind-mount read-only)."""
+    """Existing local files and directories the settings name (none may reach the image)."""
     paths = []
     for key in PATH_KEYS & settings.keys():
         for item in settings[key].split():
@@ -73,9 +74,20 @@ def ca_bundle() -> Path | None:
     return None
 
 
+def without_local(settings: dict[str, str]) -> dict[str, str]:
+    """``settings`` without the local files and folders they name (no use inside a build)."""
+    kept = {}
+    for key, value in settings.items():
+        items = value.split() if key in PATH_KEYS else [value]
+        remote = [i for i in items if not (i.startswith("file:") or i.startswith("/"))]
+        if remote:
+            kept[key] = " ".join(remote)
+    return kept
+
+
 def build_command(args: argparse.Namespace, tmp: Path) -> list[str]:
     """The podman build command line (writes the pip.conf secret into ``tmp``)."""
-    settings = pip_settings()
+    settings = without_local(pip_settings())
     conf = tmp / "pip.conf"
     conf.write_text("[global]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
     cmd = ["podman", *shlex.split(os.environ.get("PODMAN_OPTS", PODMAN_OPTS)), "build"]
@@ -88,8 +100,6 @@ def build_command(args: argparse.Namespace, tmp: Path) -> list[str]:
     ca = ca_bundle()
     if ca is not None:
         cmd += ["--secret", f"id=pipca,src={ca}"]
-    for path in local_paths(settings):
-        cmd += ["--volume", f"{path}:{path}:ro"]
     return [*cmd, str(ROOT)]
 
 
