@@ -13,10 +13,11 @@
 Where containers cannot run (no podman or podman-compose, podman not working, debootstrap
 failing, the compose ports taken) the test skips and says why.
 
-Cost on 2 cores: warm (base image and build layers cached in /var/lib/containers) about
-3 minutes; cold (debootstrap about 3 minutes, pip installing TensorFlow and committing a
-1.5 GB layer about 4 minutes) about 10 minutes. The image size and the time from
-``compose up`` to the first applied update are printed (``-s``) as ``containers: {...}``.
+Cost on 2 busy cores: warm (base image and build layers in /var/lib/containers) 2-4 minutes;
+cold (nothing in podman's storage, as in a fresh CI machine) 12-16 minutes: debootstrap about
+3.5, the build 4-10 (pip downloads and installs TensorFlow; podman commits a 2.5 GB layer),
+the run 2. The image size and the time from ``compose up`` to the first applied update are
+printed (``-s``, as ``make test-containers`` runs it) as ``containers: {...}``.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def podman_usable() -> str | None:
         return f"podman does not work here: {r.stderr.strip()[-300:]}"
     for port in PORTS:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
@@ -252,9 +254,19 @@ def test_compose_trains_heals_and_resumes_from_the_checkpoint_after_a_stop(stack
     )
     FIGURES["first_update_s"] = round(time.monotonic() - t0, 1)
     assert set(first["workers"]) <= {"pool/worker-0", "pool/worker-1"}
-    # the HEALTHCHECK (the compose file's: status with the reader key) passes
-    health = run(["podman", "healthcheck", "run", stack.container("server")], 120, check=False)
-    assert health.returncode == 0, health.stdout + health.stderr + stack.logs("server")
+    # the HEALTHCHECK (the compose file's: status with the reader key) passes; as with the
+    # engine's retries, a probe that times out on a busy machine is tried again (bounded)
+    probes: list[subprocess.CompletedProcess] = []
+
+    def healthy() -> bool:
+        probes.append(run(["podman", "healthcheck", "run", stack.container("server")], 120, False))
+        return probes[-1].returncode == 0
+
+    deadline = time.monotonic() + 300
+    while not healthy() and time.monotonic() < deadline:
+        time.sleep(2)  # between probes, bounded by the deadline
+    assert probes[-1].returncode == 0, probes[-1].stderr + stack.logs("server")[-3000:]
+    FIGURES["healthcheck_probes"] = len(probes)
     # `downpour status` from the host answers, over CURVE with the reader key
     cli = run(
         [
