@@ -10,7 +10,8 @@ WORKERS ?= 2
 SHARDS  ?= 1
 ARGS   ?=
 
-.PHONY: run-local test docs test-slow test-all test-faults lint bench bench-curve study clean venv deploy-tools
+.PHONY: run-local test docs test-slow test-all test-faults lint bench bench-curve study clean venv deploy-tools \
+	test-containers check-gpu
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +55,26 @@ test-slow: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
 
 test-all: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
 	$(PY) -m pytest -q -ra -m "slow or not slow"
+
+# The container image built and run for real with podman (tests/test_containers.py, also in
+# test-slow and test-all; it skips, saying why, where podman cannot run): a local base image
+# made with debootstrap once (kept in podman's storage), the image build, compose up with a
+# server and 2 workers on host networking, healthcheck, status, stop and resume from the
+# checkpoint. Prints the image size and the time to the first applied update.
+test-containers: $(VENV)/.stamp-test
+	$(PY) -m pytest -q -ra -s -m containers tests/test_containers.py
+
+# run-local on a GPU (--device gpu) where TensorFlow sees one (a CUDA build:
+# .venv/bin/pip install 'tensorflow[and-cuda]'); elsewhere it says so and succeeds.
+check-gpu: $(VENV)/.stamp-base
+	@if $(PY) -c "import sys, tensorflow as tf; sys.exit(not tf.config.list_physical_devices('GPU'))" 2>/dev/null; then \
+		echo "check-gpu: TensorFlow sees a GPU: run-local --device gpu"; \
+		$(VENV)/bin/downpour run-local --device gpu --workers $(WORKERS) --epochs 1 --no-progress \
+			--run-dir runs/check-gpu $(ARGS) \
+		&& grep -h "computing on GPU" runs/check-gpu/server.log runs/check-gpu/worker-0.log; \
+	else \
+		echo "check-gpu: no GPU visible to TensorFlow on this machine: nothing to check (the CPU path is tested by make test: tests/test_device.py)"; \
+	fi
 
 # The long fault variants: fault tests of both tiers and 20,000 fuzz cases of the decoder
 # (300 per fuzz test otherwise).

@@ -20,7 +20,7 @@ applies it to flags, ``downpour.config`` to file and environment values. Checks 
 settings are one function per service (``validate_server``, ``validate_worker``) that raises
 ``ConfigError``; none of this imports TensorFlow, so a bad setting is refused at once.
 
-Options used by more than one command (``MODEL``, ``DATA_DIR``, ``SEED``, ``KEY``,
+Options used by more than one command (``MODEL``, ``DATA_DIR``, ``SEED``, ``DEVICE``, ``KEY``,
 ``SERVER_KEY``, ``LOG_LEVEL``, ``LOG_FORMAT``) are declared here; a command that explains one
 differently reuses it with ``dataclasses.replace(OPTION, help=...)``.
 """
@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from downpour.device import parse_device
 from downpour.logs import LOG_FORMATS
 
 ENV_PREFIX = "DOWNPOUR_"  # a setting NAME's environment variable is DOWNPOUR_<NAME>
@@ -286,6 +287,15 @@ DATA_DIR = Option(
     "model and training",
 )
 SEED = Option("seed", None, "random seed", "model and training", type=int)
+DEVICE = Option(
+    "device",
+    "auto",
+    "where this process computes: auto (a GPU if there is one), cpu, gpu (the first GPU) or "
+    "gpu:N; GPU memory grows as needed, so several processes can share one GPU",
+    "model and training",
+    type=parse_device,
+    metavar="auto|cpu|gpu|gpu:N",
+)
 KEY = Option("key", None, "own CURVE secret key file", "security", metavar="FILE")
 SERVER_KEY = Option(
     "server_key",

@@ -1,9 +1,10 @@
 """Docker and Kubernetes deployment files, checked offline: no engine, no cluster.
 
 - Dockerfile: hadolint reports nothing at warning level or above.
-- compose.yaml: valid against the Compose specification schema (check-jsonschema's vendored
-  copy), plus static sharding: workers worker-0 .. worker-(N-1), each with its own index and
-  the same count N.
+- compose.yaml and its podman override compose.podman.yaml: valid against the Compose
+  specification schema (check-jsonschema's vendored copy); compose.yaml also for static
+  sharding: workers worker-0 .. worker-(N-1), each with its own index and the same count N.
+  tests/test_containers.py builds and runs them for real (slow tier, podman).
 - deploy/k8s/*.yaml: every object valid for KUBERNETES_VERSIONS (kubernetes-validate, strict:
   unknown fields are errors), plus the shape the README promises.
 
@@ -13,6 +14,7 @@ tool is missing is skipped and says so.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -60,17 +62,46 @@ def test_dockerfile_has_no_hadolint_warnings() -> None:
 def test_dockerfile_is_multi_stage_non_root_with_a_status_healthcheck() -> None:
     lines = [ln.strip() for ln in (DOCKER / "Dockerfile").read_text().splitlines()]
     froms = [ln for ln in lines if ln.startswith("FROM ")]
-    assert len(froms) >= 2 and all("-slim" in ln for ln in froms)
-    assert any(ln.startswith("COPY --from=build") for ln in lines)
+    # every stage starts from the BASE build argument, whose default is the slim image users pull
+    assert "ARG BASE=python:3.11-slim-bookworm" in lines
+    assert len(froms) >= 2 and froms[-1] == "FROM ${BASE}"
+    assert all(ln.startswith(("FROM ${BASE}", "FROM deps ")) for ln in froms)
+    assert any(ln.startswith("COPY --from=deps /opt/downpour") for ln in lines)
     user = next(ln for ln in reversed(lines) if ln.startswith("USER "))
     assert user.split()[1].split(":")[0] not in ("0", "root")
     i = next(i for i, ln in enumerate(lines) if ln.startswith("HEALTHCHECK"))
     assert '"downpour", "status"' in " ".join(lines[i : i + 3])
 
 
-def test_compose_file_matches_the_compose_specification() -> None:
+RESET = object()  # the Compose specification's `!reset` tag: the key is removed when merged
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with the Compose specification's ``!reset`` tag (which check-jsonschema cannot read)."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+
+
+def without_resets(value: Any) -> Any:
+    """``value`` with every key or item tagged ``!reset`` left out."""
+    if isinstance(value, dict):
+        return {k: without_resets(v) for k, v in value.items() if v is not RESET}
+    if isinstance(value, list):
+        return [without_resets(v) for v in value if v is not RESET]
+    return value
+
+
+def compose_document(name: str) -> dict[str, Any]:
+    return without_resets(yaml.load((DOCKER / name).read_text(), ComposeLoader))
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.podman.yaml"])
+def test_compose_file_matches_the_compose_specification(name: str, tmp_path: Path) -> None:
     checker = tool("check-jsonschema")
-    r = run(checker, "--builtin-schema", "vendor.compose-spec", str(DOCKER / "compose.yaml"))
+    resolved = tmp_path / f"{name}.json"  # the file as merged over another: !reset keys gone
+    resolved.write_text(json.dumps(compose_document(name)))
+    r = run(checker, "--builtin-schema", "vendor.compose-spec", str(resolved))
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -104,6 +135,23 @@ def test_compose_shards_the_data_and_keeps_keys_and_state_out_of_the_image() -> 
     assert secrets == set(doc["secrets"])
     assert server["environment"]["DOWNPOUR_KEY"].startswith("/run/secrets/")
     assert server["healthcheck"]["test"][1:3] == ["downpour", "status"]
+
+
+def test_the_podman_override_keeps_every_service_on_the_hosts_loopback() -> None:
+    base = documents(DOCKER / "compose.yaml")[0]["services"]
+    override = compose_document("compose.podman.yaml")["services"]
+    assert set(override) == set(base)  # every service, and no new one
+    server_port = base["server"]["healthcheck"]["test"][-1].rsplit(":", 1)[1]  # status port
+    assert server_port == "5572"
+    for name, service in override.items():
+        assert service["network_mode"] == "host", name
+        assert {"nofile", "nproc"} <= set(service["ulimits"]), name
+        env = service["environment"]
+        if name == "server":
+            assert env["DOWNPOUR_HOST"] == "127.0.0.1"
+            assert "ports" not in service  # !reset: nothing published with host networking
+        else:
+            assert env["DOWNPOUR_SERVER"] == "127.0.0.1:5570"
 
 
 # ---------------------------------------------------------------- Kubernetes

@@ -30,7 +30,7 @@ from typing import Any
 from downpour import security
 from downpour.cli.status import fetch_status
 from downpour.server.settings import LR, METRICS_PORT, OPTIMIZER
-from downpour.settings import DATA_DIR, MODEL, Option, add_options, at_least
+from downpour.settings import DATA_DIR, DEVICE, MODEL, Option, add_options, at_least
 from downpour.transport import Deadline, tcp
 from downpour.worker.settings import (
     COMPRESS,
@@ -73,6 +73,12 @@ LOCAL_OPTIONS: tuple[Option, ...] = (
     ),
     replace(MODEL, section=_RUN),
     replace(DATA_DIR, help="standard MNIST IDX files (default: embedded MNIST-5k)", section=_RUN),
+    replace(
+        DEVICE,
+        help="where the server, the workers and the evaluator compute: auto, cpu, gpu or "
+        "gpu:N (GPU memory grows as needed, so they share one GPU)",
+        section=_RUN,
+    ),
     replace(
         EPOCHS,
         default=6.0,
@@ -155,11 +161,13 @@ class Evaluator:
     """Holds a local copy of the model to score the server's weights on the held-out set
     (the spec's ``held_out_fn``, or its Dataset's)."""
 
-    def __init__(self, model_ref: str, data_dir: str | None) -> None:
+    def __init__(self, model_ref: str, data_dir: str | None, device: str = "auto") -> None:
+        from downpour.device import configure_device
         from downpour.models import batchnorm_layers, build_model
         from downpour.pipeline import build_dataset, context, resolve_inputs, training_features
         from downpour.spec import load_spec
 
+        configure_device(device)  # before any op: memory growth, so the GPU is shared
         self.spec = load_spec(model_ref)
         self.inputs = resolve_inputs(self.spec, data_dir)
         if self.inputs.held_out is None:
@@ -275,7 +283,9 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     print(f"run directory: {run_dir}", flush=True)
     evaluator_box: dict[str, Any] = {}
     loader = threading.Thread(
-        target=lambda: evaluator_box.setdefault("e", Evaluator(args.model, args.data_dir)),
+        target=lambda: evaluator_box.setdefault(
+            "e", Evaluator(args.model, args.data_dir, args.device)
+        ),
         daemon=True,
     )
     loader.start()  # import TensorFlow and load data while the servers start
@@ -320,10 +330,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             args.pull_compress,
             "--graph",
             args.graph,
-            "--row-pulls",
-            args.row_pulls,
-            "--row-staleness",
-            str(args.row_staleness),
+            "--device",
+            args.device,
         ]
         if dispatched:  # splits from shard 0's dispatcher, epochs counted by the server
             wargs += ["--data-dispatch", "server"]
@@ -475,6 +483,8 @@ def _spawn_server(
             args.optimizer,
             "--lr",
             str(args.lr),
+            "--device",
+            args.device,
             "--ready-file",
             str(ready_file),
             "--metrics-port",

@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from downpour import security, systemd, wire
+from downpour.device import configure_device
 from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
 from downpour.server.checkpoint import (
     CheckpointStore,
@@ -75,6 +76,7 @@ class Server:
         """Build the server for ``spec`` from ``config``: ConfigError (``validate_server``)
         for settings that contradict each other, ValueError for a policy it cannot parse."""
         validate_server(config)  # the cross-field checks live there, and only there
+        log.info("computing on %s", configure_device(config.device))  # before any TF op
         self.spec = spec
         self.config = config
         self.policy = parse_policy(config.policy)  # ValueError names the accepted forms

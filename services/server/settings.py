@@ -14,6 +14,7 @@ from downpour import security, wire
 from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 from downpour.settings import (
     DATA_DIR,
+    DEVICE,
     DISPATCH_MODES,
     KEY,
     LOG_FORMAT,
@@ -82,6 +83,7 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     OPTIMIZER,
     LR,
     dataclasses.replace(SEED, default=0, help="initialisation seed"),
+    DEVICE,
     Option(
         "policy",
         "async",

@@ -52,6 +52,7 @@ import tensorflow as tf
 from downpour import wire
 from downpour.client import Hello, Weights
 from downpour.cluster import Shard, ShardSet
+from downpour.device import configure_device
 from downpour.inputs import InputContext
 from downpour.logs import set_log_context, stop_on_signals
 from downpour.metrics import Rate, new_worker_stats
@@ -215,6 +216,7 @@ class Worker(RowPulling):
         (``downpour.pipeline.resolve_inputs``). ConfigError (``validate_worker``) for settings
         that contradict each other."""
         validate_worker(config)  # the cross-field checks live there, and only there
+        log.info("computing on %s", configure_device(config.device))  # before any TF op
         self.spec = spec
         self.config = config
         self.inputs = inputs if inputs is not None else resolve_inputs(spec, config.data_dir)

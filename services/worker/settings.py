@@ -15,6 +15,7 @@ import socket
 from downpour import security
 from downpour.settings import (
     DATA_DIR,
+    DEVICE,
     DISPATCH_MODES,
     KEY,
     LOG_FORMAT,
@@ -192,6 +193,7 @@ WORKER_OPTIONS: tuple[Option, ...] = (
         help="data-order seed, the same on every worker: each epoch's shuffle is seeded "
         "with SEED + epoch, so the shards divide one permutation",
     ),
+    DEVICE,
     COMPRESS,
     PULL_COMPRESS,
     ROW_PULLS,
