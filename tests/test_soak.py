@@ -11,9 +11,11 @@ At the end:
 
 - Open fds and RSS of the server are measured in its last incarnation, which serves at least
   the last 3 minutes: after its warm-up (60 s after it serves) and at the end of the fault
-  phase, each time once all 4 workers train (so both counts see the same 4 connected
-  workers). A server SIGKILLed every 2 minutes is a new process each time, so only one
-  incarnation can be compared with itself. The warm-up is the baseline because TensorFlow's
+  phase, each time while all 4 workers train (so both counts see the same 4 connected
+  workers), as the least of 20 samples over 10 s (a checkpoint being written or a 13 MB
+  message being received comes and goes within that; a leak stays). A server SIGKILLed
+  every 2 minutes is a new process each time, so only one incarnation can be compared with
+  itself. The warm-up is the baseline because TensorFlow's
   allocator, the first traces and the first checkpoints grow RSS in the first minute, then
   it levels off; a leak grows with the work done and shows as growth past 10 %. Only growth
   fails: fewer fds or less RSS at the end is not a leak.
@@ -154,10 +156,21 @@ class Soak:
         return wait_until(moved, timeout, "all 4 workers to train")
 
     def measure(self, what: str) -> dict[str, Any]:
+        """The server's fds and RSS while all 4 workers train: their level, the least of 20
+        samples over 10 s (the server's own transients, a checkpoint being written or a
+        message being received, come and go within that), and the most."""
         self.all_training()
-        pid = self.server.proc.pid
-        return {"what": what, "fds": soak.open_fds(pid), "rss_mb": round(soak.rss_mb(pid), 1),
-                "at_s": round(time.monotonic() - self.incarnations[-1]["started"], 1)}  # fmt: skip
+        pid, fds, rss = self.server.proc.pid, [], []
+        for _ in range(20):
+            fds.append(soak.open_fds(pid))
+            rss.append(soak.rss_mb(pid))
+            time.sleep(0.5)  # sampling interval
+        self.all_training()  # and all 4 still train after the window
+        return {
+            "what": what, "fds": min(fds), "fds_max": max(fds),
+            "rss_mb": round(min(rss), 1), "rss_mb_max": round(max(rss), 1),
+            "at_s": round(time.monotonic() - self.incarnations[-1]["started"], 1),
+        }  # fmt: skip
 
     def stop_relays(self) -> None:
         for r in self.relays:
