@@ -202,7 +202,8 @@ def _run_faults(s: Soak, plan: soak.Plan, t0: float) -> dict[str, Any]:
             warm = s.measure("warm-up")
         if warm is not None and now >= next_sample:
             pid = s.server.proc.pid
-            last["samples"].append((round(now), soak.open_fds(pid), round(soak.rss_mb(pid))))
+            fds, rss = soak.open_fds(pid), round(soak.rss_mb(pid))
+            last["samples"].append({"t_s": round(now), "fds": fds, "rss_mb": rss})
             next_sample = now + 5
         s.poll()
         time.sleep(0.5)  # pacing between polls (each wait on a condition is wait_until)
