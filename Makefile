@@ -10,8 +10,8 @@ WORKERS ?= 2
 SHARDS  ?= 1
 ARGS   ?=
 
-.PHONY: run-local test docs test-slow test-all test-faults lint bench bench-curve study clean venv deploy-tools \
-	test-containers check-gpu
+.PHONY: run-local test docs test-slow test-all test-faults soak lint bench bench-curve study clean venv \
+	deploy-tools test-containers check-gpu
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,14 @@ test-faults: $(VENV)/.stamp-test
 	DOWNPOUR_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q -ra -m "slow or not slow" \
 		tests/test_wire.py tests/test_bad_input.py tests/test_faults.py tests/test_inproc_faults.py \
 		tests/test_network.py tests/test_relay_faults.py
+
+# The soak (tests/test_soak.py, also in the slow tier): a server with checkpoints and 4 workers
+# train Deep MNIST for about 10 minutes while workers and the server are SIGKILLed and restarted
+# and relays reset connections; checks fds, RSS, the push accounting and accuracy. The figures
+# are printed and written to SOAK_FIGURES. SOAK_SECONDS=120: a short run of the same faults.
+SOAK_FIGURES ?= runs/soak/figures.json
+soak: $(VENV)/.stamp-test
+	SOAK_FIGURES=$(SOAK_FIGURES) $(PY) -m pytest -q -ra -s -m soak tests/test_soak.py
 
 # The MkDocs site (mkdocs.yml, docs/) into site/; --strict turns every warning (a broken link,
 # a docstring that does not render) into a failure.

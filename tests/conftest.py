@@ -104,6 +104,7 @@ class Cluster:
         wait: bool = True,
         prefix: list[str] | None = None,
         early: bool = False,
+        ready_timeout: float = 120.0,
     ) -> Service:
         """Start ``downpour server`` on free ports; wait until it serves.
 
@@ -111,6 +112,7 @@ class Cluster:
         --insecure in ``args``). ``early``: return at once with the REP port chosen up front
         (``Service.port``), so that workers start (and import TensorFlow) while the server
         does; they retry until it answers. Only for workers with the default --server-timeout.
+        ``ready_timeout``: how long it may take to serve (a restart on a loaded machine).
         """
         from downpour.cli.local import wait_ready
 
@@ -136,8 +138,10 @@ class Cluster:
             prefix=prefix,
         )
         if early:
-            return Service(proc, log, {"port": port}, lambda: wait_ready(proc, ready, 120.0, log))
-        info = wait_ready(proc, ready, 120.0, log) if wait else {}
+            return Service(
+                proc, log, {"port": port}, lambda: wait_ready(proc, ready, ready_timeout, log)
+            )
+        info = wait_ready(proc, ready, ready_timeout, log) if wait else {}
         return Service(proc, log, info)
 
     def worker(
