@@ -99,6 +99,19 @@ def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     return rows.astype(np.int64), summed
 
 
+def _momentum_variable(optimizer: keras.optimizers.Optimizer) -> tf.Variable | None:
+    """Make a Keras 3 optimizer's ``beta_1`` (a Python float, baked into a traced step as a
+    constant) a float32 variable that the step reads on every call, so ``set_momentum`` can
+    change it without a retrace; None for an optimizer without ``beta_1``. A plain
+    ``tf.Variable``, not a Keras one: it stays out of ``optimizer.variables`` (checkpoints)."""
+    beta_1 = getattr(optimizer, "beta_1", None)
+    if not isinstance(beta_1, float):
+        return None
+    var = tf.Variable(beta_1, trainable=False, dtype=tf.float32, name="beta_1")
+    optimizer.beta_1 = var
+    return var
+
+
 class ParameterState:
     """Owns the model's variables and applies gradient lists to them, one version at a time.
 
@@ -171,6 +184,7 @@ class ParameterState:
         )
         self.learning_rate = float(learning_rate)
         self.optimizer = make_optimizer(optimizer, learning_rate)
+        self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
         self.optimizer.build(self.variables)
         self.version = 0
         self.apply_traces = 0
@@ -240,6 +254,16 @@ class ParameterState:
         self._apply_step(lr, *self._feed(grads))
         self.version += 1
         return self.version
+
+    def set_momentum(self, beta_1: float) -> bool:
+        """Use ``beta_1`` as the optimizer's momentum from the next apply on (the
+        ``momentum-aware`` policy); False if the optimizer has none (sgd, adagrad). The traced
+        step reads the variable, so nothing is retraced; it is assigned only when it changes."""
+        if self.momentum is None:
+            return False
+        if float(self.momentum.numpy()) != np.float32(beta_1):
+            self.momentum.assign(beta_1)
+        return True
 
     def weights(self) -> tuple[int, list[np.ndarray]]:
         """(version, arrays) — one snapshot per version, shared by every pull of it."""
