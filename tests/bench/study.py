@@ -112,7 +112,7 @@ class Plan:
     max_updates: int
     max_gradients: int
     baseline_updates: int
-    lr_variants: tuple[float, ...]  # extra staleness-aware runs at the largest worker count
+    lr_variants: tuple[float, ...]  # extra runs of lr_variant_policy at the largest worker count
     cross_check: tuple[tuple[int, str], ...]  # real processes: (workers, policy)
     cross_check_updates: int
     jobs: int
@@ -122,6 +122,7 @@ class Plan:
     dc: str = "dc-a:2"  # the delay-compensation policy of the grid's "dc" kind
     # kinds run without compression only (the compression rows compare the older kinds)
     uncompressed_only: tuple[str, ...] = ("dc", "gap-aware", "momentum-aware")
+    lr_variant_policy: str = "staleness-aware"
 
 
 PLANS = {
@@ -150,10 +151,11 @@ PLANS = {
         800,
         1600,
         400,
-        (),
-        ((2, "async"),),
+        (5e-4,),
+        ((1, "async"), (2, "momentum-aware")),
         500,
         2,
+        lr_variant_policy="momentum-aware",
     ),
     "smoke": Plan(
         "smoke",
@@ -475,7 +477,7 @@ def jobs_for(plan: Plan, costs: dict[str, float]) -> list[Job]:
         out.append(
             Job(
                 top,
-                "staleness-aware",
+                plan.lr_variant_policy,
                 "none",
                 lr,
                 True,
@@ -708,7 +710,7 @@ def summarise(plan: Plan, runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{tag}_1w_updates_to_target"] = r["updates_to_target"]
     variants = [r for r in runs if r.get("variant") == "lr" and "error" not in r]
     if variants and base and base["updates_to_target"]:
-        out["staleness_aware_lr_variants"] = {
+        out[f"{plan.lr_variant_policy}_lr_variants"] = {
             f"{r['lr']:g}": (
                 round(r["updates_to_target"] / base["updates_to_target"], 3)
                 if r["reached"]
@@ -811,11 +813,12 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
     if variants:
         lines += [
             "",
-            "Staleness-aware with a larger base learning rate "
+            f"{plan.get('lr_variant_policy', 'staleness-aware')} with another base learning rate "
             f"({max(plan['workers'])} workers, no compression):",
             "",
-            "| base lr | updates to target | x 1 worker | final acc |",
-            "|---:|---:|---:|---:|",
+            "| base lr | updates to target | x 1 worker | sim. s | speed-up | gradients x 1w | "
+            "final acc |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         b = base.get("none")
         for r in sorted(variants, key=lambda r: r["lr"]):
@@ -826,7 +829,9 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
             )
             lines.append(
                 f"| {r['lr']:g} | {_fmt(r['updates_to_target']) if r['reached'] else 'not reached'}"
-                f" | {_fmt(ratio, 2)} | {r['final_accuracy']:.3f} |"
+                f" | {_fmt(ratio, 2)} | {_fmt(r['sim_seconds_to_target'], 1)} | "
+                f"{_fmt(r.get('speedup'), 2)} | {_fmt(r.get('gradients_vs_1w'), 2)} | "
+                f"{r['final_accuracy']:.3f} |"
             )
     cross = doc.get("cross_check") or []
     if cross:
@@ -983,6 +988,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--smoke", action="store_true", help="a reduced grid in under a minute")
     p.add_argument("--out", default="runs/study", help="output directory")
     p.add_argument("--jobs", type=int, help="runs at a time (default: the plan's)")
+    p.add_argument("--workers", help="worker counts instead of the plan's, e.g. 1,2,4,8")
+    p.add_argument("--compressions", help="compressions instead of the plan's, e.g. none,bf16")
+    p.add_argument("--kinds", help="policy kinds instead of the plan's, e.g. async,dc")
     p.add_argument("--no-cross-check", action="store_true", help="skip the real-process runs")
     p.add_argument(
         "--render", metavar="JSON", help="only rewrite study.md and the PNGs from a results file"
@@ -998,6 +1006,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.jobs:
         plan = Plan(**{**asdict(plan), "jobs": args.jobs})
+    if args.workers:
+        plan = Plan(**{**asdict(plan), "workers": tuple(int(w) for w in args.workers.split(","))})
+    if args.compressions:
+        plan = Plan(**{**asdict(plan), "compressions": tuple(args.compressions.split(","))})
+    if args.kinds:
+        plan = Plan(**{**asdict(plan), "policy_kinds": tuple(args.kinds.split(","))})
+    if 1 not in plan.workers:
+        p.error("--workers must include 1 (the speed-up is over 1 worker)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -1025,6 +1041,17 @@ def main(argv: list[str] | None = None) -> int:
             log(f"cross-check {w}w {pol}: { {k: r.get(k) for k in keys} }")
             cross.append(r)
     command = "make study" + {"quick": " QUICK=1", "smoke": " (smoke)", "full": ""}[plan.name]
+    overrides = [
+        f"--{k} {v}"
+        for k, v in (
+            ("workers", args.workers),
+            ("compressions", args.compressions),
+            ("kinds", args.kinds),
+        )
+        if v
+    ]
+    if overrides:
+        command += f" ARGS='{' '.join(overrides)}'"
     doc: dict[str, Any] = {
         "study": "staleness policies and gradient compression",
         "date": time.strftime("%Y-%m-%d %H:%M"),
