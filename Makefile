@@ -111,10 +111,11 @@ bench-curve: $(VENV)/.stamp-test
 	$(PY) tests/bench/curve_cost.py --rounds $(ROUNDS) --out curve-cost.json
 
 # Convergence study of the staleness policies and gradient compression (docs/policies.md): study-results.json, study.md and PNG curves in OUT (runs/study).
-# Up to 30 min on 2 cores; QUICK=1: 1 and 8 workers, a few minutes.
+# Up to 30 min on 2 cores; QUICK=1: 1 and 8 workers, no compression, a few minutes.
+# ARGS='--workers 1,2,4,8 --compressions none --kinds async,dc' narrows or widens a plan.
 OUT ?= runs/study
 study: $(VENV)/.stamp-test
-	$(PY) tests/bench/study.py $(if $(filter 1,$(QUICK)),--quick) --out $(OUT)
+	$(PY) tests/bench/study.py $(if $(filter 1,$(QUICK)),--quick) --out $(OUT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs build site *.egg-info .pytest_cache .ruff_cache

@@ -141,7 +141,7 @@ def _push_same_gradients(endpoints: list[tuple[str, int]], steps: int) -> None:
             ]
             shards.push(seq, grads, [seq - 1] * len(endpoints), wire.PushBody())
     finally:
-        shards.close()
+        shards.close(push_linger_s=30.0)  # queued gradients leave before the sockets close
         ctx.term()
 
 

@@ -4,6 +4,7 @@ counted with the parameters unchanged, and the order of the gradient checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -498,3 +499,32 @@ def test_each_check_alone_refuses_and_a_clean_stale_push_reaches_the_policy(spec
         else:
             assert out.rejection is not None and out.rejection.code == REASON[fault]
         assert ctx.state.version == 1
+
+
+# ---------------------------------------------------------------- weight-aware policies
+
+
+def test_dc_compensates_a_stale_push_with_the_weights_it_was_computed_from(spec: Any) -> None:
+    """dc:2 through the handler: the second push, computed from version 0 and arriving at
+    version 1, is applied as g + 2 * g * g * (w1 - w0); with SGD and g = 1 that is 1 - 2 * LR."""
+    ctx = make_ctx(spec, policy="dc:2")
+    w0 = [a.copy() for a in ctx.state.weights()[1]]
+    assert offer(ctx, push(ctx, 1, "w0")).decision.action == APPLY
+    out = offer(ctx, push(ctx, 1, "w1", base_version=0))
+    assert out.decision is not None and out.decision.staleness == 1
+    for a, b in zip(w0, ctx.state.weights()[1], strict=True):
+        np.testing.assert_allclose(b, a - LR - LR * (1 - 2 * LR), rtol=1e-5, atol=1e-6)
+    assert ctx.policy.counters["compensated"] == 1
+    assert ctx.policy.describe()["ring_versions"] == 2
+
+
+def test_momentum_aware_sets_the_servers_beta_1_as_staleness_grows(spec: Any) -> None:
+    ctx = dataclasses.replace(
+        make_ctx(spec, policy="momentum-aware"), state=ParameterState(spec, "adam", 1e-3)
+    )
+    assert offer(ctx, push(ctx, 1, "w0")).decision.momentum == pytest.approx(0.9)
+    for seq in range(2, 6):  # each push computed from version 0: staleness 1, 2, 3, 4
+        out = offer(ctx, push(ctx, seq, "w0", base_version=0))
+    assert out.decision is not None and out.decision.momentum < 0.9
+    assert float(ctx.state.momentum.numpy()) == pytest.approx(out.decision.momentum)
+    assert ctx.state.apply_traces == 1

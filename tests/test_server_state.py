@@ -41,3 +41,36 @@ def test_snapshot_is_shared_per_version_and_never_torn() -> None:
     v1, snap1 = state.weights()
     assert (v0, v1) == (0, 1)
     assert any(not np.array_equal(a, c) for a, c in zip(snap1, copy, strict=True))
+
+
+def test_momentum_changes_at_run_time_without_a_retrace() -> None:
+    """momentum-aware sets Adam's beta_1 per update: the traced step follows each value, as a
+    Keras Adam built with that beta_1 would, and is still traced once."""
+    spec = load_spec("tiny_models:tiny")
+    state = ParameterState(spec, "adam", 0.01, seed=0)
+    n_opt_vars = len(state.optimizer.variables)
+    ref_model = build_model(spec, seed=0)
+    ref_opt = keras.optimizers.Adam(0.01)
+    for i, beta_1 in enumerate([0.9, 0.0, 0.0, 0.5, 0.9]):
+        g = _grads(state, i)
+        assert state.set_momentum(beta_1)
+        state.apply(g)
+        ref_opt.beta_1 = beta_1
+        ref_opt.apply_gradients(zip(g, ref_model.trainable_variables, strict=True))
+    assert state.apply_traces == 1
+    assert len(state.optimizer.variables) == n_opt_vars  # nothing new in a checkpoint
+    for v, r in zip(state.variables, ref_model.trainable_variables, strict=True):
+        np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-5, atol=1e-6)
+    # and beta_1 matters: the same gradients with Adam's own 0.9 throughout end elsewhere
+    other = ParameterState(spec, "adam", 0.01, seed=0)
+    for i in range(5):
+        other.apply(_grads(other, i))
+    assert any(
+        not np.allclose(a.numpy(), b.numpy(), atol=1e-6)
+        for a, b in zip(state.variables, other.variables, strict=True)
+    )
+
+
+def test_momentum_is_refused_by_an_optimizer_without_one() -> None:
+    state = ParameterState(load_spec("tiny_models:tiny"), "sgd", 0.1)
+    assert state.momentum is None and not state.set_momentum(0.5)

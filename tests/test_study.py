@@ -9,6 +9,7 @@ Only the shape of the result is checked, plus what holds by construction.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,35 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
             assert c["applied"] == c["updates"] == c["offered"] and c["dropped_stale"] == 0
         expected = 2.0 if r["compress"] == "bf16" else 1.0
         assert r["bytes_ratio"] == pytest.approx(expected, abs=0.02)
+    # the speed-up columns, on every row: 1 worker's simulated time over the row's (same
+    # compression), and the gradients computed to the target over 1 worker's
+    base = {r["compress"]: r for r in runs if r["workers"] == 1}
+    for r in runs:
+        keys = ("workers", "policy", "compress", "sim_seconds_to_target", "speedup")
+        assert all(k in r for k in (*keys, "gradients_vs_1w")), r["policy"]
+        b = base[r["compress"]]
+        if not r["reached"]:
+            assert r["speedup"] is None and r["gradients_vs_1w"] is None
+            continue
+        assert math.isfinite(r["sim_seconds_to_target"]) and r["sim_seconds_to_target"] > 0
+        assert math.isfinite(r["speedup"]) and math.isfinite(r["gradients_vs_1w"])
+        assert r["speedup"] == pytest.approx(
+            b["sim_seconds_to_target"] / r["sim_seconds_to_target"], rel=2e-3
+        )
+        assert r["gradients_vs_1w"] == pytest.approx(
+            r["gradients_to_target"] / b["gradients_to_target"], rel=2e-3
+        )
+        if r["workers"] == 1:
+            assert r["speedup"] == r["gradients_vs_1w"] == 1.0
+    assert "target_met" in doc["summary"]
     # one worker: staleness is always 0, so every policy is this same run
     assert all(r["staleness_max"] == 0 for r in runs if r["workers"] == 1)
     assert doc["summary"]["bf16_bytes_ratio"] == pytest.approx(2.0, abs=0.02)
 
     table = (tmp_path / "study.md").read_text()
     assert "| workers | policy | compress | updates to target |" in table
+    assert "| sim. s | speed-up | gradients x 1w |" in table
+    assert "Wall-clock speed-up, no compression" in table
     assert table.count("\n| 1 | any (all identical) |") == 2
     for png in doc["pngs"]:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

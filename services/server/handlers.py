@@ -565,6 +565,8 @@ def handle_gradients(
         return GradientOutcome(rejection=_refuse(ctx, exc, sender))
     # Valid, new and enrolled: the policy decides. A drop or a hold is accepted, not an error.
     assert rec is not None
+    if ctx.policy.wants_weights:  # dc, gap-aware: the weights this version has (a snapshot)
+        ctx.policy.observe(version, ctx.state.weights()[1])
     decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
     rec.last_seq = msg.seq
     if ctx.dispatcher is not None:
@@ -619,6 +621,8 @@ def apply_decision(decision: Decision, ctx: HandlerContext) -> None:
     """Apply a policy's update (its gradients, its learning-rate scale); credit its workers."""
     assert decision.grads is not None
     t0 = time.perf_counter()
+    if decision.momentum is not None:  # momentum-aware: Adam's beta_1 from this update on
+        ctx.state.set_momentum(decision.momentum)
     ctx.state.apply(decision.grads, decision.lr_scale)
     ctx.stats.apply_ms.update(1e3 * (time.perf_counter() - t0))
     ctx.stats.update_rate.mark()

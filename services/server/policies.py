@@ -35,6 +35,10 @@ Policies (``parse_policy`` text, ``downpour server --policy``), each rule exactl
   Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013
   (Petuum Bösen). Unlike ``bounded:K`` nothing is dropped: the bound is kept by waiting.
 
+- ``dc:L`` / ``dc-a:L`` (delay compensation), ``gap-aware`` (damping by the parameter gap)
+  and ``momentum-aware[:B]`` (Adam's beta_1 lowered as staleness grows): their rules, sources
+  and memory cost are ``downpour.server.compensation``'s docstring.
+
 A policy that gates pulls (``gates_pulls``: ``ssp``) also answers ``pull_wait_ms`` for each
 pull from an enrolled worker: 0 to serve the weights, otherwise how long the worker should
 wait before asking again.
@@ -111,6 +115,7 @@ class Decision:
     ``grads`` is set for ``apply`` only. For ``sync`` it is the policy's own buffer: valid
     until the next ``offer``/``flush``, so apply it (the server's apply copies it) before that.
     ``workers`` are the senders whose gradients the update contains (one, or K for sync).
+    ``momentum``, when set, is the optimizer's ``beta_1`` to use from this update on.
     """
 
     action: Literal["apply", "drop", "hold"]
@@ -119,6 +124,7 @@ class Decision:
     reason: str = ""
     staleness: int = 0
     workers: tuple[str, ...] = ()
+    momentum: float | None = None  # momentum-aware: Adam's beta_1 for this update (None: keep)
 
 
 def scaled_learning_rate(base_lr: float, scale: float) -> float:
@@ -131,6 +137,7 @@ class Policy(ABC):
 
     kind: str = ""
     gates_pulls = False  # True: the server asks pull_wait_ms before serving a worker's pull
+    wants_weights = False  # True: the server calls observe(version, weights) before each offer
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
@@ -147,6 +154,11 @@ class Policy(ABC):
         """Decide about one push: dense gradients in variable order (read-only views are fine:
         a policy that keeps them copies them), the version they were computed from, the
         server's current version and the sender."""
+
+    def observe(self, version: int, weights: Sequence[np.ndarray]) -> None:
+        """The server's current weights (an immutable snapshot) before an offer; only
+        policies with ``wants_weights`` are told (``downpour.server.compensation``)."""
+        return None
 
     def flush(self, version: int) -> Decision | None:
         """At shutdown: an update made of held gradients, or None (only sync holds any)."""
@@ -173,7 +185,12 @@ class Policy(ABC):
         return None
 
     def _apply(
-        self, grads: Sequence[np.ndarray], tau: int, worker: str, scale: float = 1.0
+        self,
+        grads: Sequence[np.ndarray],
+        tau: int,
+        worker: str,
+        scale: float = 1.0,
+        momentum: float | None = None,
     ) -> Decision:
         self.counters["updates"] += 1
         self.counters["applied"] += 1
@@ -184,6 +201,7 @@ class Policy(ABC):
             reason=REASON_FRESH if tau == 0 else REASON_STALE_APPLIED,
             staleness=tau,
             workers=(worker,),
+            momentum=momentum,
         )
 
 
@@ -475,12 +493,16 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
 _BOUNDED = re.compile(r"bounded:(-?\d+)")
 _SSP = re.compile(r"ssp:(-?\d+)")
 _SYNC = re.compile(r"sync:(-?\d+)/(-?\d+)")
-POLICY_FORMS = "async, staleness-aware, bounded:K (K >= 0), ssp:K (K >= 0), sync:K/N (1 <= K <= N)"
+POLICY_FORMS = (
+    "async, staleness-aware, bounded:K (K >= 0), ssp:K (K >= 0), sync:K/N (1 <= K <= N), "
+    "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1)"
+)
 
 
 def parse_policy(text: str) -> Policy:
-    """``async`` | ``staleness-aware`` | ``bounded:K`` | ``ssp:K`` | ``sync:K/N`` -> a fresh
-    Policy.
+    """``async`` | ``staleness-aware`` | ``bounded:K`` | ``ssp:K`` | ``sync:K/N`` | ``dc:L`` |
+    ``dc-a:L`` | ``gap-aware`` | ``momentum-aware[:B]`` -> a fresh Policy (the last four are
+    ``downpour.server.compensation``'s).
 
     Raises ValueError naming the accepted forms for anything else.
     """
@@ -517,4 +539,8 @@ def parse_policy(text: str) -> Policy:
         return SyncPolicy(k, n)
     if t.startswith("sync"):
         raise ValueError(f"policy {text!r}: expected sync:K/N with integers 1 <= K <= N")
+    from downpour.server.compensation import parse_compensation  # it builds on this module
+
+    if (p := parse_compensation(t)) is not None:
+        return p
     raise ValueError(f"unknown policy {text!r}: expected one of {POLICY_FORMS}")

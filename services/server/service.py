@@ -88,6 +88,11 @@ class Server:
             shard=config.shard,
             num_shards=config.num_shards,
         )
+        if self.policy.kind == "momentum-aware" and self.state.momentum is None:
+            raise ValueError(
+                f"--policy {self.policy.spec} sets the optimizer's beta_1: it needs "
+                f"--optimizer adam, not {config.optimizer}"
+            )
         self.partition = self.state.partition
         self.incarnation = secrets.token_hex(8)
         self.restored_seqs: dict[str, int] = {}

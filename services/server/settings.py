@@ -90,7 +90,9 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         "what to do with stale gradients: async (apply each as it arrives), "
         "staleness-aware (learning rate / max(1, staleness)), bounded:K (drop staleness > K), "
         "ssp:K (a worker more than K pushes ahead of the slowest live one waits in its pull), "
-        "sync:K/N (average the first K fresh gradients of N workers, apply once); see docs: "
+        "sync:K/N (average the first K fresh gradients of N workers, apply once), "
+        "dc:L / dc-a:L (delay compensation), gap-aware (learning rate / parameter gap), "
+        "momentum-aware[:B] (Adam's beta_1 lowered as staleness grows); see docs: "
         "policies.md",
         _TRAIN,
         type=policy_text,

@@ -95,6 +95,19 @@ def _gather_fn(variable: keras.Variable) -> tf.types.experimental.ConcreteFuncti
     return gather.get_concrete_function()
 
 
+def _momentum_variable(optimizer: keras.optimizers.Optimizer) -> tf.Variable | None:
+    """Make a Keras 3 optimizer's ``beta_1`` (a Python float, baked into a traced step as a
+    constant) a float32 variable that the step reads on every call, so ``set_momentum`` can
+    change it without a retrace; None for an optimizer without ``beta_1``. A plain
+    ``tf.Variable``, not a Keras one: it stays out of ``optimizer.variables`` (checkpoints)."""
+    beta_1 = getattr(optimizer, "beta_1", None)
+    if not isinstance(beta_1, float):
+        return None
+    var = tf.Variable(beta_1, trainable=False, dtype=tf.float32, name="beta_1")
+    optimizer.beta_1 = var
+    return var
+
+
 class ParameterState:
     """Owns the model's variables and applies gradient lists to them, one version at a time.
 
@@ -170,6 +183,7 @@ class ParameterState:
         self.optimizer = make_optimizer(optimizer, learning_rate)
         # row-sparse tables updated row-wise here (downpour.server.rows), the rest by Keras
         self.row_wise = [s and optimizer in ROW_WISE for s in self.sparse]
+        self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
         self.optimizer.build(self.variables)
         self.version = 0
         self.apply_traces = 0
@@ -269,6 +283,16 @@ class ParameterState:
             if self._snap[i] is None:
                 self._snap[i] = self.variables[i].numpy()
         return self._snap
+
+    def set_momentum(self, beta_1: float) -> bool:
+        """Use ``beta_1`` as the optimizer's momentum from the next apply on (the
+        ``momentum-aware`` policy); False if the optimizer has none (sgd, adagrad). The traced
+        step reads the variable, so nothing is retraced; it is assigned only when it changes."""
+        if self.momentum is None:
+            return False
+        if float(self.momentum.numpy()) != np.float32(beta_1):
+            self.momentum.assign(beta_1)
+        return True
 
     def weights(self) -> tuple[int, list[np.ndarray]]:
         """(version, arrays) — one snapshot per version, shared by every pull of it. O(model):

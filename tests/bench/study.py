@@ -1,11 +1,15 @@
 """``make study``: staleness policies and gradient compression, trained to 96 % on MNIST-5k.
 
 For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
-``bounded:2``, ``ssp:2``, ``sync:K/N`` with K = N - N//4) and every compression (``none``, ``bf16``,
-``topk:0.01``): the applied updates, gradients and time to reach 96 % held-out accuracy on
-the fixed MNIST-5k split (4,000 train / 1,000 held out, ``downpour.data.load_mnist_5k``), or
-the accuracy reached within a cap. Writes ``study-results.json``, ``study.md`` (the tables)
-and PNG curves into ``--out`` (default ``runs/study``).
+``bounded:2``, ``ssp:2``, ``sync:K/N`` with K = N - N//4, ``dc-a:2``, ``gap-aware``,
+``momentum-aware``) and every compression (``none``, ``bf16``, ``topk:0.01``; the last three
+policies without compression only): the applied updates, gradients and simulated time to
+reach 96 % held-out accuracy on the fixed MNIST-5k split (4,000 train / 1,000 held out,
+``downpour.data.load_mnist_5k``), or the accuracy reached within a cap, and the wall-clock
+speed-up over 1 worker. Writes ``study-results.json`` (top-level ``runs``: every run with
+``workers``, ``policy``, ``compress``, ``sim_seconds_to_target``, ``speedup`` = 1 worker's
+simulated seconds over the run's and ``gradients_vs_1w``), ``study.md`` (the tables) and PNG
+plots into ``--out`` (default ``runs/study``).
 
 How 8 workers run on 2 cores: a deterministic event simulation in one process per run,
 built from the classes the real services use. The server is a real ``ParameterState``
@@ -112,13 +116,17 @@ class Plan:
     max_updates: int
     max_gradients: int
     baseline_updates: int
-    lr_variants: tuple[float, ...]  # extra staleness-aware runs at the largest worker count
+    lr_variants: tuple[float, ...]  # extra runs of lr_variant_policy at the largest worker count
     cross_check: tuple[tuple[int, str], ...]  # real processes: (workers, policy)
     cross_check_updates: int
     jobs: int
     lr: float = 1e-3
     bounded_k: int = 2
     ssp_k: int = 2
+    dc: str = "dc-a:2"  # the delay-compensation policy of the grid's "dc" kind
+    # kinds run without compression only (the compression rows compare the older kinds)
+    uncompressed_only: tuple[str, ...] = ("dc", "gap-aware", "momentum-aware")
+    lr_variant_policy: str = "staleness-aware"
 
 
 PLANS = {
@@ -126,7 +134,7 @@ PLANS = {
         "full",
         (1, 2, 4, 8),
         ("none", "bf16", "topk:0.01"),
-        ("async", "staleness-aware", "bounded", "ssp", "sync"),
+        ("async", "staleness-aware", "bounded", "ssp", "sync", "dc", "gap-aware", "momentum-aware"),
         0.96,
         20,
         1500,
@@ -140,17 +148,18 @@ PLANS = {
     "quick": Plan(
         "quick",
         (1, 8),
-        ("none", "topk:0.01"),
-        ("async", "staleness-aware", "bounded", "ssp", "sync"),
+        ("none",),
+        ("async", "staleness-aware", "bounded", "ssp", "sync", "dc", "gap-aware", "momentum-aware"),
         0.96,
         25,
         800,
         1600,
         400,
-        (),
-        ((2, "async"),),
+        (5e-4,),
+        ((1, "async"), (2, "momentum-aware")),
         500,
         2,
+        lr_variant_policy="momentum-aware",
     ),
     "smoke": Plan(
         "smoke",
@@ -178,6 +187,8 @@ def policy_for(kind: str, workers: int, plan: Plan) -> str:
         return f"ssp:{plan.ssp_k}"
     if kind == "sync":
         return f"sync:{workers - workers // 4}/{workers}"
+    if kind == "dc":
+        return plan.dc
     return kind
 
 
@@ -353,9 +364,13 @@ def simulate(job: Job) -> dict[str, Any]:
         msg = wire.decode(frames, limits)
         grads = [wire.densify(g) for g in msg.tensors.values()]
         begin = max(t, server_free)
+        if policy.wants_weights:  # as the server's handler: dc, gap-aware
+            policy.observe(state.version, state.weights()[1])
         d = policy.offer(grads, msg.base_version, state.version, msg.sender)
         if d.action == APPLY:
             assert d.grads is not None
+            if d.momentum is not None:  # as the server's apply_decision: momentum-aware
+                state.set_momentum(d.momentum)
             state.apply(d.grads, d.lr_scale)
             staleness.append(d.staleness)
             server_free = begin + job.apply_units
@@ -447,6 +462,8 @@ def jobs_for(plan: Plan, costs: dict[str, float]) -> list[Job]:
                 )
                 continue
             for kind in plan.policy_kinds:
+                if c != "none" and kind in plan.uncompressed_only:
+                    continue
                 out.append(
                     Job(
                         w,
@@ -464,7 +481,7 @@ def jobs_for(plan: Plan, costs: dict[str, float]) -> list[Job]:
         out.append(
             Job(
                 top,
-                "staleness-aware",
+                plan.lr_variant_policy,
                 "none",
                 lr,
                 True,
@@ -595,6 +612,46 @@ def _fmt(v: Any, nd: int = 3) -> str:
     return str(v)
 
 
+ASYNC_FAMILY_EXCLUDES = ("sync",)  # the kinds reported beside the target, not for it
+SPEEDUP_TARGET = 5.0  # 8 workers: at most 1/5 of 1 worker's simulated time to the target
+GRADIENTS_CAP = 1.5  # ... with at most 1.5x the gradients 1 worker computes
+
+
+def add_speedups(runs: list[dict[str, Any]], cross: list[dict[str, Any]]) -> None:
+    """Every run gets ``speedup`` (1 worker's simulated seconds to the target over this
+    run's, same compression) and ``gradients_vs_1w`` (gradients to the target over 1
+    worker's); None where either run missed the target. Cross-check runs get ``speedup``
+    from their seconds to the target against the 1-worker process run."""
+    base = {
+        r["compress"]: r
+        for r in runs
+        if "error" not in r and r["workers"] == 1 and not r.get("variant") and r["reached"]
+    }
+    for r in runs:
+        if "error" in r:
+            continue
+        b = base.get(r["compress"])
+        ok = b is not None and r["reached"] and r["sim_seconds_to_target"]
+        r["speedup"] = (
+            round(b["sim_seconds_to_target"] / r["sim_seconds_to_target"], 3) if ok else None
+        )
+        r["gradients_vs_1w"] = (
+            round(r["gradients_to_target"] / b["gradients_to_target"], 3) if ok else None
+        )
+    one = next((r for r in cross if "error" not in r and r["workers"] == 1 and r["reached"]), None)
+    for r in cross:
+        if "error" in r:
+            continue
+        ok = one is not None and r["reached"] and r["seconds_to_target"]
+        r["speedup"] = round(one["seconds_to_target"] / r["seconds_to_target"], 3) if ok else None
+
+
+def kind_of(policy: str) -> str:
+    """The grid's kind of a policy text (``bounded:2`` -> ``bounded``, ``dc-a:2`` -> ``dc``)."""
+    head = policy.split(":")[0]
+    return "dc" if head in ("dc", "dc-a") else head
+
+
 def summarise(plan: Plan, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The headline figures: the 8-worker target and the compression deltas."""
     ok = [r for r in runs if "error" not in r and not r.get("variant")]
@@ -620,8 +677,31 @@ def summarise(plan: Plan, runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{key}_updates_ratio"] = None
     if base:
         out["1w_updates_to_target"] = base["updates_to_target"]
-    ratio = out.get(f"{top}w_staleness-aware_updates_ratio")
-    out["target_met"] = bool(ratio is not None and ratio <= 1.25 and top == 8)
+    speedups: dict[str, dict[str, float | None]] = {}
+    for r in ok:
+        if r["compress"] == "none" and r["workers"] > 1:
+            speedups.setdefault(r["policy"], {})[str(r["workers"])] = r.get("speedup")
+    out["speedup_none"] = speedups
+    family = [
+        r
+        for r in ok
+        if r["workers"] == top
+        and r["compress"] == "none"
+        and kind_of(r["policy"]) not in ASYNC_FAMILY_EXCLUDES
+        and r.get("speedup")
+    ]
+    eligible = [r for r in family if r["gradients_vs_1w"] <= GRADIENTS_CAP]
+    best = max(eligible or family, key=lambda r: r["speedup"], default=None)
+    if best is not None:
+        out[f"{top}w_best_async_family"] = {
+            k: best[k] for k in ("policy", "speedup", "gradients_vs_1w", "sim_seconds_to_target")
+        }
+    out["target_met"] = bool(
+        top == 8
+        and best is not None
+        and best["speedup"] >= SPEEDUP_TARGET
+        and best["gradients_vs_1w"] <= GRADIENTS_CAP
+    )
     for c in plan.compressions:
         r = find(1, "async", c)
         if r and base and c != "none":
@@ -634,7 +714,7 @@ def summarise(plan: Plan, runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{tag}_1w_updates_to_target"] = r["updates_to_target"]
     variants = [r for r in runs if r.get("variant") == "lr" and "error" not in r]
     if variants and base and base["updates_to_target"]:
-        out["staleness_aware_lr_variants"] = {
+        out[f"{plan.lr_variant_policy}_lr_variants"] = {
             f"{r['lr']:g}": (
                 round(r["updates_to_target"] / base["updates_to_target"], 3)
                 if r["reached"]
@@ -643,6 +723,44 @@ def summarise(plan: Plan, runs: list[dict[str, Any]]) -> dict[str, Any]:
             for r in sorted(variants, key=lambda r: r["lr"])
         }
     return out
+
+
+def speedup_table(plan: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per policy (rows) and worker count (columns), no compression, the
+    simulated seconds to the target, the speed-up over 1 worker and the gradients x 1w."""
+    sims = [r for r in runs if r["kind"] == "simulated" and not r.get("variant")]
+    base = next((r for r in sims if r["workers"] == 1 and r["compress"] == "none"), None)
+    if base is None:
+        return []
+    ws = [w for w in plan["workers"] if w > 1]
+    lines = [
+        "",
+        "Wall-clock speed-up, no compression: simulated seconds to "
+        f"{plan['target']:.0%} (speed-up over 1 worker's "
+        f"{_fmt(base['sim_seconds_to_target'], 1)} s, gradients x 1 worker's "
+        f"{_fmt(base['gradients_to_target'])}); — = not reached:",
+        "",
+        "| policy | " + " | ".join(f"{w} workers" for w in ws) + " |",
+        "|---|" + "---:|" * len(ws),
+    ]
+    for kind in plan["policy_kinds"]:
+        cells = []
+        for w in ws:
+            pol = policy_for_text(kind, w, plan)
+            r = next(
+                (r for r in sims if (r["workers"], r["policy"], r["compress"]) == (w, pol, "none")),
+                None,
+            )
+            if r is None or not r.get("speedup"):
+                cells.append("—")
+            else:
+                cells.append(
+                    f"{r['sim_seconds_to_target']:.1f} s ({r['speedup']:.1f}x, "
+                    f"{r['gradients_vs_1w']:.2f}x grads)"
+                )
+        label = "sync:K/N (K = N - N//4)" if kind == "sync" else policy_for_text(kind, 8, plan)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_markdown(doc: dict[str, Any], path: Path) -> None:
@@ -668,8 +786,9 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         f"{plan['max_updates']} updates / {plan['max_gradients']} gradients.",
         "",
         "| workers | policy | compress | updates to target | x 1 worker (same compress) | "
-        "gradients | sim. s | staleness mean/max | dropped/late | final acc | bytes raw/sent |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "gradients | sim. s | speed-up | gradients x 1w | staleness mean/max | dropped/late | "
+        "final acc | bytes raw/sent |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(
         (r for r in runs if r["kind"] == "simulated" and not r.get("variant")),
@@ -687,20 +806,23 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
             f"| {r['workers']} | {pol} | {r['compress']} | "
             f"{_fmt(r['updates_to_target']) if r['reached'] else 'not reached'} | "
             f"{_fmt(ratio, 2)} | {_fmt(r['gradients_to_target'] or r['gradients'])} | "
-            f"{_fmt(r['sim_seconds_to_target'], 1)} | "
+            f"{_fmt(r['sim_seconds_to_target'], 1)} | {_fmt(r.get('speedup'), 2)} | "
+            f"{_fmt(r.get('gradients_vs_1w'), 2)} | "
             f"{r['staleness_mean']:.1f}/{r['staleness_max']} | "
             f"{c['dropped_stale']}/{c['late']} | {r['final_accuracy']:.3f} | "
             f"{_fmt(r['bytes_ratio'], 1)}x |"
         )
+    lines += speedup_table(plan, runs)
     variants = [r for r in runs if r.get("variant") == "lr"]
     if variants:
         lines += [
             "",
-            "Staleness-aware with a larger base learning rate "
+            f"{plan.get('lr_variant_policy', 'staleness-aware')} with another base learning rate "
             f"({max(plan['workers'])} workers, no compression):",
             "",
-            "| base lr | updates to target | x 1 worker | final acc |",
-            "|---:|---:|---:|---:|",
+            "| base lr | updates to target | x 1 worker | sim. s | speed-up | gradients x 1w | "
+            "final acc |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         b = base.get("none")
         for r in sorted(variants, key=lambda r: r["lr"]):
@@ -711,7 +833,9 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
             )
             lines.append(
                 f"| {r['lr']:g} | {_fmt(r['updates_to_target']) if r['reached'] else 'not reached'}"
-                f" | {_fmt(ratio, 2)} | {r['final_accuracy']:.3f} |"
+                f" | {_fmt(ratio, 2)} | {_fmt(r['sim_seconds_to_target'], 1)} | "
+                f"{_fmt(r.get('speedup'), 2)} | {_fmt(r.get('gradients_vs_1w'), 2)} | "
+                f"{r['final_accuracy']:.3f} |"
             )
     cross = doc.get("cross_check") or []
     if cross:
@@ -720,27 +844,40 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
             "Cross-check with real processes (`downpour server --eval-every` and `downpour "
             "worker` processes sharing the 2 cores; seconds from starting the workers):",
             "",
-            "| workers | policy | updates to target | seconds to target | staleness mean/max | "
-            "final acc |",
-            "|---:|---|---:|---:|---:|---:|",
+            "| workers | policy | updates to target | seconds to target | speed-up | "
+            "staleness mean/max | final acc |",
+            "|---:|---|---:|---:|---:|---:|---:|",
         ]
         for r in cross:
             if "error" in r:
-                lines.append(f"| {r['workers']} | {r['policy']} | error: {r['error']} | | | |")
+                lines.append(f"| {r['workers']} | {r['policy']} | error: {r['error']} | | | | |")
                 continue
             lines.append(
                 f"| {r['workers']} | {r['policy']} | "
                 f"{_fmt(r['updates_to_target']) if r['reached'] else 'not reached'} | "
-                f"{_fmt(r['seconds_to_target'], 1)} | {r['staleness_mean']:.1f}/"
+                f"{_fmt(r['seconds_to_target'], 1)} | {_fmt(r.get('speedup'), 2)} | "
+                f"{r['staleness_mean']:.1f}/"
                 f"{_fmt(r['staleness_max'])} | {_fmt(r['final_accuracy'])} |"
             )
     lines += ["", "Headline figures:", "", "```", json.dumps(doc["summary"], indent=2), "```", ""]
     path.write_text("\n".join(lines))
 
 
+COLORS = {
+    "async": "C0",
+    "staleness-aware": "C1",
+    "bounded": "C2",
+    "sync": "C3",
+    "ssp": "C4",
+    "dc": "C5",
+    "gap-aware": "C6",
+    "momentum-aware": "C7",
+}
+
+
 def plot(doc: dict[str, Any], out: Path) -> list[str]:
     """study-curves.png (accuracy vs applied updates: a panel per compression and worker
-    count, a line per policy) and study-updates.png (updates to the target)."""
+    count, a line per policy) and study-speedup.png (speed-up over 1 worker per policy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -750,7 +887,7 @@ def plot(doc: dict[str, Any], out: Path) -> list[str]:
     runs = [r for r in doc["runs"] if "error" not in r and not r.get("variant")]
     ws, cs = plan["workers"], plan["compressions"]
     kinds = plan["policy_kinds"]
-    colors = {"async": "C0", "staleness-aware": "C1", "bounded": "C2", "sync": "C3", "ssp": "C4"}
+    colors = COLORS
     fig, axes = plt.subplots(
         len(cs), len(ws), figsize=(4 * len(ws), 3.2 * len(cs)), squeeze=False, sharey=True
     )
@@ -816,15 +953,16 @@ def plot(doc: dict[str, Any], out: Path) -> list[str]:
                 None,
             )
             xs.append(i + (k - (len(kinds) - 1) / 2) * width)
-            ys.append(r["updates_to_target"] if r and r["reached"] else 0)
+            ys.append(r.get("speedup") or 0.0 if r else 0.0)
         ax.bar(xs, ys, width, color=colors[kind], label=kind)
+    ax.axhline(SPEEDUP_TARGET, color="k", lw=0.6, ls="--")
     ax.set_xticks(range(len(ws)), [f"{w} worker{'s' if w > 1 else ''}" for w in ws])
-    ax.set_ylabel(f"applied updates to {plan['target']:.0%}\n(0 = not reached)")
-    ax.set_title("updates to the target, no compression", fontsize=10)
+    ax.set_ylabel(f"speed-up to {plan['target']:.0%} over 1 worker\n(simulated; 0 = not reached)")
+    ax.set_title("wall-clock speed-up (simulated), no compression; dashed: 5x", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    bars = out / "study-updates.png"
+    bars = out / "study-speedup.png"
     fig.savefig(bars, dpi=110)
     plt.close(fig)
     return [curves.name, bars.name]
@@ -838,6 +976,8 @@ def policy_for_text(kind: str, workers: int, plan: dict[str, Any]) -> str:
         return f"ssp:{plan.get('ssp_k', 2)}"
     if kind == "sync":
         return f"sync:{workers - workers // 4}/{workers}"
+    if kind == "dc":
+        return plan.get("dc", "dc-a:2")
     return kind
 
 
@@ -852,7 +992,17 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--smoke", action="store_true", help="a reduced grid in under a minute")
     p.add_argument("--out", default="runs/study", help="output directory")
     p.add_argument("--jobs", type=int, help="runs at a time (default: the plan's)")
+    p.add_argument("--workers", help="worker counts instead of the plan's, e.g. 1,2,4,8")
+    p.add_argument("--compressions", help="compressions instead of the plan's, e.g. none,bf16")
+    p.add_argument("--kinds", help="policy kinds instead of the plan's, e.g. async,dc")
     p.add_argument("--no-cross-check", action="store_true", help="skip the real-process runs")
+    p.add_argument(
+        "--costs",
+        metavar="GRAD_MS,APPLY_MS",
+        help="use these costs of one gradient and one apply (e.g. measured on an idle machine) "
+        "instead of measuring them now: a loaded machine inflates the apply's share, and the "
+        "simulated server queue with it",
+    )
     p.add_argument(
         "--render", metavar="JSON", help="only rewrite study.md and the PNGs from a results file"
     )
@@ -867,6 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = PLANS["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.jobs:
         plan = Plan(**{**asdict(plan), "jobs": args.jobs})
+    if args.workers:
+        plan = Plan(**{**asdict(plan), "workers": tuple(int(w) for w in args.workers.split(","))})
+    if args.compressions:
+        plan = Plan(**{**asdict(plan), "compressions": tuple(args.compressions.split(","))})
+    if args.kinds:
+        plan = Plan(**{**asdict(plan), "policy_kinds": tuple(args.kinds.split(","))})
+    if 1 not in plan.workers:
+        p.error("--workers must include 1 (the speed-up is over 1 worker)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -876,6 +1034,16 @@ def main(argv: list[str] | None = None) -> int:
     host = machine()  # its load average now, before the runs load the machine
     log(f"plan {plan.name}: measuring the costs of one gradient and one apply")
     costs = measure_costs()
+    if args.costs:
+        grad_ms, apply_ms = (float(x) for x in args.costs.split(","))
+        costs = {
+            "grad_ms": grad_ms,
+            "apply_ms": apply_ms,
+            "apply_units": round(apply_ms / grad_ms, 2),
+            "grad_s": grad_ms / 1e3,
+            "given": True,
+            "measured_now": costs,
+        }
     ctx = _context()
     n_params = sum(int(v.numpy().size) for v in ctx.model.trainable_variables)
     log(f"costs {costs}")
@@ -894,6 +1062,18 @@ def main(argv: list[str] | None = None) -> int:
             log(f"cross-check {w}w {pol}: { {k: r.get(k) for k in keys} }")
             cross.append(r)
     command = "make study" + {"quick": " QUICK=1", "smoke": " (smoke)", "full": ""}[plan.name]
+    overrides = [
+        f"--{k} {v}"
+        for k, v in (
+            ("workers", args.workers),
+            ("compressions", args.compressions),
+            ("kinds", args.kinds),
+            ("costs", args.costs),
+        )
+        if v
+    ]
+    if overrides:
+        command += f" ARGS='{' '.join(overrides)}'"
     doc: dict[str, Any] = {
         "study": "staleness policies and gradient compression",
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -906,6 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "cross_check": cross,
     }
+    add_speedups(runs, cross)
     doc["summary"] = summarise(plan, runs)
     doc["total_seconds"] = round(time.monotonic() - started, 1)
     doc["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
