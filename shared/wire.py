@@ -326,12 +326,19 @@ WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may c
 
 
 def all_finite(a: np.ndarray) -> bool:
-    """True if no NaN/Inf; a sum catches both in one pass, overflow falls back to a scan.
-    The server checks every gradient with it; a top-k worker keeps bad ones out of residuals."""
+    """True if no NaN/Inf. One read-only pass catches both: for float32/float64 the dot
+    product of the values with themselves (BLAS, about twice as fast as a sum; every term is
+    non-negative, so an Inf cannot cancel), else a sum; a finite result proves every value
+    finite, and an overflow falls back to a scan. The server checks every gradient with it;
+    a top-k worker keeps bad ones out of residuals."""
     if a.dtype.kind not in "fc" or a.size == 0:
         return True
     with np.errstate(all="ignore"):
-        if np.isfinite(a.sum()):
+        if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
+            flat = a.reshape(-1)
+            if np.isfinite(np.dot(flat, flat)):
+                return True
+        elif np.isfinite(a.sum()):
             return True
     return bool(np.isfinite(a).all())
 

@@ -55,6 +55,7 @@ from downpour.wire import (
     Message,
     ProtocolError,
     Sparse,
+    all_finite,
     decode,
     encode,
     error_message,
@@ -1423,3 +1424,23 @@ def test_message_types_constants() -> None:
     assert {HELLO, PULL, WEIGHTS, PUSH, STATUS, ERROR} <= MSG_TYPES
     for t in MSG_TYPES:
         assert roundtrip(Message(t)).type == t
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "complex64"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 777, -1])
+def test_all_finite_finds_one_bad_value_anywhere(dtype: str, bad: float, where: int) -> None:
+    a = np.random.default_rng(0).standard_normal((40, 50)).astype(dtype)
+    assert all_finite(a)
+    a.reshape(-1)[where] = bad
+    assert not all_finite(a)
+    assert not all_finite(a[:, ::-1]) and not all_finite(a.T)  # non-contiguous views too
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_all_finite_accepts_huge_finite_values(dtype: str) -> None:
+    """Values whose squares or sum overflow are still finite gradients."""
+    big = np.finfo(dtype).max
+    a = np.array([big, big, -big, 1.0], dtype=dtype)
+    assert all_finite(a)
+    assert all_finite(np.zeros(0, dtype)) and all_finite(np.arange(5))

@@ -2,19 +2,29 @@
 
     .venv/bin/python tests/bench/bench.py [--quick | --smoke] [--out bench-results.json]
 
-Six sections on the default Deep-MNIST model (13.1 MB of float32 parameters), each with
+Ten sections on the default Deep-MNIST model (13.1 MB of float32 parameters), each with
 warm-up and the median of several repetitions, the compared variants interleaved or run
 back to back so that machine noise hits them alike (ratios, not absolute times, are the
-result):
+result). Sections marked *pinned* emulate separate hosts: each process on its own core
+(worker side core 0, server side core 1), TensorFlow's thread pools sized to it:
 
 1. wire: np.copyto of the gradient list against encode -> ZeroMQ tcp://127.0.0.1 -> decode
 2. seed gradients: one compiled evaluation per variable against the one-pass GradientStep
 3. server: bare ParameterState.apply (XLA and graph) against a real server under a flood;
    the apply time against the memory-traffic floor; pull latency during the flood
-4. end to end: steps/s of local training, 1 and 2 downpour workers, TF ParameterServerStrategy
-5. shards: update capacity (applies/s, synthetic pushers) of 1 shard and of 2 shards
-6. input: steps/s of the worker's gradient step fed by the TFRecord example's input_fn
+4. server, pinned: the server on core 1 flooded from core 0 against the bare apply and a
+   memcpy on core 1 (``server.pinned_*``)
+5. end to end: steps/s of local training, 1 and 2 downpour workers, TF ParameterServerStrategy
+6. end to end, pinned: local and the bare gradient step on core 0, downpour and TF PSS with
+   the worker on core 0 and the server / PS on core 1 (``end_to_end.pinned``)
+7. shards: update capacity (applies/s, synthetic pushers) of 1 shard and of 2 shards
+8. input: steps/s of the worker's gradient step fed by the TFRecord example's input_fn
    against the same step fed by in-memory arrays
+9. goodput, pinned: MB/s of pushes, pulls and both through downpour's wire and sockets
+   against raw pyzmq multipart of the same bytes, 1 MB and 13.1 MB messages
+10. shaped link: steps/s of a worker and a server in two network namespaces joined by a
+    1 Gbit/s tbf-shaped link, float32, bf16 and top-k 1 % (skipped, with the reason, where
+    namespaces cannot be made)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
 Modes: full (default, < 15 min), ``--quick`` (< 3 min), ``--smoke`` (one repetition, a few
@@ -40,7 +50,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling bench modules
 
 import bench_e2e  # noqa: E402
+import bench_goodput  # noqa: E402
 import bench_input  # noqa: E402
+import bench_link  # noqa: E402
+import bench_pinned  # noqa: E402
 import bench_seed  # noqa: E402
 import bench_server  # noqa: E402
 import bench_shards  # noqa: E402
@@ -63,6 +76,8 @@ REQUIRED: dict[str, list[str]] = {
         "apply_floor_ms",
         "pull_p50_ms",
         "pull_p99_ms",
+        "pinned_ratio",
+        "pinned_overhead_memcpys",
     ],
     "end_to_end": [
         "local_steps_per_s",
@@ -73,9 +88,30 @@ REQUIRED: dict[str, list[str]] = {
         "ratio_1w_vs_local",
         "ratio_1w_vs_tf_pss",
     ],
+    "end_to_end.pinned": [
+        "local_steps_per_s",
+        "grad_only_steps_per_s",
+        "downpour_1w_steps_per_s",
+        "tf_pss_1w_steps_per_s",
+        "ratio_1w_vs_local",
+        "ratio_1w_vs_tf_pss",
+        "ratio_to_limit",
+        "overhead_vs_tf_pss",
+    ],
     "shards": ["one_shard_applies_per_s", "two_shards_applies_per_s", "ratio_two_vs_one"],
     "input": ["memory_steps_per_s", "tfrecord_steps_per_s", "tfrecord_vs_memory"],
+    "goodput": ["push_ratio_to_raw", "pull_ratio_to_raw", "pushpull_ratio_to_raw"],
+    # a section that reports {"skipped": reason} (no namespaces here) is exempt
+    "link_1gbit": ["dense_steps_per_s", "bf16_steps_per_s", "topk_steps_per_s"],
 }
+
+
+def section(r: dict[str, Any], path: str) -> dict[str, Any]:
+    """The sub-document at a dotted ``path`` ("end_to_end.pinned"); {} when absent."""
+    doc: Any = r
+    for part in path.split("."):
+        doc = doc.get(part, {}) if isinstance(doc, dict) else {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,6 +136,14 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         # --compress bf16; end to end --compress bf16 and --pull-compress bf16 (full plan only)
         ("wire ratio_to_memcpy, bf16", w["bf16_ratio_to_memcpy"], "<=", 3.0),
         ("input tfrecord_vs_memory", r["input"]["tfrecord_vs_memory"], ">=", 0.95),
+        # emulated hosts: every process on its own core
+        ("pinned ratio_to_limit", e["pinned"]["ratio_to_limit"], ">=", 0.95),
+        ("pinned ratio_1w_vs_local", e["pinned"]["ratio_1w_vs_local"], ">=", 1.15),
+        ("pinned overhead_vs_tf_pss", e["pinned"]["overhead_vs_tf_pss"], "<=", 0.5),
+        ("server pinned_overhead_memcpys", v["pinned_overhead_memcpys"], "<=", 2.0),
+        ("goodput push_ratio_to_raw", r["goodput"]["push_ratio_to_raw"], ">=", 0.90),
+        ("goodput pull_ratio_to_raw", r["goodput"]["pull_ratio_to_raw"], ">=", 0.90),
+        ("goodput pushpull_ratio_to_raw", r["goodput"]["pushpull_ratio_to_raw"], ">=", 0.90),
     ]
     if "ratio_1w_bf16_vs_local" in e:
         rows += [
@@ -131,6 +175,56 @@ def _bf16_rows(e: dict[str, Any]) -> list[str]:
         f"({e['ratio_1w_curve_bf16_vs_plain']:.2f}x plaintext uncompressed, "
         f"{e['ratio_1w_curve_bf16_vs_bf16']:.2f}x plaintext with bf16) |",
     ]
+
+
+def _pinned_rows(r: dict[str, Any]) -> list[str]:
+    """The emulated-host rows: server and end to end pinned, goodput, the shaped link."""
+    v, p, g, link = r["server"], r["end_to_end"]["pinned"], r["goodput"], r["link_1gbit"]
+    big = max(g["sizes_mb"], key=g["sizes_mb"].__getitem__)
+    rows = [
+        f"| server, pinned | server on core 1, pushers on core 0 | "
+        f"{v['pinned_server_apply_per_s']:.1f} applies/s ({v['pinned_ratio']:.2f}x the bare "
+        f"apply's {v['pinned_bare_apply_per_s']:.1f}/s on core 1) |",
+        f"| server, pinned | **overhead per apply, in memcpys of the gradient list** | "
+        f"**{v['pinned_overhead_memcpys']:.2f}** ({v['pinned_overhead_ms']:.2f} ms over "
+        f"{v['pinned_apply_ms']:.2f} ms apply; memcpy {v['pinned_memcpy_ms']:.2f} ms) |",
+        f"| e2e, pinned | local training on core 0 (faster of Keras Adam "
+        f"{p['local_keras_adam_steps_per_s']:.2f}, fused x{p['local_fused_steps_per_call']} "
+        f"{p['local_fused_steps_per_s']:.2f}) | {p['local_steps_per_s']:.2f} steps/s |",
+        f"| e2e, pinned | gradient step alone on core 0 (the limit) | "
+        f"{p['grad_only_steps_per_s']:.2f} steps/s |",
+        f"| e2e, pinned | downpour worker core 0, server core 1 | "
+        f"{p['downpour_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e, pinned | TF PSS worker core 0, PS + coordinator core 1 (best: "
+        f"{p['tf_pss_best']}; "
+        + ", ".join(f"{k} {x:.2f}" for k, x in p["tf_pss_variants_steps_per_s"].items())
+        + f") | {p['tf_pss_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e, pinned | **downpour / limit; / local; / TF PSS** | "
+        f"**{p['ratio_to_limit']:.2f}; {p['ratio_1w_vs_local']:.2f}; "
+        f"{p['ratio_1w_vs_tf_pss']:.2f}** |",
+        f"| e2e, pinned | **overhead per step beyond the gradient step, downpour / TF PSS** | "
+        f"**{p['overhead_vs_tf_pss']:.2f}** ({p['overhead_ms']['downpour']:.1f} / "
+        f"{p['overhead_ms']['tf_pss']:.1f} ms) |",
+    ]
+    for op in ("push", "pull", "pushpull"):
+        per_size = ", ".join(
+            f"{n}: {g[f'{op}_{n}_mb_per_s']:.0f} vs {g[f'{op}_{n}_raw_mb_per_s']:.0f} MB/s"
+            for n in g["sizes_mb"]
+        )
+        rows.append(
+            f"| goodput, pinned | {op}, downpour vs raw pyzmq ({per_size}; "
+            f"{g[f'{op}_ratio_to_memcpy_per_size'][big]:.2f}x memcpy at {big}) | "
+            f"**{g[f'{op}_ratio_to_raw']:.2f}** (worse size) |"
+        )
+    if "skipped" in link:
+        rows.append(f"| link 1 Gbit/s | skipped | {link['skipped']} |")
+    else:
+        rows.append(
+            f"| link 1 Gbit/s | worker and server in two namespaces, tbf {link['rate']}: "
+            f"float32 / bf16 both ways / top-k 1 % | {link['dense_steps_per_s']:.2f} / "
+            f"{link['bf16_steps_per_s']:.2f} / {link['topk_steps_per_s']:.2f} steps/s |"
+        )
+    return rows
 
 
 def table(r: dict[str, Any]) -> str:
@@ -207,6 +301,7 @@ def table(r: dict[str, Any]) -> str:
         f"{r['input']['tfrecord_steps_per_s']:.2f} steps/s |",
         f"| input | **TFRecord / memory** | **{r['input']['tfrecord_vs_memory']:.2f}** "
         f"(per round: {_fmt_list(r['input']['tfrecord_vs_memory_per_round'])}) |",
+        *_pinned_rows(r),
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -222,16 +317,19 @@ def table(r: dict[str, Any]) -> str:
 def check(r: dict[str, Any]) -> list[str]:
     """Required keys missing or not finite positive numbers (empty when all are fine)."""
     bad = [k for k in ("date", "machine") if k not in r]
-    for section, keys in REQUIRED.items():
+    for path, keys in REQUIRED.items():
+        doc = section(r, path)
+        if isinstance(doc.get("skipped"), str) and doc["skipped"]:
+            continue  # the section says why it could not run here
         for k in keys:
-            x = r.get(section, {}).get(k)
+            x = doc.get(k)
             if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
-                bad.append(f"{section}.{k}={x!r}")
+                bad.append(f"{path}.{k}={x!r}")
     return bad
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
-    """All six sections under ``plan``; child process logs go to ``logdir``."""
+    """All ten sections under ``plan``; child process logs go to ``logdir``."""
     t_start = time.monotonic()
     spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
@@ -250,7 +348,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     timings = {}
     with Procs(logdir) as procs:
         t = time.monotonic()
-        log("[1/6] wire")
+        log("[1/10] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
         w = result["wire"]
         result["wire_curve"] = {  # measured interleaved with the plaintext push above
@@ -262,25 +360,41 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
-        log("[2/6] seed gradients")
+        log("[2/10] seed gradients")
         result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
         timings["seed_gradients"] = time.monotonic() - t
         t = time.monotonic()
-        log("[3/6] server")
+        log("[3/10] server")
         result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
         timings["server"] = time.monotonic() - t
         t = time.monotonic()
-        log("[4/6] end to end")
+        log("[4/10] server, pinned")
+        result["server"].update(bench_pinned.server(plan, procs))
+        timings["server_pinned"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[5/10] end to end")
         result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
         t = time.monotonic()
-        log("[5/6] shards")
+        log("[6/10] end to end, pinned")
+        result["end_to_end"]["pinned"] = bench_pinned.end_to_end(plan, procs)
+        timings["end_to_end_pinned"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[7/10] shards")
         result["shards"] = bench_shards.run(plan, procs, names, grads)
         timings["shards"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/6] input")
+        log("[8/10] input")
         result["input"] = bench_input.run(plan, spec, data)
         timings["input"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[9/10] goodput")
+        result["goodput"] = bench_goodput.run(plan, procs, shapes)
+        timings["goodput"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[10/10] shaped link")
+        result["link_1gbit"] = bench_link.run(plan, procs)
+        timings["link_1gbit"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}

@@ -108,13 +108,20 @@ def _summary(out: Path) -> dict[str, Any] | None:
 
 
 def downpour(
-    plan: Plan, procs: Procs, n_workers: int, curve: bool = False, bf16: bool = False
+    plan: Plan,
+    procs: Procs,
+    n_workers: int,
+    curve: bool = False,
+    bf16: bool = False,
+    server_cpus: list[int] | None = None,
+    worker_cpus: list[int] | None = None,
 ) -> dict[str, Any]:
     """Aggregate steps/s of ``n_workers`` downpour workers against one server.
 
     ``curve``: keys generated for the run, every socket encrypted and authenticated.
     ``bf16``: the workers run with ``--compress bf16 --pull-compress bf16`` (half the bytes of
-    every push and every pull).
+    every push and every pull). ``server_cpus`` / ``worker_cpus``: the cores each process is
+    pinned to (emulated hosts); None leaves them free.
     """
     port = free_port()  # workers start with the server and retry until it answers
     ids = [f"bench-w{i}" for i in range(n_workers)]
@@ -129,7 +136,9 @@ def downpour(
             key_dir / security.SERVER_PUBLIC,
         )
     tag = f"server-{n_workers}w" + ("-curve" if curve else "") + ("-bf16" if bf16 else "")
-    server, pending = start_server(procs, tag, port=port, wait=False, extra=server_extra)
+    server, pending = start_server(
+        procs, tag, port=port, wait=False, extra=server_extra, cpus=server_cpus
+    )
     workers = []
     for wid in ids:
         args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
@@ -139,7 +148,7 @@ def downpour(
         if curve:
             args += ["--key", str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")]
             args += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
-        workers.append(procs.start(args, wid))
+        workers.append(procs.start(args, wid, cpus=worker_cpus))
     try:
         info = server_ready(procs, server, Path(pending["ready_file"]))
         endpoint = status_endpoint(info)
@@ -203,8 +212,18 @@ def _wait_started(proc: subprocess.Popen[bytes], out: Path, procs: Procs, timeou
         time.sleep(0.1)
 
 
-def tf_parameter_server(plan: Plan, procs: Procs) -> dict[str, Any]:
-    """Steps/s of TensorFlow's ParameterServerStrategy: 1 PS, 1 worker, coordinator as chief."""
+def tf_parameter_server(
+    plan: Plan,
+    procs: Procs,
+    variants: str = "keras:1",
+    cpus: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
+    """Steps/s of TensorFlow's ParameterServerStrategy: 1 PS, 1 worker, coordinator as chief.
+
+    ``variants``: optimizer:steps-per-schedule pairs (see ``tf_pss.py``), the fastest is the
+    figure. ``cpus``: the cores of each role ("ps", "worker", "chief"); None leaves them free.
+    """
+    cpus = cpus or {}
     cluster = {
         "chief": [f"127.0.0.1:{free_port()}"],
         "worker": [f"127.0.0.1:{free_port()}"],
@@ -213,7 +232,8 @@ def tf_parameter_server(plan: Plan, procs: Procs) -> dict[str, Any]:
     spec = json.dumps(cluster)
     script = str(HERE / "tf_pss.py")
     tasks = [
-        procs.start([script, role, "--cluster", spec], f"tf-{role}") for role in ("ps", "worker")
+        procs.start([script, role, "--cluster", spec], f"tf-{role}", cpus=cpus.get(role))
+        for role in ("ps", "worker")
     ]
     chief = None
     try:
@@ -222,7 +242,8 @@ def tf_parameter_server(plan: Plan, procs: Procs) -> dict[str, Any]:
         log("e2e: TF tasks serving, starting the coordinator")
         args = [script, "chief", "--cluster", spec, "--warmup", str(plan.pss_warmup_steps)]
         args += ["--window-steps", str(plan.pss_window_steps), "--windows", str(plan.e2e_windows)]
-        chief, out = procs.start(args, "tf-chief")
+        args += ["--variants", variants]
+        chief, out = procs.start(args, "tf-chief", cpus=cpus.get("chief"))
         try:
             code = chief.wait(timeout=600)
         except subprocess.TimeoutExpired:

@@ -54,13 +54,39 @@ class Plan:
     e2e_rounds: int
     e2e_bf16: bool = False  # also the --compress bf16 set-ups (full only: quick stays < 3 min)
     shard_rounds: int = 1  # rounds of the shards section
+    pinned_rounds: int = 1  # rounds of the pinned end-to-end set-ups (emulated hosts)
+    goodput_reps: int = 3  # messages per goodput sample (x size-dependent factor)
+    link_window_s: float = 2.0  # timed window of each shaped-link set-up
 
 
 PLANS = {
-    "smoke": Plan("smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1),
+    "smoke": Plan(
+        "smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1, goodput_reps=1, link_window_s=1.0
+    ),
     # quick: one shards round and 2 s e2e windows keep it under 3 minutes (197 s before)
     "quick": Plan("quick", 30, 8, 18, 2.0, 3, 2.0, 60, 8, 3, 2.0, 25, 15, 25, 1, shard_rounds=1),
-    "full": Plan("full", 200, 30, 100, 3.0, 5, 4.0, 300, 10, 4, 4.0, 50, 20, 50, 3, True, 5),
+    "full": Plan(
+        "full",
+        200,
+        30,
+        100,
+        3.0,
+        5,
+        4.0,
+        300,
+        10,
+        4,
+        4.0,
+        50,
+        20,
+        50,
+        3,
+        True,
+        5,
+        pinned_rounds=2,
+        goodput_reps=10,
+        link_window_s=4.0,
+    ),  # fmt: skip
 }
 
 
@@ -152,6 +178,20 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
 
 
+def host_cpus(index: int) -> list[int]:
+    """The cores of emulated host ``index`` (0, 1, ...): one core each, wrapping around the
+    cores this process may use (on a 1-core machine every host shares the one core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[index % len(cores)]]
+
+
+def pinned_env(cpus: Sequence[int]) -> dict[str, str]:
+    """``child_env`` for a process pinned to ``cpus``: TensorFlow's intra-op pool as wide as
+    the cores, one inter-op thread per core (what TensorFlow would pick on such a host)."""
+    n = str(len(cpus))
+    return dict(child_env(), TF_NUM_INTRAOP_THREADS=n, TF_NUM_INTEROP_THREADS=n, OMP_NUM_THREADS=n)
+
+
 class Procs:
     """Starts child processes with their output in log files; stops them all on exit.
 
@@ -170,13 +210,26 @@ class Procs:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
-    def start(self, args: list[str], name: str) -> tuple[subprocess.Popen[bytes], Path]:
-        """Start ``python args...`` in the repo root; stdout and stderr go to ``name``.log."""
+    def start(
+        self,
+        args: list[str],
+        name: str,
+        cpus: Sequence[int] | None = None,
+        prefix: Sequence[str] = (),
+    ) -> tuple[subprocess.Popen[bytes], Path]:
+        """Start ``python args...`` in the repo root; stdout and stderr go to ``name``.log.
+
+        ``cpus``: the child runs on those cores only, TensorFlow's thread pools sized to them
+        (an emulated host, see ``pinned_env``). ``prefix``: a command the child runs under,
+        e.g. ``ip netns exec NS``.
+        """
         log = self.logdir / f"{len(self.procs):02d}-{name}.log"
         out = self.logdir / f"{len(self.procs):02d}-{name}.out"
+        env = child_env() if cpus is None else pinned_env(cpus)
+        pin = [] if cpus is None else ["taskset", "-c", ",".join(str(c) for c in cpus)]
         with open(log, "wb") as err, open(out, "wb") as stdout:
             proc = subprocess.Popen(
-                [sys.executable, *args], stdout=stdout, stderr=err, env=child_env(), cwd=ROOT
+                [*prefix, *pin, sys.executable, *args], stdout=stdout, stderr=err, env=env, cwd=ROOT
             )
         self.procs.append((proc, log))
         return proc, out
@@ -220,12 +273,20 @@ def wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, timeout_s: float
 
 
 def start_server(
-    procs: Procs, name: str, port: int = 0, wait: bool = True, extra: Sequence[str] = ()
+    procs: Procs,
+    name: str,
+    port: int = 0,
+    wait: bool = True,
+    extra: Sequence[str] = (),
+    cpus: Sequence[int] | None = None,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Start ``downpour server`` (Deep-MNIST, Adam 1e-3) on loopback; wait for it if ``wait``.
+    """Start ``downpour server`` (Deep-MNIST, Adam 1e-3) on ``host``; wait for it if ``wait``.
 
     ``port`` 0 picks a free REP port; a fixed one lets workers start at the same time as the
     server (they retry until it answers). Push and status ports are always picked free.
+    ``cpus`` and ``prefix`` as for ``Procs.start`` (an emulated host, a network namespace).
     """
     ready = procs.logdir / f"ready-{len(procs.procs):02d}-{name}.json"  # unique per start
     proc, _ = procs.start(
@@ -234,7 +295,7 @@ def start_server(
             "downpour.cli",
             "server",
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--push-port",
@@ -248,6 +309,8 @@ def start_server(
             *extra,
         ],
         name,
+        cpus=cpus,
+        prefix=prefix,
     )
     return proc, (server_ready(procs, proc, ready) if wait else {"ready_file": str(ready)})
 

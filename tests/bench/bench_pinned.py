@@ -1,0 +1,167 @@
+"""Emulated hosts: every process of a set-up on its own core, as on separate machines.
+
+Host 0 (core 0) is the worker's machine, host 1 (core 1) the server's. Each process is
+started under ``taskset`` with TensorFlow's thread pools sized to its one core
+(``bench_util.pinned_env``), so a worker and a server no longer compete for the same cores.
+
+``end_to_end.pinned``, measured side by side in one run:
+
+* local: training alone on core 0, the faster of Keras Adam (one step per call) and the
+  fused ``ResourceApplyAdam`` kernel with several steps per compiled call;
+* grad_only: the worker's bare gradient step alone on core 0 (the limit of a worker that
+  only computes gradients);
+* downpour_1w: a downpour worker on core 0 and its server on core 1;
+* tf_pss_1w: TF's ParameterServerStrategy, worker task on core 0, PS task (and the
+  coordinator, which only dispatches) on core 1, at its best of Keras / fused Adam and 1 /
+  10 steps per ``schedule``.
+
+``overhead_vs_tf_pss`` is downpour's time per step beyond the gradient-only step over TF's:
+when the computation dominates both approach the same limit, and the overheads show what the
+step-rate ratio hides.
+
+``server.pinned_*``: the server on core 1 flooded by pre-encoded pushes from core 0, against
+the bare compiled apply and a memcpy of the gradient list measured on core 1 in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import bench_e2e
+from bench_util import Plan, Procs, host_cpus, log, median, start_server
+
+HERE = Path(__file__).resolve().parent
+FUSED_STEPS = 10  # steps per compiled call of fused local training, per TF PSS schedule
+OVERHEAD_FLOOR = 1e-3  # an overhead below 0.1 % of the gradient step counts as that (noise)
+
+
+def child(
+    procs: Procs, mode: str, cpus: list[int], args: list[str], timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Run ``pinned.py mode args`` on ``cpus``; its JSON result (bounded wait)."""
+    proc, out = procs.start([str(HERE / "pinned.py"), mode, *args], f"pinned-{mode}", cpus=cpus)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        procs.stop(proc)
+        raise RuntimeError(f"pinned {mode} did not finish in {timeout_s:.0f} s") from None
+    if code != 0:
+        raise RuntimeError(f"pinned {mode} exited with {code}:\n{procs.log_tail(proc)}")
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def overhead_ratio(downpour: float, tf_pss: float, grad_only: float) -> float:
+    """Downpour's seconds per step beyond the gradient step over TF PSS's (rates in steps/s);
+    each overhead is floored at ``OVERHEAD_FLOOR`` of the gradient step (noise can make a
+    rate exceed the limit by a hair)."""
+    limit = 1.0 / grad_only
+    ours = max(1.0 / downpour - limit, OVERHEAD_FLOOR * limit)
+    theirs = max(1.0 / tf_pss - limit, OVERHEAD_FLOOR * limit)
+    return ours / theirs
+
+
+def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
+    """The four pinned set-ups, ``plan.pinned_rounds`` rounds in turn, and their ratios."""
+    worker, server = host_cpus(0), host_cpus(1)
+    k = FUSED_STEPS if plan.name != "smoke" else 2
+    window = ["--warmup", str(plan.e2e_warmup_steps), "--windows", str(plan.e2e_windows)]
+    window += ["--window-steps", str(plan.local_window_steps)]
+    variants = f"keras:1,keras:{FUSED_STEPS},fused:1,fused:{FUSED_STEPS}"
+    rounds: dict[str, list[dict[str, Any]]] = {"local": [], "dp": [], "pss": []}
+    for r in range(plan.pinned_rounds):
+        tag = f"pinned round {r + 1}/{plan.pinned_rounds}"
+        log(f"{tag}: local training and the gradient step alone on core {worker}")
+        rounds["local"].append(child(procs, "compute", worker, [*window, "--fused-k", str(k)]))
+        log(f"{tag}: downpour, worker on core {worker}, server on core {server}")
+        rounds["dp"].append(
+            bench_e2e.downpour(plan, procs, 1, server_cpus=server, worker_cpus=worker)
+        )
+        log(f"{tag}: TF PSS, worker on core {worker}, PS and coordinator on core {server}")
+        rounds["pss"].append(
+            bench_e2e.tf_parameter_server(
+                plan, procs, variants, cpus={"worker": worker, "ps": server, "chief": server}
+            )
+        )
+    rate = {k: median([x["steps_per_s"] for x in rounds[k]]) for k in ("dp", "pss")}
+    rate["local"] = median([x["local_steps_per_s"] for x in rounds["local"]])
+    rate["grad"] = median([x["grad_only_steps_per_s"] for x in rounds["local"]])
+    pss_variants = {
+        name: median([x["variants"][name] for x in rounds["pss"]])
+        for name in rounds["pss"][0]["variants"]
+    }
+    return {
+        "local_steps_per_s": rate["local"],
+        "grad_only_steps_per_s": rate["grad"],
+        "downpour_1w_steps_per_s": rate["dp"],
+        "tf_pss_1w_steps_per_s": rate["pss"],
+        "ratio_1w_vs_local": rate["dp"] / rate["local"],
+        "ratio_1w_vs_tf_pss": rate["dp"] / rate["pss"],
+        "ratio_to_limit": rate["dp"] / rate["grad"],
+        "overhead_vs_tf_pss": overhead_ratio(rate["dp"], rate["pss"], rate["grad"]),
+        # informative: the components of the figures above
+        "local_keras_adam_steps_per_s": median(
+            [x["keras_adam_steps_per_s"] for x in rounds["local"]]
+        ),
+        "local_fused_steps_per_s": median([x["fused_steps_per_s"] for x in rounds["local"]]),
+        "local_fused_steps_per_call": k,
+        "compute_cpu_cores": median([x["cpu_cores"] for x in rounds["local"]]),
+        "tf_pss_variants_steps_per_s": pss_variants,
+        "tf_pss_best": max(pss_variants, key=pss_variants.__getitem__),
+        "overhead_ms": {
+            "downpour": 1e3 * (1 / rate["dp"] - 1 / rate["grad"]),
+            "tf_pss": 1e3 * (1 / rate["pss"] - 1 / rate["grad"]),
+        },
+        "downpour_staleness_mean": median([x["staleness_mean"] or 0.0 for x in rounds["dp"]]),
+        "downpour_cpu_cores": {
+            "server": median([x["server_cpu_cores"] for x in rounds["dp"]]),
+            "worker": median([x["worker_cpu_cores"][0] for x in rounds["dp"]]),
+        },
+        "cpus": {"worker_host": worker, "server_host": server},
+        "rounds": plan.pinned_rounds,
+        "detail": rounds,
+    }
+
+
+def server(plan: Plan, procs: Procs) -> dict[str, Any]:
+    """Server applies/s on core 1 flooded from core 0, against the bare apply on core 1.
+
+    ``pinned_overhead_memcpys``: (time per apply in the server - the bare apply's time) over
+    the memcpy of one gradient list, both measured on the server's core.
+    """
+    worker, core = host_cpus(0), host_cpus(1)
+    log(f"server pinned: bare apply and memcpy on core {core}")
+    bare = child(procs, "bare-apply", core, ["--reps", str(plan.apply_reps)])
+    proc, info = start_server(procs, "server-pinned", cpus=core)
+    try:
+        log(f"server pinned: server on core {core}, pushers on core {worker}")
+        in_flight = max(16, int(0.5 * bare["bare_apply_per_s"]))
+        flood = child(
+            procs,
+            "flood",
+            worker,
+            [
+                *("--push-port", str(info["push_port"]), "--status-port", str(info["status_port"])),
+                *("--in-flight", str(in_flight), "--warmup-s", str(plan.flood_warmup_s)),
+                *("--windows", str(plan.flood_windows), "--window-s", str(plan.flood_window_s)),
+            ],
+        )
+    finally:
+        procs.stop(proc)
+    server_ms = 1e3 / flood["applies_per_s"]
+    overhead_ms = server_ms - bare["apply_ms"]
+    return {
+        "pinned_ratio": flood["applies_per_s"] / bare["bare_apply_per_s"],
+        "pinned_overhead_memcpys": max(overhead_ms, 1e-6) / bare["apply_memcpy_ms"],
+        "pinned_server_apply_per_s": flood["applies_per_s"],
+        "pinned_bare_apply_per_s": bare["bare_apply_per_s"],
+        "pinned_apply_ms": bare["apply_ms"],
+        "pinned_server_ms_per_apply": server_ms,
+        "pinned_overhead_ms": overhead_ms,
+        "pinned_memcpy_ms": bare["apply_memcpy_ms"],
+        "pinned_pusher_cpu_cores": flood["pusher_cpu_cores"],
+        "pinned_server_reported_apply_ms": flood["server_reported_apply_ms"],
+        "pinned_cpus": {"server": core, "pushers": worker},
+    }

@@ -1,0 +1,228 @@
+"""The bench's pinned child processes: each runs on the cores its parent gave it (taskset).
+
+``pinned.py MODE [options]`` prints one JSON line with its figures:
+
+* ``compute``, three figures measured in alternating windows on the same core:
+  single-process training with Keras Adam (one step per call) and with the fused
+  ``ResourceApplyAdam`` kernel, ``--fused-k`` steps per compiled call (the faster is the
+  local figure); and the worker's bare gradient step (``GradientStep``: loss and the whole
+  gradient list copied out as NumPy, as a worker sends them), the limit of a worker that
+  only computes.
+* ``bare-apply``: the server's compiled apply (``ParameterState.apply``) on received frames,
+  interleaved with a memcpy of the gradient list, on this process's cores.
+* ``flood``: pre-encoded gradient pushes to a real server's PULL socket, kept ``in_flight``
+  ahead of its applied version; applies/s from its status socket over timed windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Thread pools sized to this process's cores (the parent sets the variables from its CPU set)
+for _var, _set in (
+    ("TF_NUM_INTRAOP_THREADS", tf.config.threading.set_intra_op_parallelism_threads),
+    ("TF_NUM_INTEROP_THREADS", tf.config.threading.set_inter_op_parallelism_threads),
+):
+    if os.environ.get(_var):
+        _set(int(os.environ[_var]))
+
+from bench_util import cpu_seconds, median  # noqa: E402
+
+from downpour.data import load_mnist_5k  # noqa: E402
+from downpour.models import build_model  # noqa: E402
+from downpour.spec import load_spec  # noqa: E402
+
+SPEC = "downpour.models:deep_mnist"
+
+
+def _windows(step: Any, warmup: int, window_steps: int, windows: int) -> list[float]:
+    """Steps/s of ``windows`` windows of ``window_steps`` calls of ``step`` (each returns a
+    tensor that is read at the window's end, so the last step is waited for)."""
+    out = None
+    for _ in range(warmup):
+        out = step()
+    float(out)
+    rates = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(window_steps):
+            out = step()
+        float(out)
+        rates.append(window_steps / (time.perf_counter() - t0))
+    return rates
+
+
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """Keras Adam one step per call, fused Adam ``fused_k`` steps per call, and the bare
+    gradient step, in alternating windows."""
+    import keras
+    from bench_e2e import batches
+    from fused_adam import FusedAdam
+
+    from downpour.worker.step import GradientStep
+
+    spec = load_spec(SPEC)
+    data = load_mnist_5k()
+    model = build_model(spec, seed=0)
+    variables = list(model.trainable_variables)
+    keras_adam = keras.optimizers.Adam(1e-3)
+    keras_adam.build(variables)
+    fused = FusedAdam(variables)
+    k = args.fused_k
+    x_spec = tf.TensorSpec((None, *data.x_train.shape[1:]), tf.as_dtype(data.x_train.dtype))
+
+    @tf.function(input_signature=[x_spec, tf.TensorSpec((None,), spec.label_dtype)])
+    def keras_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = spec.loss(y, model(x, training=True))
+        keras_adam.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+        return loss
+
+    stacked = [
+        tf.TensorSpec((k, *x_spec.shape), x_spec.dtype),
+        tf.TensorSpec((k, None), spec.label_dtype),
+    ]
+
+    @tf.function(input_signature=stacked)
+    def fused_steps(xs: tf.Tensor, ys: tf.Tensor) -> tf.Tensor:
+        loss = tf.constant(0.0)
+        for i in tf.range(k):
+            with tf.GradientTape() as tape:
+                loss = spec.loss(ys[i], model(xs[i], training=True))
+            fused.apply(tape.gradient(loss, variables))
+        return loss
+
+    it = batches(data, spec.batch_size, seed=0)
+
+    def one() -> tf.Tensor:
+        return keras_step(*next(it))
+
+    def many() -> tf.Tensor:
+        xs, ys = zip(*(next(it) for _ in range(k)), strict=True)
+        return fused_steps(
+            tf.constant(np.stack(xs), x_spec.dtype), tf.constant(np.stack(ys), spec.label_dtype)
+        )
+
+    step = GradientStep(spec, build_model(spec, seed=0), data.x_train[:1])
+
+    def grad_only() -> tf.Tensor:
+        loss, _grads = step(*next(it))  # the gradients are copied out, as a worker's are
+        return tf.constant(loss)
+
+    rates: dict[str, list[float]] = {"keras": [], "fused": [], "grad": []}
+    warm = {"keras": args.warmup, "fused": max(1, args.warmup // k), "grad": args.warmup}
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    for _ in range(args.windows):  # alternating, so that noise hits all alike
+        rates["keras"] += _windows(one, warm["keras"], args.window_steps, 1)
+        fused_windows = _windows(many, warm["fused"], max(1, args.window_steps // k), 1)
+        rates["fused"] += [k * r for r in fused_windows]
+        rates["grad"] += _windows(grad_only, warm["grad"], args.window_steps, 1)
+        warm = {"keras": 1, "fused": 1, "grad": 1}
+    keras_rate, fused_rate = median(rates["keras"]), median(rates["fused"])
+    return {
+        "local_steps_per_s": max(keras_rate, fused_rate),
+        "keras_adam_steps_per_s": keras_rate,
+        "fused_steps_per_s": fused_rate,
+        "fused_steps_per_call": k,
+        "grad_only_steps_per_s": median(rates["grad"]),
+        "grad_traces": step.traces,
+        # CPU time over wall time: how much of its core the process got (1.0: all of it)
+        "cpu_cores": (cpu_seconds() - cpu0) / (time.perf_counter() - wall0),
+        "windows": rates,
+    }
+
+
+def _gradients() -> tuple[list[str], list[Any]]:
+    from bench_wire import gradient_list
+
+    model = build_model(load_spec(SPEC), seed=0)
+    names = [v.path for v in model.trainable_variables]
+    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
+    return names, gradient_list(shapes)
+
+
+def bare_apply(args: argparse.Namespace) -> dict[str, Any]:
+    """The compiled apply and a memcpy of the gradient list, interleaved, on this core."""
+    from bench_server import BareApply, received_views
+
+    names, grads = _gradients()
+    views, frames = received_views(names, grads)
+    bare = BareApply(load_spec(SPEC), views)
+    bare.measure(args.reps)
+    out = bare.result()
+    del frames
+    return out
+
+
+def flood(args: argparse.Namespace) -> dict[str, Any]:
+    """Applies/s of the server at ``--status-port`` while this process floods its PULL port."""
+    from bench_server import Flood, rate_window, sample, wait_for
+
+    names, grads = _gradients()
+    endpoint = f"tcp://127.0.0.1:{args.status_port}"
+    pusher = Flood(args.push_port, names, grads, args.in_flight)
+    pusher.start()
+    rates: list[float] = []
+    try:
+        wait_for(endpoint, pusher, 5, 120.0)  # the first apply compiles
+        end = time.monotonic() + args.warmup_s
+        while time.monotonic() < end:
+            sample(endpoint, pusher)
+            time.sleep(0.05)
+        cpu0, wall0 = cpu_seconds(), time.monotonic()
+        for _ in range(args.windows):
+            rate, doc = rate_window(endpoint, pusher, args.window_s)
+            rates.append(rate)
+        pusher_cores = (cpu_seconds() - cpu0) / (time.monotonic() - wall0)
+    finally:
+        pusher.stop()
+    if doc.get("rejected_total"):
+        raise RuntimeError(f"server rejected flood messages: {doc.get('rejected')}")
+    return {
+        "applies_per_s": median(rates),
+        "windows": rates,
+        "pusher_cpu_cores": pusher_cores,
+        "server_reported_apply_ms": doc.get("apply_ms"),
+        "pusher_blocked": pusher.blocked,
+    }
+
+
+def main() -> None:
+    """Command line: one mode, its options; one JSON line on stdout."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("mode", choices=["compute", "bare-apply", "flood"])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--window-steps", type=int, default=50)
+    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--fused-k", type=int, default=10)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--push-port", type=int, default=0)
+    p.add_argument("--status-port", type=int, default=0)
+    p.add_argument("--in-flight", type=int, default=16)
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--window-s", type=float, default=2.0)
+    args = p.parse_args()
+    modes = {"compute": compute, "bare-apply": bare_apply, "flood": flood}
+    result = modes[args.mode](args)
+    result["cpus"] = sorted(os.sched_getaffinity(0))
+    result["tf_threads"] = [
+        tf.config.threading.get_intra_op_parallelism_threads(),
+        tf.config.threading.get_inter_op_parallelism_threads(),
+    ]
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
