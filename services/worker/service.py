@@ -216,7 +216,7 @@ class Worker(RowPulling):
         (``downpour.pipeline.resolve_inputs``). ConfigError (``validate_worker``) for settings
         that contradict each other."""
         validate_worker(config)  # the cross-field checks live there, and only there
-        log.info("computing on %s", configure_device(config.device))  # before any TF op
+        self.device = configure_device(config.device)  # before any TF op; logged by run()
         self.spec = spec
         self.config = config
         self.inputs = inputs if inputs is not None else resolve_inputs(spec, config.data_dir)
@@ -664,6 +664,7 @@ class Worker(RowPulling):
         step = 0
         pushed_from: list[int] | None = None  # base versions of the last push
         set_log_context(worker=self.id, version=lambda: self.version)
+        log.info("computing on %s", self.device)
         self.hello()
         self.fetchers = [Fetcher(self, shard) for shard in self.shards.shards]
         for fetcher in self.fetchers:  # the first pull from every shard at once
