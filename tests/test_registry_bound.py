@@ -176,6 +176,7 @@ def _worker_labels(port: int) -> set[str]:
     }
 
 
+@pytest.mark.slow  # a real server process and 50,000 pushes
 def test_a_flood_of_random_ids_leaves_the_server_bounded(cluster: Cluster) -> None:
     server = cluster.server(
         "--max-workers", str(MAX_WORKERS), "--metrics-port", "0", "--optimizer", "sgd"
