@@ -244,6 +244,18 @@ MAX_STATUS_WORKERS = 1 << 16
 STATUS_LIMITS = Limits(max_header_bytes=1 << 28, max_tensors=MAX_STATUS_WORKERS)
 
 
+def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique row indices (int64) and each row's summed values. Keras's Adagrad and Adam
+    square a sparse gradient's values row by row, so a repeated row must be summed first."""
+    rows, inverse = np.unique(indices, return_inverse=True)
+    if len(rows) == len(indices):
+        order = np.argsort(indices, kind="stable")
+        return indices[order].astype(np.int64), np.ascontiguousarray(values[order])
+    summed = np.zeros((len(rows), *values.shape[1:]), dtype=values.dtype)
+    np.add.at(summed, inverse, values)
+    return rows.astype(np.int64), summed
+
+
 @dataclass(frozen=True)
 class Sparse:
     """Row-sparse tensor (``tf.IndexedSlices``): ``dense[indices[i]] += values[i]``."""

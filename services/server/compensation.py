@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from downpour.server.policies import Decision, Policy
-from downpour.wire import Sparse
+from downpour.wire import Sparse, dedupe_rows
 
 DEFAULT_RING = 32  # versions of weights kept for dc / gap-aware
 MOMENTUM_WINDOW = 100  # gradients in the running mean of staleness (momentum-aware)
@@ -193,9 +193,9 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
         out: list[Any] = []
         for g, lam, a, b in zip(grads, lams, now, base, strict=True):
             if isinstance(g, Sparse):
-                rows, inverse = np.unique(np.asarray(g.indices), return_inverse=True)
-                vals = np.zeros((len(rows), *g.values.shape[1:]), dtype=np.float32)
-                np.add.at(vals, inverse.reshape(-1), g.values)
+                rows, vals = dedupe_rows(  # fresh arrays: compensated in place below
+                    np.asarray(g.indices), np.asarray(g.values, dtype=np.float32)
+                )
                 lam_rows = lam if np.isscalar(lam) else lam[rows]
                 vals += lam_rows * vals * vals * (a[rows] - b[rows])
                 out.append(Sparse(rows, vals.astype(g.values.dtype, copy=False), g.dense_shape))

@@ -32,7 +32,7 @@ from downpour.models import build_model, describe_variables, evaluate, fingerpri
 from downpour.partition import Partition, make_partition
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
-from downpour.wire import Sparse
+from downpour.wire import Sparse, dedupe_rows
 
 # TensorFlow's kernels CHECK-fail on a tensor that is not aligned like its own allocator's
 # buffers (EIGEN_MAX_ALIGN_BYTES, at most 64), so arrays are staged at this alignment.
@@ -71,18 +71,6 @@ def _slices(it: Iterator[tf.Tensor], shape: tuple[int, ...]) -> tf.IndexedSlices
     indices = next(it)
     values = next(it)
     return tf.IndexedSlices(values, indices, dense_shape=tf.constant(shape, tf.int64))
-
-
-def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique row indices (int64) and each row's summed values. Keras's Adagrad and Adam
-    square a sparse gradient's values row by row, so a repeated row must be summed first."""
-    rows, inverse = np.unique(indices, return_inverse=True)
-    if len(rows) == len(indices):
-        order = np.argsort(indices, kind="stable")
-        return indices[order].astype(np.int64), np.ascontiguousarray(values[order])
-    summed = np.zeros((len(rows), *values.shape[1:]), dtype=values.dtype)
-    np.add.at(summed, inverse, values)
-    return rows.astype(np.int64), summed
 
 
 def _gather_fn(variable: keras.Variable) -> tf.types.experimental.ConcreteFunction:

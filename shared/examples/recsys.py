@@ -156,7 +156,7 @@ def large() -> ModelSpec:
 
 def _summed_rows(g: tf.Tensor | tf.IndexedSlices) -> tf.Tensor | tf.IndexedSlices:
     """A row-sparse gradient with each repeated row summed once, as the server applies it
-    (``downpour.server.state.dedupe_rows``); a dense gradient as it is."""
+    (``downpour.wire.dedupe_rows``); a dense gradient as it is."""
     if not isinstance(g, tf.IndexedSlices):
         return g
     rows, inverse = tf.unique(g.indices)
