@@ -138,7 +138,9 @@ class RowPulling:
         if plan is None or stream is None:
             return [None] * len(self.shards.shards)
         n = self.config.n_fetch
-        ahead = stream.taken - 1 + n if stream.taken else n  # the next pull step's batches
+        # the next fetch step's batches: the fetch schedule may request a few steps after the
+        # last install (before the first batch is taken, the fetch step is n)
+        ahead = ((stream.taken - 1) // n + 1) * n if stream.taken else n
         start = max(stream.taken - 1, 0) if sync else ahead
         try:
             batches = stream.features(start, start + n)
