@@ -1,11 +1,12 @@
 """The fetch schedule's decision (``downpour.worker.schedule``): when a prefetching worker
-with ``--n-fetch N`` requests its next pull, from its step time and pull round trip. Pure
-arithmetic: no sockets, no clock."""
+with ``--n-fetch N`` requests its next pull, from its step time and pull round trip, and
+what row pulls expect of a pull sent later. Pure arithmetic: no sockets, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
+from downpour.worker.row_pulling import RowPulling
 from downpour.worker.schedule import Ewma, FetchSchedule
 
 
@@ -99,3 +100,19 @@ def test_bad_settings_are_refused() -> None:
         FetchSchedule(0)
     with pytest.raises(ValueError, match="alpha"):
         Ewma(0.0)
+
+
+def test_row_pulls_expect_a_later_request_to_bring_a_newer_version() -> None:
+    """With row pulls the worker asks for the rows that will be stale when the reply lands,
+    from the versions it expects the reply to be ahead of the weights held; a request the
+    schedule sends later than N steps after the last one expects more versions."""
+
+    class Rows(RowPulling):
+        pass
+
+    r = Rows()
+    r._row_version_steps, r._row_version_gap = [4, 8], [4, 4]  # shard 1 moves twice as fast
+    r._row_held_step = 16  # the weights held were requested before step 16
+    assert r._versions_ahead(20) == [4, 8]  # N = 4 steps on: the last pace
+    assert r._versions_ahead(22) == [6, 12]  # 6 steps since the held weights were requested
+    assert r._versions_ahead(16) == [1, 2]  # a request right away: at least a step's pace

@@ -313,6 +313,8 @@ class Worker(RowPulling):
         self.rows: RowPlan | None = None  # --row-pulls auto: the tables pulled by row
         self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
         self._row_version_steps = [1] * len(endpoints)
+        self._row_version_gap = [config.n_fetch] * len(endpoints)
+        self._row_request_step = self._row_held_step = 0
         self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
         if self.dispatched:
             self.feed = SplitFeed(
