@@ -2,7 +2,9 @@
 
 DistBelief's knobs: weights are pulled every ``n_fetch`` steps (a pull of an unchanged
 version moves no tensors) and gradients are pushed every ``n_push`` steps, averaged over the
-steps in between. Every push carries the weight version it was computed from.
+steps in between. Every push carries the weight version it was computed from. A pull is
+prefetched (requested while steps compute) and timed by ``downpour.worker.schedule`` to
+arrive just before the step that installs it, so its weights are no older than they must be.
 
 The worker speaks to the servers only through the client layer (``downpour.cluster.ShardSet``
 over one ``downpour.client.ShardClient`` per shard and thread), where nothing blocks forever:
