@@ -239,10 +239,12 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
 def _fetch_rows(r: dict[str, Any]) -> list[str]:
     """Row n_fetch_4: the fetch schedule at --n-fetch 4 beside --n-fetch 1, pinned."""
     f = r["n_fetch_4"]
+    lead, rtt = f["fetch_lead_steps"], f["pull_rtt_ms"]  # None without a worker summary
     return [
         f"| e2e, pinned | downpour worker core 0, server core 1, **--n-fetch 4 / 1** "
         f"(staleness mean {f['staleness_mean']:.2f} / {f['n_fetch_1_staleness_mean']:.2f}; "
-        f"requested {f['fetch_lead_steps']} steps ahead, pull {f['pull_rtt_ms']} ms) | "
+        f"pulls requested {'?' if lead is None else f'{lead:.0f}'} step(s) ahead, round trip "
+        f"{'?' if rtt is None else f'{rtt:.1f}'} ms) | "
         f"{f['steps_per_s']:.2f} / {f['n_fetch_1_steps_per_s']:.2f} steps/s "
         f"(**{f['ratio_vs_n_fetch_1']:.2f}x**) |",
     ]
