@@ -16,26 +16,10 @@ with N = 1 that is always, right after each install.
 
 from __future__ import annotations
 
+from downpour.metrics import Ewma
+
 ALPHA = 0.3  # weight of a new sample in the running averages: a few steps of memory
 MARGIN_STEPS = 0.5  # the reply is wanted this fraction of a step before the fetch step
-
-
-class Ewma:
-    """An exponentially weighted moving average; None until the first sample."""
-
-    def __init__(self, alpha: float = ALPHA) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self.value: float | None = None
-
-    def add(self, sample: float) -> None:
-        """Fold in one sample (negative samples, from a clock oddity, count as 0)."""
-        sample = max(0.0, sample)
-        if self.value is None:
-            self.value = sample
-        else:
-            self.value += self.alpha * (sample - self.value)
 
 
 class FetchSchedule:
@@ -62,11 +46,11 @@ class FetchSchedule:
 
     def note_step(self, seconds: float) -> None:
         """One training step's wall time (compute, push, reading the next batch)."""
-        self.step_s.add(seconds)
+        self.step_s.update(max(0.0, seconds))  # a clock oddity counts as 0
 
     def note_round_trip(self, seconds: float) -> None:
         """One pull's time from request to a reply ready to install (slowest shard)."""
-        self.round_trip_s.add(seconds)
+        self.round_trip_s.update(max(0.0, seconds))
 
     def lead_steps(self) -> float | None:
         """How many steps ahead of a fetch step its request should go (the round trip in
