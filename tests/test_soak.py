@@ -22,6 +22,19 @@ At the end:
 - The push accounting holds for the last incarnation, per worker and server-wide
   (``soak.accounting``): received = refused + accepted, accepted = applied + dropped + held.
 - The held-out accuracy of the final checkpoint (``downpour export``) is at least 0.95.
+  Before it is taken, the relays stop resetting and the server's own held-out evaluation
+  (every ``EVAL_EVERY`` updates) must reach 0.95 within ``SETTLE_UPDATES`` updates after the
+  faults. From scratch, 4 workers reach 0.93 only after about 500 updates (0.60 at 253, 0.93
+  at 509, fault-free), so this cannot hide a lost state; every restart is also checked to
+  resume from a checkpoint.
+
+Why the wait: the held-out accuracy sometimes dips during the faults and recovers by the next
+evaluation or two (one dip per run or none; e.g. 0.97 -> 0.78 -> 0.97 with SGD right after a
+server restart and a worker's re-join; with Adam at 1e-3 once 0.97 -> 0.53 -> 0.78 in a
+fault-free stretch past 3,400 updates). Fault-free 4-worker runs of 2,000-3,200 updates
+showed no dip. The cause is not found yet; the evaluations are in the figures
+(``held_out``), so a run shows whether and when it dipped. The server applies plain SGD
+(``--optimizer sgd --lr 0.05``): Adam's dips were deeper and slower to recover.
 
 ``SOAK_SECONDS`` sets the fault phase (default 480: with start-up, restarts and the final
 export about ten minutes in all); ``SOAK_FIGURES`` names a JSON file for the figures, which
@@ -53,6 +66,8 @@ MODEL = "downpour.models:deep_mnist"
 WORKERS = 4
 GROWTH = 1.10  # fds and RSS at the end: at most 10 % above the warm-up level
 ACCURACY = 0.95
+EVAL_EVERY = 100  # the server's held-out evaluation, in updates
+SETTLE_UPDATES = 400  # after the faults, the evaluation reaches ACCURACY within this many
 
 
 class Soak:
@@ -65,7 +80,7 @@ class Soak:
         port, push_port, status_port = free_ports(3)
         self.server_args = (
             "--state-dir", str(self.state_dir), "--checkpoint-every", "0",
-            "--checkpoint-secs", "5", "--keep-checkpoints", "2", "--eval-every", "250",
+            "--checkpoint-secs", "5", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY),
             "--port", str(port), "--push-port", str(push_port), "--status-port", str(status_port),
         )  # fmt: skip
         size = (100 << 20, 1 << 30)  # a connection is reset after 0.1-1 GB (8-80 messages)
@@ -78,6 +93,7 @@ class Soak:
             r.start()
         self.server = self.start_server()
         self.workers = [self.start_worker(i) for i in range(WORKERS)]
+        self.held_out: dict[int, float] = {}  # version -> the server's held-out accuracy
         self.joined: list[float | None] = [None] * WORKERS  # when each process said hello
         self.incarnations: list[dict[str, Any]] = [self.new_incarnation()]
         self.kills = {"worker": 0, "server": 0}
@@ -85,7 +101,8 @@ class Soak:
         self.resets_on_schedule = 0
 
     def start_server(self) -> Service:
-        return self.cluster.server(*self.server_args, model=MODEL, ready_timeout=300)
+        args = (*self.server_args, "--optimizer", "sgd", "--lr", "0.05")
+        return self.cluster.server(*args, model=MODEL, ready_timeout=300)
 
     def start_worker(self, i: int) -> Service:
         args = (
@@ -116,6 +133,8 @@ class Soak:
                 self.joined[i] = time.monotonic()
         doc = self.status()
         self.incarnations[-1]["last_version"] = doc["version"]
+        if (ev := doc.get("eval")) is not None:
+            self.held_out[ev["version"]] = ev[ev["metric"]]
         return doc
 
     def fire(self, event: soak.Event, plan: soak.Plan) -> bool:
@@ -171,6 +190,27 @@ class Soak:
             "rss_mb": round(min(rss), 1), "rss_mb_max": round(max(rss), 1),
             "at_s": round(time.monotonic() - self.incarnations[-1]["started"], 1),
         }  # fmt: skip
+
+    def settle(self, updates: int, timeout: float = 300) -> dict[str, Any]:
+        """Stop the relays' resets, then wait for a held-out evaluation of a version made
+        since of at least ACCURACY, within ``updates`` updates (fails past them); the status
+        then."""
+        for r in self.relays:
+            r.set_faults(max_resets=0)
+        start = self.poll()["version"]
+
+        def recovered() -> dict[str, Any] | None:
+            doc = self.poll()
+            after = {v: a for v, a in self.held_out.items() if v > start}
+            if any(a >= ACCURACY for v, a in after.items() if v <= start + updates):
+                return doc
+            assert all(v <= start + updates for v in after), (
+                f"no held-out accuracy >= {ACCURACY} within {updates} updates of version "
+                f"{start}: {after}"
+            )
+            return None
+
+        return wait_until(recovered, timeout, f"held-out accuracy {ACCURACY} after the faults")
 
     def stop_relays(self) -> None:
         for r in self.relays:
@@ -236,6 +276,7 @@ def test_soak_under_kills_restarts_and_resets(cluster: Cluster, tmp_path: Path) 
         warm = _run_faults(s, plan, time.monotonic())
         end = s.measure("end")
         doc_before = s.poll()
+        settled = s.settle(SETTLE_UPDATES)
         for w in s.workers:
             w.proc.send_signal(signal.SIGTERM)
         for w in s.workers:
@@ -280,6 +321,8 @@ def test_soak_under_kills_restarts_and_resets(cluster: Cluster, tmp_path: Path) 
         "incarnations": incarnations,
         "last_incarnation": {"version": doc["version"], **acct},
         "version_at_end_of_faults": doc_before["version"],
+        "version_settled": settled["version"],
+        "held_out": {str(v): a for v, a in sorted(s.held_out.items())},
         "accuracy": accuracy,
         "exported": exported.strip().splitlines()[-3:],
     }
