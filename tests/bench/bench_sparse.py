@@ -67,7 +67,7 @@ class SparsePlan:
 
 PLANS = {
     "smoke": SparsePlan((20_000, 100_000), (100_000,), 3, 1, 1.0, 3, 1, 2),
-    "quick": SparsePlan((100_000, 1_000_000), (1_000_000,), 10, 2, 2.0, 10, 2, 4),
+    "quick": SparsePlan((100_000, 1_000_000), (1_000_000,), 6, 2, 1.5, 8, 2, 3),
     "full": SparsePlan(
         (100_000, 1_000_000, 4_000_000), (100_000, 1_000_000, 4_000_000), 20, 3, 4.0, 20, 3, 6
     ),
@@ -128,58 +128,85 @@ def measure(
         bytes_per_step.append((b1 - b0) / (s1 - s0))
         rows_per_step.append((r1 - r0) / (s1 - s0))
         last = doc
+    reported = doc.get("workers", {}).get(wid, {}).get("reported") or {}
     return {
         "steps_per_s": median(rates),
         "windows": rates,
         "bytes_per_step": median(bytes_per_step),
         "rows_per_step": median(rows_per_step),
+        # where a step's time goes, as the worker and the server last reported it
+        "worker_ms": {k: reported.get(f"{k}_ms") for k in ("compute", "pull", "push")},
+        "server_apply_ms": doc.get("apply_ms"),
     }
 
 
-def one_size(plan: SparsePlan, procs: Procs, rows: int) -> dict[str, Any]:
-    """The row-pulling worker, then (if the plan says so) the dense one, on one server."""
-    model = ["--model", MODELS[rows]]
-    port = free_port()  # the worker starts with the server and retries until it answers
-    server, pending = start_server(
-        procs, f"sparse-server-{rows}", port=port, wait=False, extra=[*model, *OPTIMIZER],
-        cpus=host_cpus(1),
-    )  # fmt: skip
-    out: dict[str, Any] = {}
-    try:
-        variants = [("rows", "auto")] + ([("dense", "off")] if rows in plan.dense_rows else [])
-        for i, (name, mode) in enumerate(variants):
-            wid = f"sparse-{name}-{rows}"
-            args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
-            args += [*model, "--row-pulls", mode, "--n-fetch", "1", "--steps", "1000000"]
-            args += ["--request-timeout", "120", "--log-every", "0", "--log-level", "WARNING"]
-            proc, _ = procs.start(args, wid, cpus=host_cpus(0))
-            try:
-                if i == 0:
-                    info = server_ready(procs, server, Path(pending["ready_file"]))
-                    endpoint = endpoint_of(info)
-                log(f"sparse: {rows:,} rows, {name} pulls (worker core 0, server core 1)")
-                if name == "rows":
-                    got = measure(
-                        procs, endpoint, proc, wid, plan.warmup_steps, plan.windows,
-                        plan.window_s, plan.min_window_steps,
-                    )  # fmt: skip
-                else:  # a whole table a step: one window of a few steps
-                    got = measure(
-                        procs, endpoint, proc, wid, plan.dense_warmup_steps, 1, 0.0,
-                        plan.dense_window_steps,
-                    )  # fmt: skip
-                out[name] = got
-            finally:
-                procs.stop(proc)
-    finally:
-        procs.stop(server)
+def start_servers(procs: Procs, sizes: tuple[int, ...]) -> dict[int, tuple[Any, int, Path]]:
+    """One server per table size, all on core 1 and started at once: a server idles until its
+    worker comes, so the later sizes' start-up overlaps the first worker's. {rows: (process,
+    REP port, ready file)}."""
+    out = {}
+    for rows in sizes:
+        port = free_port()  # the worker starts before the server is ready and retries
+        extra = ["--model", MODELS[rows], *OPTIMIZER]
+        proc, pending = start_server(
+            procs, f"sparse-server-{rows}", port, wait=False, extra=extra, cpus=host_cpus(1)
+        )
+        out[rows] = (proc, port, Path(pending["ready_file"]))
     return out
+
+
+def one_worker(procs: Procs, rows: int, port: int, mode: str) -> tuple[Any, str]:
+    """Start a worker (``--row-pulls mode``) on core 0 against the ``rows`` table's server."""
+    wid = f"sparse-{'rows' if mode == 'auto' else 'dense'}-{rows}"
+    args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
+    args += ["--model", MODELS[rows], "--row-pulls", mode, "--n-fetch", "1"]
+    args += ["--steps", "1000000", "--request-timeout", "120"]
+    args += ["--log-every", "0", "--log-level", "WARNING"]
+    proc, _ = procs.start(args, wid, cpus=host_cpus(0))
+    return proc, wid
+
+
+def measure_sizes(plan: SparsePlan, procs: Procs) -> dict[int, dict[str, Any]]:
+    """Per table size, the row-pulling worker, then (if the plan says so) the dense one;
+    one worker at a time, each size's server stopped once its workers are done."""
+    servers = start_servers(procs, plan.rows)
+    sizes: dict[int, dict[str, Any]] = {}
+    first = True
+    try:
+        for rows, (server, port, ready) in servers.items():
+            sizes[rows] = {}
+            for name, mode in [("rows", "auto")] + [("dense", "off")] * (rows in plan.dense_rows):
+                proc, wid = one_worker(procs, rows, port, mode)
+                try:
+                    if first:  # every server up before anything is timed
+                        for other, _, other_ready in servers.values():
+                            server_ready(procs, other, other_ready)
+                        first = False
+                    endpoint = endpoint_of(server_ready(procs, server, ready))
+                    log(f"sparse: {rows:,} rows, {name} pulls (worker core 0, server core 1)")
+                    if name == "rows":
+                        sizes[rows][name] = measure(
+                            procs, endpoint, proc, wid, plan.warmup_steps, plan.windows,
+                            plan.window_s, plan.min_window_steps,
+                        )  # fmt: skip
+                    else:  # a whole table a step: one window of a few steps
+                        sizes[rows][name] = measure(
+                            procs, endpoint, proc, wid, plan.dense_warmup_steps, 1, 0.0,
+                            plan.dense_window_steps,
+                        )  # fmt: skip
+                finally:
+                    procs.stop(proc)
+            procs.stop(server)
+    finally:
+        for server, _, _ in servers.values():
+            procs.stop(server)
+    return sizes
 
 
 def run(plan_name: str, procs: Procs) -> dict[str, Any]:
     """The ``sparse`` keys (see the module) under the bench plan ``plan_name``."""
     plan = PLANS[plan_name]
-    sizes = {rows: one_size(plan, procs, rows) for rows in plan.rows}
+    sizes = measure_sizes(plan, procs)
     rate = {str(r): s["rows"]["steps_per_s"] for r, s in sizes.items()}
     row_bytes = {str(r): s["rows"]["bytes_per_step"] for r, s in sizes.items()}
     dense_bytes = {str(r): s["dense"]["bytes_per_step"] for r, s in sizes.items() if "dense" in s}
