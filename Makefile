@@ -37,9 +37,10 @@ run-local: $(VENV)/.stamp-base
 # Two test tiers. `make test`: the fast tier, a few minutes on 2 cores (services in-process on
 # real loopback sockets; installs no system package). `make test-slow`: the slow tier (real
 # service processes, faults, network namespaces, bench/study smoke, run-local, systemd units).
-# `make test-all`: both in one run (CI). -ra lists every skip with its reason.
+# `make test-all`: both in one run (CI). -ra lists every skip with its reason; --durations the
+# slowest tests, to keep each tier in its time budget.
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra --durations=20 -m "not slow"
 
 # systemd-analyze for the slow tier's unit-file tests (Debian package systemd): test-slow and
 # test-all install it once when missing and possible (root + apt-get), `make test` never does;
@@ -54,7 +55,7 @@ test-slow: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
 	$(PY) -m pytest -q -ra -m slow
 
 test-all: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
-	$(PY) -m pytest -q -ra -m "slow or not slow"
+	$(PY) -m pytest -q -ra --durations=30 -m "slow or not slow"
 
 # The container image built and run for real with podman (tests/test_containers.py, also in
 # test-slow and test-all; it skips, saying why, where podman cannot run): a local base image

@@ -193,9 +193,9 @@ class ReqClient:
         """Send frames, return the reply frames; raise RequestTimeout when none comes.
 
         A request larger than the server's announced limit (``max_request_bytes``) is refused
-        here (``Refused``, code ``oversize``): the server would drop the connection and the
-        request would only time out. A request that times out while larger than the limit
-        (or, before a hello told it, than ``wire.REQUEST_MAX_BYTES``) says so."""
+        here (``Refused``, code ``oversize``) without being sent. A request that times out
+        while over ``wire.REQUEST_DROP_FACTOR`` times the limit (before a hello told it:
+        ``wire.REQUEST_MAX_BYTES``) says that the server dropped it for its size."""
         size = sum(memoryview(f).nbytes for f in frames)
         limit = self.max_request_bytes
         if limit is not None and size > limit:
@@ -223,7 +223,7 @@ class ReqClient:
         why = (
             f": the request was {size} bytes, larger than the server accepts ({known} bytes), "
             "so it dropped the connection"
-            if size > known
+            if size > known * wire.REQUEST_DROP_FACTOR
             else ""
         )
         raise RequestTimeout(f"no reply from {self.endpoint} after {attempts} attempt(s){why}")

@@ -195,11 +195,15 @@ R_ROWS_RANGE = "rows_range"  # a row id at or past the table's last row
 R_ROWS_DENSE = "rows_dense"  # a row request for a variable that is not row-sparse
 R_ROWS_UNKNOWN = "rows_unknown"  # a row request for a variable the server does not hold
 R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
-R_OVERSIZE = "oversize"  # a request larger than the server accepts (refused by the client)
+R_OVERSIZE = "oversize"  # a request larger than the server accepts
 
-# The most a request (hello, pull, heartbeat, split) may carry: the server's REP socket drops
-# the connection of a bigger one (ZeroMQ MAXMSGSIZE), and hello replies announce it.
+# The most a request (hello, pull, heartbeat, split) may carry; hello replies announce it. A
+# client that knows it refuses a bigger request itself. The server refuses one it receives
+# (ERROR ``oversize``, counted); its REP socket's ZeroMQ MAXMSGSIZE is REQUEST_DROP_FACTOR
+# times the limit, a memory guard: a frame beyond that has its connection dropped unread,
+# which no socket event tells apart from a peer leaving, so only the client can report it.
 REQUEST_MAX_BYTES = 1 << 20
+REQUEST_DROP_FACTOR = 4
 
 
 def request_max_bytes(max_pull_rows: int, row_tables: int) -> int:

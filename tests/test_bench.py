@@ -55,6 +55,14 @@ REQUIRED = {
         "ratio_to_limit",
         "overhead_vs_tf_pss",
     ],
+    # the fetch schedule: the pinned downpour set-up with --n-fetch 4 beside --n-fetch 1
+    "n_fetch_4": [
+        "steps_per_s",
+        "staleness_mean",
+        "n_fetch_1_steps_per_s",
+        "n_fetch_1_staleness_mean",
+        "ratio_vs_n_fetch_1",
+    ],
     # the TFRecord input pipeline against in-memory arrays, same model and step
     "input": ["memory_steps_per_s", "tfrecord_steps_per_s", "tfrecord_vs_memory"],
     "goodput": ["push_ratio_to_raw", "pull_ratio_to_raw", "pushpull_ratio_to_raw"],
@@ -109,6 +117,7 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     ):
         assert f"| {target}" in done.stdout  # each new target is judged in the table
     assert "| link 1 Gbit/s |" in done.stdout
+    assert "--n-fetch 4 / 1" in done.stdout  # the fetch schedule's row
     assert "ratio_1w_vs_local, bf16" not in done.stdout  # the smoke plan skips those set-ups
 
     # the full plan's extra end-to-end set-ups (bf16 both ways) reach the table and targets

@@ -107,6 +107,7 @@ def test_device_gpu_without_a_gpu_raises_device_error() -> None:
             configure_device(device)
 
 
+@pytest.mark.slow  # two processes importing TensorFlow
 @pytest.mark.parametrize("command", ["worker", "server"])
 def test_device_gpu_without_a_gpu_exits_2_saying_so(command: str) -> None:
     if has_gpu():

@@ -65,7 +65,7 @@ class Soak:
         port, push_port, status_port = free_ports(3)
         self.server_args = (
             "--state-dir", str(self.state_dir), "--checkpoint-every", "0",
-            "--checkpoint-secs", "5", "--keep-checkpoints", "2",
+            "--checkpoint-secs", "5", "--keep-checkpoints", "2", "--eval-every", "250",
             "--port", str(port), "--push-port", str(push_port), "--status-port", str(status_port),
         )  # fmt: skip
         size = (100 << 20, 1 << 30)  # a connection is reset after 0.1-1 GB (8-80 messages)

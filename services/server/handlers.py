@@ -140,9 +140,17 @@ def handle_request(
 ) -> Reply:
     """A request from the REP socket -> its reply. Checks, in order: decode (protocol version,
     header, ``ctx.request_limits``), identity (under CURVE), a type this socket serves (hello, pull,
-    heartbeat, split). A refusal is answered with ERROR carrying the reason code."""
-    ctx.stats.counters["bytes_in"] += _nbytes(frames)
+    heartbeat, split). A request over ``ctx.max_request_bytes`` is refused before it is
+    decoded. A refusal is answered with ERROR carrying the reason code."""
+    size = _nbytes(frames)
+    ctx.stats.counters["bytes_in"] += size
     try:
+        if size > ctx.max_request_bytes:
+            raise ProtocolError(
+                wire.R_OVERSIZE,
+                f"the request is {size} bytes, larger than the server accepts "
+                f"({ctx.max_request_bytes} bytes)",
+            )
         msg = wire.decode(frames, ctx.request_limits)
         check_identity(ctx, peer_key, msg.sender)
         if msg.type == wire.HELLO:

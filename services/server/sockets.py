@@ -8,7 +8,9 @@ With keys, every socket is a CURVE server whose clients are checked by a ZAP han
 the allow-lists (``downpour.security.Authenticator``), and a monitor on each socket counts
 failed handshakes; all of it is in place before the first bind, so no plaintext peer ever
 gets in. Each socket has a MAXMSGSIZE: a peer sending more than the model could need is cut
-off before the server allocates it.
+off before the server allocates it. The REP socket's is ``wire.REQUEST_DROP_FACTOR`` times
+the request limit, so a request a little over the limit is still read, refused with a reason
+and counted (``handle_request``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class ServerSockets:
         self.grad_sock = self.ctx.socket(zmq.PULL)
         self.status_sock = self.ctx.socket(zmq.REP)
         for sock, max_bytes in (
-            (self.rep, max_request_bytes),
+            (self.rep, max_request_bytes * wire.REQUEST_DROP_FACTOR),
             (self.grad_sock, max_gradient_bytes),
             (self.status_sock, STATUS_MAX_BYTES),
         ):

@@ -37,6 +37,9 @@ class RowPulling:
     _refresh: bool
     _sync_stalled: bool
     _row_version_steps: list[int]  # per shard, versions moved between its last two replies
+    _row_version_gap: list[int]  # per shard, steps between the requests of those two replies
+    _row_request_step: int  # the step before which the last pull was requested
+    _row_held_step: int  # the same, for the pull whose weights are installed
 
     def _install_rows(
         self, replies: list[Weights], started: float, rows_only: bool = False
@@ -88,7 +91,10 @@ class RowPulling:
                     self.stats["bytes_pulled"] += wire.densify(t).nbytes
             if whole:
                 if shard.version >= 0:
-                    self._version_steps()[shard.index] = max(1, weights.version - shard.version)
+                    self._row_version_steps[shard.index] = max(1, weights.version - shard.version)
+                    self._row_version_gap[shard.index] = max(
+                        1, self._row_request_step - self._row_held_step
+                    )
                 shard.version = weights.version
                 changed = True
                 self._sync_stalled = False
@@ -99,6 +105,7 @@ class RowPulling:
         elif not rows_only:
             self.stats["pulls_unchanged"] += 1
         if not rows_only:
+            self._row_held_step = self._row_request_step
             self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
 
     def _ensure_rows(self, x: Any) -> None:
@@ -138,17 +145,27 @@ class RowPulling:
         if plan is None or stream is None:
             return [None] * len(self.shards.shards)
         n = self.config.n_fetch
-        ahead = stream.taken - 1 + n if stream.taken else n  # the next pull step's batches
-        start = max(stream.taken - 1, 0) if sync else ahead
+        now = max(stream.taken - 1, 0)  # the batch computed next
+        self._row_request_step = now
+        # the next fetch step's batches: the fetch schedule may request a few steps after the
+        # last install (before the first batch is taken, the fetch step is n)
+        ahead = (now // n + 1) * n if stream.taken else n
+        start = now if sync else ahead
         try:
             batches = stream.features(start, start + n)
         except DispatchError as exc:
             raise WorkerError(str(exc)) from None
         ids = plan.union(batches)
-        # the reply is likely as many versions on as the shard moved between the last pulls
-        return list(plan.wanted(ids, self.shards.versions, ahead=self._version_steps()))
+        return list(plan.wanted(ids, self.shards.versions, ahead=self._versions_ahead(now)))
 
-    def _version_steps(self) -> list[int]:
-        """Per shard, how many versions it moved between the last two whole replies (at
-        least 1): what the next reply will likely add."""
-        return self._row_version_steps
+    def _versions_ahead(self, now: int) -> list[int]:
+        """Per shard, how many versions the reply to a pull requested before step ``now``
+        will likely be ahead of the weights held (at least 1): the shard's pace between the
+        last two whole replies (versions per step between their requests) times the steps
+        since the held weights were requested. Pulls requested every N steps apart: the
+        versions the shard moved between the last two replies."""
+        since = max(1, now - self._row_held_step)
+        return [
+            max(1, -(-moved * since // gap))  # rounded up
+            for moved, gap in zip(self._row_version_steps, self._row_version_gap, strict=True)
+        ]

@@ -2,7 +2,9 @@
 
 DistBelief's knobs: weights are pulled every ``n_fetch`` steps (a pull of an unchanged
 version moves no tensors) and gradients are pushed every ``n_push`` steps, averaged over the
-steps in between. Every push carries the weight version it was computed from.
+steps in between. Every push carries the weight version it was computed from. A pull is
+prefetched (requested while steps compute) and timed by ``downpour.worker.schedule`` to
+arrive just before the step that installs it, so its weights are no older than they must be.
 
 The worker speaks to the servers only through the client layer (``downpour.cluster.ShardSet``
 over one ``downpour.client.ShardClient`` per shard and thread), where nothing blocks forever:
@@ -81,6 +83,7 @@ from downpour.worker.compress import Compressor, parse_compression
 from downpour.worker.errors import WorkerError
 from downpour.worker.row_pulling import RowPulling
 from downpour.worker.rows import Lookahead, RowPlan
+from downpour.worker.schedule import FetchSchedule
 from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.splits import DispatchError, SplitFeed, probe_universe
 from downpour.worker.step import Accumulator, GradientStep, batch_signature
@@ -110,10 +113,12 @@ class Fetcher:
         self.worker = worker
         self.shard = shard
         self.client = worker.shards.new_client(shard)
-        self._requests: queue.Queue[tuple[int, dict[str, np.ndarray] | None] | None] = queue.Queue(
-            maxsize=1
+        self._requests: queue.Queue[tuple[int, dict[str, np.ndarray] | None, float] | None] = (
+            queue.Queue(maxsize=1)
         )
         self._results: queue.Queue[Weights | BaseException] = queue.Queue()
+        # request -> reply ready, of the reply take() returns next (None: held by ssp, failed)
+        self.round_trip_s: float | None = None
         self._thread = threading.Thread(
             target=self._loop, name=f"fetcher-{shard.index}", daemon=True
         )
@@ -121,7 +126,7 @@ class Fetcher:
 
     def request(self, have: int, rows: dict[str, np.ndarray] | None = None) -> None:
         """Start fetching weights newer than ``have`` (and the table ``rows``, if any)."""
-        self._requests.put_nowait((have, rows))
+        self._requests.put_nowait((have, rows, time.perf_counter()))
 
     def take(self) -> Weights:
         """The reply to the last request; waits while the shard keeps answering (an ssp
@@ -152,12 +157,14 @@ class Fetcher:
                 continue
             if item is None:
                 return
-            have, rows = item
+            have, rows, sent = item
+            self.round_trip_s = None
             try:
                 try:
                     weights = self.client.pull(w.pull_request(self.shard, have), rows=rows)
                     w.shards.saw(self.shard, weights.reply.incarnation)
-                    if weights.reply.wait_ms > 0:
+                    held = weights.reply.wait_ms > 0
+                    if held:
                         weights = self._wait_turn(have, weights, rows)
                 except (ServerUnavailable, Stopped) as exc:
                     raise WorkerError(str(exc)) from None
@@ -165,7 +172,10 @@ class Fetcher:
                     raise WorkerError(
                         f"server {self.client.endpoint} sent a malformed reply: {exc}"
                     ) from None
-                self._results.put(w.prepare(self.shard, weights))
+                prepared = w.prepare(self.shard, weights)
+                if not held:  # an ssp hold measures the slowest worker, not the transfer
+                    self.round_trip_s = time.perf_counter() - sent
+                self._results.put(prepared)
             except BaseException as exc:  # handed to the main thread by take()
                 self._results.put(exc)
 
@@ -299,10 +309,14 @@ class Worker(RowPulling):
         self.sync = False  # the server aggregates synchronously (hello: policy sync:K/N)
         self.ssp = False  # the server holds pulls of workers too far ahead (hello: ssp:K)
         self._in_flight = False  # every fetcher has a pull under way whose reply is not taken
+        self.schedule = FetchSchedule(config.n_fetch)  # when the next prefetch is requested
+        self._steps_done = 0  # steps computed so far (the run loop's count)
         self._sync_stalled = False  # a sync wait timed out and no version moved since
         self.rows: RowPlan | None = None  # --row-pulls auto: the tables pulled by row
         self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
         self._row_version_steps = [1] * len(endpoints)
+        self._row_version_gap = [config.n_fetch] * len(endpoints)
+        self._row_request_step = self._row_held_step = 0
         self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
         if self.dispatched:
             self.feed = SplitFeed(
@@ -485,9 +499,24 @@ class Worker(RowPulling):
         self._in_flight = True
 
     def _fetch_all(self) -> list[Weights]:
-        """Every shard's reply to the pull its fetcher is running (they run concurrently)."""
+        """Every shard's reply to the pull its fetcher is running (they run concurrently);
+        the slowest shard's round trip is the pull's, for the fetch schedule."""
         self._in_flight = False
-        return [fetcher.take() for fetcher in self.fetchers]
+        replies = [fetcher.take() for fetcher in self.fetchers]
+        trips = [f.round_trip_s for f in self.fetchers]
+        if all(t is not None for t in trips):
+            self.schedule.note_round_trip(max(trips))
+        return replies
+
+    def _schedule_request(self) -> None:
+        """Prefetching: request the pull for the next fetch step if the fetch schedule says
+        its reply would otherwise come late (``FetchSchedule.due``); with one step left, or
+        no estimates yet, at once."""
+        if not self.prefetching or self._in_flight or self._stop.is_set():
+            return
+        if self.schedule.due(self._steps_done):
+            self.schedule.requested(self._steps_done)
+            self._request_all()
 
     def pull(self) -> None:
         """Fetch weights from every shard that has a newer version than ours: waiting for the
@@ -504,8 +533,7 @@ class Worker(RowPulling):
             self._request_all(sync=True)
             self.install(self._fetch_all(), t0)
         self._refresh = False
-        if self.prefetching:
-            self._request_all()
+        self._schedule_request()
 
     def await_new_version(self, pushed_from: list[int]) -> None:
         """With a sync:K/N server: pull until every shard has moved past the versions the last
@@ -540,8 +568,7 @@ class Worker(RowPulling):
                 )
                 break
             self._stop.wait(min(delay(), deadline.remaining()))
-        if self.prefetching and not self._in_flight:
-            self._request_all()
+        self._schedule_request()
         self.stats["sync_wait_ms"] = 1e3 * (time.perf_counter() - t0)
 
     def push(
@@ -671,9 +698,9 @@ class Worker(RowPulling):
             fetcher.request(-1)
         self.install(self._fetch_all(), time.perf_counter())
         self._stream = Lookahead((x, y, self.feed is not None and self.feed.last) for x, y in data)
-        if self.prefetching:
-            self._request_all()
+        self._schedule_request()  # no step time known yet: at once
         finished = False  # the input ran out: --epochs done (or --steps)
+        step_started: float | None = None  # when the last step passed its request decision
         while not self._stop.is_set():
             try:
                 batch = self._stream.next()
@@ -683,6 +710,9 @@ class Worker(RowPulling):
                 finished = not self._stop.is_set()
                 break
             x, y, split_end = batch
+            if step_started is not None:  # input, compute and push: what a prefetch overlaps
+                self.schedule.note_step(time.perf_counter() - step_started)
+            self._steps_done = step
             if step and step % cfg.n_fetch == 0:
                 self.pull()  # under ssp it may wait here for the slowest worker
                 if self._stop.is_set():
@@ -693,6 +723,8 @@ class Worker(RowPulling):
                     if self._stop.is_set():
                         break
                 base_versions = self.shards.versions
+            self._schedule_request()  # the pull for the next fetch step, if it is time
+            step_started = time.perf_counter()
             if self.rows is not None:  # last: after every install this step may see
                 self._ensure_rows(x)
             t0 = time.perf_counter()
@@ -746,6 +778,13 @@ class Worker(RowPulling):
             "stale_refreshes": int(self.stats["stale_refreshes"]),
             "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
             "ssp_waits": int(self.stats["ssp_waits"]),
+            "fetch_lead_steps": self.schedule.last_lead,
+            "pull_rtt_ms": None
+            if self.schedule.round_trip_s.value is None
+            else round(1e3 * self.schedule.round_trip_s.value, 3),
+            "step_ms": None
+            if self.schedule.step_s.value is None
+            else round(1e3 * self.schedule.step_s.value, 3),
             "row_pulls": None
             if self.rows is None
             else [str(t.variable.path) for t in self.rows.tables],

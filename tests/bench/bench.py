@@ -16,7 +16,8 @@ own core (worker side core 0, server side core 1), TensorFlow's thread pools siz
    memcpy on core 1 (``server.pinned_*``)
 5. end to end: steps/s of local training, 1 and 2 downpour workers, TF ParameterServerStrategy
 6. end to end, pinned: local and the bare gradient step on core 0, downpour and TF PSS with
-   the worker on core 0 and the server / PS on core 1 (``end_to_end.pinned``)
+   the worker on core 0 and the server / PS on core 1 (``end_to_end.pinned``); then that
+   downpour set-up again with ``--n-fetch 4``, beside its ``--n-fetch 1`` (``n_fetch_4``)
 7. shards: update capacity (applies/s, synthetic pushers) of 1 shard and of 2 shards
 8. input: steps/s of the worker's gradient step fed by the TFRecord example's input_fn
    against the same step fed by in-memory arrays
@@ -53,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling bench modules
 
 import bench_e2e  # noqa: E402
+import bench_fetch  # noqa: E402
 import bench_goodput  # noqa: E402
 import bench_input  # noqa: E402
 import bench_link  # noqa: E402
@@ -101,6 +103,13 @@ REQUIRED: dict[str, list[str]] = {
         "ratio_1w_vs_tf_pss",
         "ratio_to_limit",
         "overhead_vs_tf_pss",
+    ],
+    "n_fetch_4": [
+        "steps_per_s",
+        "staleness_mean",
+        "n_fetch_1_steps_per_s",
+        "n_fetch_1_staleness_mean",
+        "ratio_vs_n_fetch_1",
     ],
     "shards": ["one_shard_applies_per_s", "two_shards_applies_per_s", "ratio_two_vs_one"],
     "input": ["memory_steps_per_s", "tfrecord_steps_per_s", "tfrecord_vs_memory"],
@@ -233,6 +242,20 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _fetch_rows(r: dict[str, Any]) -> list[str]:
+    """Row n_fetch_4: the fetch schedule at --n-fetch 4 beside --n-fetch 1, pinned."""
+    f = r["n_fetch_4"]
+    lead, rtt = f["fetch_lead_steps"], f["pull_rtt_ms"]  # None without a worker summary
+    return [
+        f"| e2e, pinned | downpour worker core 0, server core 1, **--n-fetch 4 / 1** "
+        f"(staleness mean {f['staleness_mean']:.2f} / {f['n_fetch_1_staleness_mean']:.2f}; "
+        f"pulls requested {'?' if lead is None else f'{lead:.0f}'} step(s) ahead, round trip "
+        f"{'?' if rtt is None else f'{rtt:.1f}'} ms) | "
+        f"{f['steps_per_s']:.2f} / {f['n_fetch_1_steps_per_s']:.2f} steps/s "
+        f"(**{f['ratio_vs_n_fetch_1']:.2f}x**) |",
+    ]
+
+
 def table(r: dict[str, Any]) -> str:
     """The results as a Markdown table (also what the README's Performance section shows)."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
@@ -308,6 +331,7 @@ def table(r: dict[str, Any]) -> str:
         f"| input | **TFRecord / memory** | **{r['input']['tfrecord_vs_memory']:.2f}** "
         f"(per round: {_fmt_list(r['input']['tfrecord_vs_memory_per_round'])}) |",
         *_pinned_rows(r),
+        *_fetch_rows(r),
         *bench_sparse.table_rows(r["sparse"]),
         "",
         "| target | measured | goal | met |",
@@ -389,6 +413,10 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         log("[6/11] end to end, pinned")
         result["end_to_end"]["pinned"] = bench_pinned.end_to_end(plan, procs)
         timings["end_to_end_pinned"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[6/11] end to end, pinned, --n-fetch 4")
+        result["n_fetch_4"] = bench_fetch.run(plan, procs, result["end_to_end"]["pinned"])
+        timings["n_fetch_4"] = time.monotonic() - t
         t = time.monotonic()
         log("[7/11] shards")
         result["shards"] = bench_shards.run(plan, procs, names, grads)

@@ -115,13 +115,15 @@ def downpour(
     bf16: bool = False,
     server_cpus: list[int] | None = None,
     worker_cpus: list[int] | None = None,
+    worker_extra: list[str] | None = None,
 ) -> dict[str, Any]:
     """Aggregate steps/s of ``n_workers`` downpour workers against one server.
 
     ``curve``: keys generated for the run, every socket encrypted and authenticated.
     ``bf16``: the workers run with ``--compress bf16 --pull-compress bf16`` (half the bytes of
     every push and every pull). ``server_cpus`` / ``worker_cpus``: the cores each process is
-    pinned to (emulated hosts); None leaves them free.
+    pinned to (emulated hosts); None leaves them free. ``worker_extra``: more worker flags
+    (``--n-fetch 4``).
     """
     port = free_port()  # workers start with the server and retry until it answers
     ids = [f"bench-w{i}" for i in range(n_workers)]
@@ -145,6 +147,7 @@ def downpour(
         args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
         if bf16:
             args += ["--compress", "bf16", "--pull-compress", "bf16"]
+        args += worker_extra or []
         if curve:
             args += ["--key", str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")]
             args += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
