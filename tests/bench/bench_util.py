@@ -63,8 +63,8 @@ PLANS = {
     "smoke": Plan(
         "smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1, goodput_reps=1, link_window_s=1.0
     ),
-    # quick (< 3 minutes): one round, short windows, few steps; most of its time is process
-    # start-up, so it also skips the shaped link and measures fewer TF PSS variants
+    # quick (aimed at < 3 minutes): one round, short windows, few steps; most of its time is
+    # process start-up, so it also skips the shaped link and measures fewer TF PSS variants
     "quick": Plan("quick", 30, 6, 12, 1.0, 2, 1.5, 30, 6, 3, 1.5, 15, 8, 15, 1, goodput_reps=2),
     "full": Plan(
         "full",
