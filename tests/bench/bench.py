@@ -2,11 +2,11 @@
 
     .venv/bin/python tests/bench/bench.py [--quick | --smoke] [--out bench-results.json]
 
-Ten sections on the default Deep-MNIST model (13.1 MB of float32 parameters), each with
-warm-up and the median of several repetitions, the compared variants interleaved or run
-back to back so that machine noise hits them alike (ratios, not absolute times, are the
-result). Sections marked *pinned* emulate separate hosts: each process on its own core
-(worker side core 0, server side core 1), TensorFlow's thread pools sized to it:
+Eleven sections, the first ten on the default Deep-MNIST model (13.1 MB of float32
+parameters), each with warm-up and the median of several repetitions, the compared variants
+interleaved or run back to back so that machine noise hits them alike (ratios, not absolute
+times, are the result). Sections marked *pinned* emulate separate hosts: each process on its
+own core (worker side core 0, server side core 1), TensorFlow's thread pools sized to it:
 
 1. wire: np.copyto of the gradient list against encode -> ZeroMQ tcp://127.0.0.1 -> decode
 2. seed gradients: one compiled evaluation per variable against the one-pass GradientStep
@@ -25,7 +25,10 @@ result). Sections marked *pinned* emulate separate hosts: each process on its ow
    against raw pyzmq multipart of the same bytes, 1 MB and 13.1 MB messages
 10. shaped link: steps/s of a worker and a server in two network namespaces joined by a
     1 Gbit/s tbf-shaped link, float32, bf16 and top-k 1 % (skipped, with the reason, where
-    namespaces cannot be made)
+    namespaces cannot be made; skipped by ``--quick``)
+11. sparse, pinned: an embedding table of 100k, 1M and 4M rows x 16 (Zipf ids): bytes pulled
+    per step with whole-table pulls over row pulls, and steps/s with row pulls by table size
+    (``bench_sparse``)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
 Modes: full (default, < 15 min), ``--quick`` (< 3 min), ``--smoke`` (one repetition, a few
@@ -59,6 +62,7 @@ import bench_pinned  # noqa: E402
 import bench_seed  # noqa: E402
 import bench_server  # noqa: E402
 import bench_shards  # noqa: E402
+import bench_sparse  # noqa: E402
 import bench_wire  # noqa: E402
 from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
 
@@ -112,6 +116,7 @@ REQUIRED: dict[str, list[str]] = {
     "goodput": ["push_ratio_to_raw", "pull_ratio_to_raw", "pushpull_ratio_to_raw"],
     # a section that reports {"skipped": reason} (no namespaces here) is exempt
     "link_1gbit": ["dense_steps_per_s", "bf16_steps_per_s", "topk_steps_per_s"],
+    "sparse": ["pull_bytes_ratio", "flatness"],  # and every steps_per_s_by_rows value
 }
 
 
@@ -153,6 +158,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ("goodput push_ratio_to_raw", r["goodput"]["push_ratio_to_raw"], ">=", 0.90),
         ("goodput pull_ratio_to_raw", r["goodput"]["pull_ratio_to_raw"], ">=", 0.90),
         ("goodput pushpull_ratio_to_raw", r["goodput"]["pushpull_ratio_to_raw"], ">=", 0.90),
+        *bench_sparse.targets(r["sparse"]),
     ]
     if "ratio_1w_bf16_vs_local" in e:
         rows += [
@@ -326,6 +332,7 @@ def table(r: dict[str, Any]) -> str:
         f"(per round: {_fmt_list(r['input']['tfrecord_vs_memory_per_round'])}) |",
         *_pinned_rows(r),
         *_fetch_rows(r),
+        *bench_sparse.table_rows(r["sparse"]),
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -349,11 +356,14 @@ def check(r: dict[str, Any]) -> list[str]:
             x = doc.get(k)
             if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
                 bad.append(f"{path}.{k}={x!r}")
+    for rows, x in section(r, "sparse").get("steps_per_s_by_rows", {None: None}).items():
+        if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
+            bad.append(f"sparse.steps_per_s_by_rows[{rows}]={x!r}")
     return bad
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
-    """All ten sections under ``plan``; child process logs go to ``logdir``."""
+    """All eleven sections under ``plan``; child process logs go to ``logdir``."""
     t_start = time.monotonic()
     spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
@@ -372,7 +382,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     timings = {}
     with Procs(logdir) as procs:
         t = time.monotonic()
-        log("[1/10] wire")
+        log("[1/11] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
         w = result["wire"]
         result["wire_curve"] = {  # measured interleaved with the plaintext push above
@@ -384,45 +394,53 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
-        log("[2/10] seed gradients")
+        log("[2/11] seed gradients")
         result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
         timings["seed_gradients"] = time.monotonic() - t
         t = time.monotonic()
-        log("[3/10] server")
+        log("[3/11] server")
         result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
         timings["server"] = time.monotonic() - t
         t = time.monotonic()
-        log("[4/10] server, pinned")
+        log("[4/11] server, pinned")
         result["server"].update(bench_pinned.server(plan, procs))
         timings["server_pinned"] = time.monotonic() - t
         t = time.monotonic()
-        log("[5/10] end to end")
+        log("[5/11] end to end")
         result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/10] end to end, pinned")
+        log("[6/11] end to end, pinned")
         result["end_to_end"]["pinned"] = bench_pinned.end_to_end(plan, procs)
         timings["end_to_end_pinned"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/10] end to end, pinned, --n-fetch 4")
+        log("[6/11] end to end, pinned, --n-fetch 4")
         result["n_fetch_4"] = bench_fetch.run(plan, procs, result["end_to_end"]["pinned"])
         timings["n_fetch_4"] = time.monotonic() - t
         t = time.monotonic()
-        log("[7/10] shards")
+        log("[7/11] shards")
         result["shards"] = bench_shards.run(plan, procs, names, grads)
         timings["shards"] = time.monotonic() - t
         t = time.monotonic()
-        log("[8/10] input")
+        log("[8/11] input")
         result["input"] = bench_input.run(plan, spec, data)
         timings["input"] = time.monotonic() - t
         t = time.monotonic()
-        log("[9/10] goodput")
+        log("[9/11] goodput")
         result["goodput"] = bench_goodput.run(plan, procs, shapes)
         timings["goodput"] = time.monotonic() - t
         t = time.monotonic()
-        log("[10/10] shaped link")
-        result["link_1gbit"] = bench_link.run(plan, procs)
+        log("[10/11] shaped link")
+        if plan.name == "quick":  # namespaces and three more workers: the full plan's
+            log("shaped link: skipped by --quick")
+            result["link_1gbit"] = {"skipped": "not measured by --quick (run the full bench)"}
+        else:
+            result["link_1gbit"] = bench_link.run(plan, procs)
         timings["link_1gbit"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[11/11] sparse")
+        result["sparse"] = bench_sparse.run(plan.name, procs)
+        timings["sparse"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}
