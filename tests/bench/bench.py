@@ -31,7 +31,7 @@ own core (worker side core 0, server side core 1), TensorFlow's thread pools siz
     (``bench_sparse``)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
-Modes: full (default, < 15 min), ``--quick`` (< 3 min), ``--smoke`` (one repetition, a few
+Modes: full (default, < 15 min), ``--quick`` (about 5 min), ``--smoke`` (one repetition, a few
 steps: for the test that checks the bench runs, not for numbers).
 """
 
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse options, run, print the table, write the JSON; 1 if a required figure is bad."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="fewer repetitions (< 3 min)")
+    mode.add_argument("--quick", action="store_true", help="fewer repetitions (about 5 min)")
     mode.add_argument("--smoke", action="store_true", help="one repetition, a few steps")
     p.add_argument("--out", default="bench-results.json", help="where to write the JSON")
     args = p.parse_args(argv)

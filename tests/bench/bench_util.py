@@ -52,7 +52,7 @@ class Plan:
     pss_warmup_steps: int
     pss_window_steps: int
     e2e_rounds: int
-    e2e_bf16: bool = False  # also the --compress bf16 set-ups (full only: quick stays < 3 min)
+    e2e_bf16: bool = False  # also the --compress bf16 set-ups (full only: quick stays short)
     shard_rounds: int = 1  # rounds of the shards section
     pinned_rounds: int = 1  # rounds of the pinned end-to-end set-ups (emulated hosts)
     goodput_reps: int = 3  # messages per goodput sample (x size-dependent factor)
@@ -63,7 +63,7 @@ PLANS = {
     "smoke": Plan(
         "smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1, goodput_reps=1, link_window_s=1.0
     ),
-    # quick (aimed at < 3 minutes): one round, short windows, few steps; most of its time is
+    # quick (about 5 minutes on 2 cores): one round, short windows, few steps; most of its time is
     # process start-up, so it also skips the shaped link and measures fewer TF PSS variants
     "quick": Plan("quick", 30, 6, 12, 1.0, 2, 1.5, 30, 6, 3, 1.5, 15, 8, 15, 1, goodput_reps=2),
     "full": Plan(
