@@ -94,6 +94,11 @@ log = logging.getLogger("downpour.worker")
 RECENT_LOSSES = 20  # the summary's loss_recent averages this many last batches (one is noise)
 
 
+def _ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds for the summary (None stays None: nothing measured yet)."""
+    return None if seconds is None else round(1e3 * seconds, 3)
+
+
 def batch_rows(labels: Any) -> int:
     """Examples in a batch: the first dimension of its (first) label tensor."""
     return int(tf.nest.flatten(labels)[0].shape[0])
@@ -310,7 +315,6 @@ class Worker(RowPulling):
         self.ssp = False  # the server holds pulls of workers too far ahead (hello: ssp:K)
         self._in_flight = False  # every fetcher has a pull under way whose reply is not taken
         self.schedule = FetchSchedule(config.n_fetch)  # when the next prefetch is requested
-        self._steps_done = 0  # steps computed so far (the run loop's count)
         self._sync_stalled = False  # a sync wait timed out and no version moved since
         self.rows: RowPlan | None = None  # --row-pulls auto: the tables pulled by row
         self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
@@ -508,19 +512,20 @@ class Worker(RowPulling):
             self.schedule.note_round_trip(max(trips))
         return replies
 
-    def _schedule_request(self) -> None:
-        """Prefetching: request the pull for the next fetch step if the fetch schedule says
-        its reply would otherwise come late (``FetchSchedule.due``); with one step left, or
-        no estimates yet, at once."""
+    def _schedule_request(self, step: int) -> None:
+        """Prefetching, before computing ``step``: request the pull for the next fetch step
+        if the fetch schedule says its reply would otherwise come late
+        (``FetchSchedule.due``); with one step left, or no estimates yet, at once."""
         if not self.prefetching or self._in_flight or self._stop.is_set():
             return
-        if self.schedule.due(self._steps_done):
-            self.schedule.requested(self._steps_done)
+        if self.schedule.due(step):
+            self.schedule.requested(step)
             self._request_all()
 
     def pull(self) -> None:
         """Fetch weights from every shard that has a newer version than ours: waiting for the
-        replies (--no-prefetch), or taking what the fetchers brought and starting the next."""
+        replies (--no-prefetch), or taking what the fetchers brought. The run loop then asks
+        the fetch schedule when to start the next."""
         t0 = time.perf_counter()
         prefetched = self._in_flight
         if not prefetched:
@@ -533,7 +538,6 @@ class Worker(RowPulling):
             self._request_all(sync=True)
             self.install(self._fetch_all(), t0)
         self._refresh = False
-        self._schedule_request()
 
     def await_new_version(self, pushed_from: list[int]) -> None:
         """With a sync:K/N server: pull until every shard has moved past the versions the last
@@ -568,7 +572,6 @@ class Worker(RowPulling):
                 )
                 break
             self._stop.wait(min(delay(), deadline.remaining()))
-        self._schedule_request()
         self.stats["sync_wait_ms"] = 1e3 * (time.perf_counter() - t0)
 
     def push(
@@ -698,7 +701,7 @@ class Worker(RowPulling):
             fetcher.request(-1)
         self.install(self._fetch_all(), time.perf_counter())
         self._stream = Lookahead((x, y, self.feed is not None and self.feed.last) for x, y in data)
-        self._schedule_request()  # no step time known yet: at once
+        self._schedule_request(0)  # no step time known yet: at once
         finished = False  # the input ran out: --epochs done (or --steps)
         step_started: float | None = None  # when the last step passed its request decision
         while not self._stop.is_set():
@@ -712,7 +715,6 @@ class Worker(RowPulling):
             x, y, split_end = batch
             if step_started is not None:  # input, compute and push: what a prefetch overlaps
                 self.schedule.note_step(time.perf_counter() - step_started)
-            self._steps_done = step
             if step and step % cfg.n_fetch == 0:
                 self.pull()  # under ssp it may wait here for the slowest worker
                 if self._stop.is_set():
@@ -723,7 +725,7 @@ class Worker(RowPulling):
                     if self._stop.is_set():
                         break
                 base_versions = self.shards.versions
-            self._schedule_request()  # the pull for the next fetch step, if it is time
+            self._schedule_request(step)  # the pull for the next fetch step, if it is time
             step_started = time.perf_counter()
             if self.rows is not None:  # last: after every install this step may see
                 self._ensure_rows(x)
@@ -779,12 +781,8 @@ class Worker(RowPulling):
             "sync_wait_timeouts": int(self.stats["sync_wait_timeouts"]),
             "ssp_waits": int(self.stats["ssp_waits"]),
             "fetch_lead_steps": self.schedule.last_lead,
-            "pull_rtt_ms": None
-            if self.schedule.round_trip_s.value is None
-            else round(1e3 * self.schedule.round_trip_s.value, 3),
-            "step_ms": None
-            if self.schedule.step_s.value is None
-            else round(1e3 * self.schedule.step_s.value, 3),
+            "pull_rtt_ms": _ms(self.schedule.round_trip_s.value),
+            "step_ms": _ms(self.schedule.step_s.value),
             "row_pulls": None
             if self.rows is None
             else [str(t.variable.path) for t in self.rows.tables],
