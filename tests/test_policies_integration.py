@@ -248,7 +248,12 @@ def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
     workers = doc["workers"]
     assert (workers["a"]["held"], workers["a"]["applied"], workers["a"]["dropped"]) == (1, 1, 1)
     assert (workers["b"]["applied"], workers["c"]["dropped"]) == (1, 1)
+    assert probe.pull("c").reply.dropped_stale == 1  # a late gradient is told, like a stale one
+    assert probe.pull("c").reply.dropped_stale == 0
 
+    # Real workers. Whether a third one's gradients come late depends on how the processes'
+    # start-ups overlap (a pair can finish before the third starts), so only what holds for
+    # every interleaving is asserted: the accounting, and fresh-only updates.
     sums = train(services, server, 3, 40, sync_wait_s=8.0)  # covers start-up skew
     doc = fetch_status(server.status)
     c = doc["policy"]["counters"]
@@ -256,10 +261,10 @@ def test_sync_averages_k_fresh_gradients_and_discards_late_ones(
     assert doc["version"] == c["updates"] and c["applied"] == 2 * c["updates"]  # 1 per 2
     assert c["aggregated"] == c["applied"] + c["discarded"] + doc["policy"]["pending"]
     assert c["offered"] == c["aggregated"] + c["late"] + c["duplicate"]
-    assert c["late"] > 1  # the third worker's gradient of a round comes too late
     assert doc["version"] > 10
     assert doc["staleness"]["max"] == 0  # only gradients from the current weights applied
-    assert sum(s["dropped_stale"] for s in sums) > 0  # late ones are told, like stale ones
+    # late ones are told at the next pull (none after a worker's last); the probe's was told
+    assert sum(s["dropped_stale"] for s in sums) <= c["late"] - 1
     assert held_out_accuracy(pull_weights(server.rep)[1]) > 0.8
 
     # a partial round is applied when the server stops
