@@ -446,6 +446,17 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
         return wire.split_reply(wire.SplitReply(kind, d.epoch, acked=done, stale=stale, held=held))
     grant = d.next_split(msg.sender, ctx.clock())
     s = grant.split
+    log.debug(
+        "split request of %s (acks %s: %d done, %d held, %d stale): %s %s",
+        msg.sender,
+        [a[:2] for a in req.acks],
+        done,
+        held,
+        stale,
+        grant.kind,
+        None if s is None else s.index,
+        extra={"worker": msg.sender},
+    )
     return wire.split_reply(
         wire.SplitReply(
             grant.kind,

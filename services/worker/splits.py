@@ -113,6 +113,7 @@ class SplitFeed:
                 self.stop.wait(min(max(grant.retry_s, 0.01), MAX_WAIT_S))
                 continue
             self.current = (grant.epoch, grant.split.index)
+            log.debug("reading split %d of epoch %d", grant.split.index, grant.epoch)
             self.counts["splits"] += 1
             ds = build_dataset(self.fn, self.ctx.for_epoch(grant.epoch, grant.split))
             it = iter(ds)
