@@ -265,6 +265,7 @@ class Worker(RowPulling):
                 ) from None
         self.planned_per_epoch = None if self.dispatched else known_batches(first)
         self.epoch = 0  # the epoch of the batch computed last
+        self._input_stream: Iterator[tuple[int, Any]] | None = None
         if not self.dispatched:
             self._batches = self._prime(first)
         variables = self.model.trainable_variables
@@ -361,6 +362,11 @@ class Worker(RowPulling):
     def close(self) -> None:
         """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
         self._stop.set()  # ends any retry loop still waiting on the server
+        # The input generators are closed here, so their tf.data iterators go now: a worker
+        # sits in reference cycles, and a cyclic GC long after would delete them all at once.
+        self._batches.close()
+        if self._input_stream is not None:
+            self._input_stream.close()
         clean = True
         for fetcher in self.fetchers:
             clean = fetcher.close() and clean
@@ -652,6 +658,8 @@ class Worker(RowPulling):
         def chained() -> Iterator[tuple[int, Any]]:
             yield head
             yield from stream
+
+        self._input_stream = stream  # closed by close() even when chained never started
 
         return chained()
 
