@@ -109,7 +109,10 @@ def test_training_with_row_pulls_reaches_the_dense_bar_and_pulls_rows_only() -> 
     table = 100_000 * 16 * 4
     # one whole load, then rows: a batch of 20 x 6 ids touches at most 120 rows a step
     assert table < rows["bytes_pulled"] < table + 60 * 120 * (64 + 8) + 60 * 1024
-    assert dense["bytes_pulled"] > 50 * table
+    # every pull that brought a new version carried the whole table; how many of the 60
+    # came back unchanged (the push not applied yet) depends on the timing
+    whole = dense["pulls"] - dense["pulls_unchanged"]
+    assert dense["bytes_pulled"] >= whole * table and whole > 40
     assert 0 < rows["rows_pulled"] <= 60 * 120 and rows["row_misses"] > 0
 
 

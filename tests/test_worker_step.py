@@ -59,3 +59,42 @@ def test_accumulator_averages_dense_and_concatenates_sparse() -> None:
     np.testing.assert_array_equal(sparse.to_dense()[1], [1, 1])  # (1 + 1) / 2
     assert acc.count == 0
     assert a[0].tolist() == [1, 1, 1]  # inputs untouched: they may still be queued on the wire
+
+
+def _buffer(t: tf.Tensor) -> int:
+    """Address of an eager CPU tensor's data (NumPy views it without a copy)."""
+    return int(np.asarray(t).__array_interface__["data"][0])
+
+
+def test_rows_written_by_row_leave_the_table_readable_without_a_copy() -> None:
+    """A sparse write puts a resource variable in copy-on-read mode, where each dense read
+    (the step's Embedding lookup) copies the whole table; ``scatter_rows`` leaves it out of
+    that mode, so two reads share the variable's one buffer."""
+    spec = load_spec("tiny_models:embedding")
+    model = build_model(spec)
+    data = spec.load_data(None)
+    step = GradientStep(spec, model, data.x_train[:1])
+    table = model.get_layer("embed").embeddings.value
+    before = table.numpy()
+    rows = np.array([3, 70, 4999], np.int64)
+    values = np.arange(24, dtype=np.float32).reshape(3, 8)
+    for _ in range(2):  # the compiled write, then its second call
+        step.scatter_rows(0, rows, values)
+        first, second = table.read_value(), table.read_value()
+        assert _buffer(first) == _buffer(second)
+        del first, second
+    after = table.numpy()
+    np.testing.assert_array_equal(after[rows], values)
+    untouched = np.setdiff1d(np.arange(5000), rows)
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+    # the step reads the rows written and its table gradient stays row-sparse
+    x, y = data.x_train[:20], data.y_train[:20]
+    loss, grads = step(x, y)
+    with tf.GradientTape() as tape:
+        ref_loss = spec.loss(y, model(x, training=True))
+    ref = tape.gradient(ref_loss, model.trainable_variables)
+    assert isinstance(grads[0], Sparse) and isinstance(ref[0], tf.IndexedSlices)
+    np.testing.assert_array_equal(grads[0].indices, ref[0].indices.numpy())
+    np.testing.assert_allclose(grads[0].values, ref[0].values.numpy(), rtol=1e-6)
+    assert abs(loss - float(ref_loss)) < 1e-6
+    assert step.traces == 1

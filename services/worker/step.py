@@ -106,7 +106,15 @@ class GradientStep:
         fn(*arrays)
 
     def scatter_rows(self, i: int, rows: np.ndarray, values: np.ndarray) -> None:
-        """Write rows ``rows`` (int64) of variable ``i`` (a table kept by row): O(rows)."""
+        """Write rows ``rows`` (int64) of variable ``i`` (a table kept by row): O(rows).
+
+        A sparse write (``ResourceScatterUpdate``) puts the variable into TensorFlow's
+        copy-on-read mode, in which every later dense read (``ReadVariableOp``, as Keras's
+        ``Embedding`` reads its table in the step) copies the whole table: O(table) a step.
+        The same compiled call then turns the mode off again (``DisableCopyOnRead``, what
+        ``ResourceVariable.read_value_no_copy`` uses): the next write made while no read
+        holds the table still finds its buffer unshared and writes it in place, so a row
+        install and the step's read stay O(rows) at any table size."""
         fn = self._scatters.get(i)
         if fn is None:
             v = self.variables[i]
@@ -119,6 +127,7 @@ class GradientStep:
             )
             def scatter(rows: tf.Tensor, values: tf.Tensor) -> None:
                 v.value.scatter_update(tf.IndexedSlices(values, rows))
+                tf.raw_ops.DisableCopyOnRead(resource=v.value.handle)
 
             fn = self._scatters[i] = scatter
         fn(rows, values)
