@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import wait_until
 from inproc import make_worker, serving, train
 
@@ -19,12 +20,50 @@ from downpour.cluster import pull_full
 from downpour.models import build_model
 from downpour.settings import ConfigError
 from downpour.spec import load_spec
+from downpour.worker.row_cache import RowCache
 from downpour.worker.service import WorkerError
 
 BIG = "tiny_models:big_embedding"  # 100,000 x 16; a batch gathers <= 120 ids of 200 in use
 TABLE = "embed/embeddings"
 CACHE = 150  # fewer rows than the 200 ids the run gathers: rows are evicted and pulled again
 SYNC = {"optimizer": "adagrad", "learning_rate": 0.5, "policy": "sync:1/1"}
+
+
+def _cached(cache: RowCache, *ids: int) -> list[bool]:
+    return (cache.slots(np.array(ids, np.int64)) >= 0).tolist()
+
+
+def test_eviction_spares_the_current_batch_and_keeps_rows_for_coming_batches() -> None:
+    cache = RowCache(rows=1000, dim=2, capacity=4)
+    cache.begin_batch(np.array([1, 2], np.int64), now=0)
+    cache.place(np.array([1, 2], np.int64), until=0, current=True)
+    # a look-ahead pull for batches 1 and 2 brings rows 3 and 4: the cache is full
+    cache.place(np.array([3, 4], np.int64), until=2, current=False)
+    # more look-ahead rows find no slot: the current batch's rows and the coming batches'
+    # are all kept, so row 5 is dropped (its batch's top-up pulls it)
+    assert cache.place(np.array([5], np.int64), until=2, current=False).tolist() == [-1]
+    assert cache.dropped == 1 and _cached(cache, 1, 2, 3, 4, 5) == [True] * 4 + [False]
+    # batch 1 gathers 1 and 5: its top-up evicts row 2, which no batch from now on needs
+    cache.begin_batch(np.array([1, 5], np.int64), now=1)
+    cache.place(np.array([5], np.int64), until=1, current=True)
+    assert _cached(cache, 1, 2, 3, 4, 5) == [True, False, True, True, True]
+    # a batch's own rows may evict rows kept for coming batches, never its own
+    cache.begin_batch(np.array([1, 5, 6, 7], np.int64), now=1)
+    cache.place(np.array([6, 7], np.int64), until=1, current=True)
+    assert _cached(cache, 1, 3, 4, 5, 6, 7) == [True, False, False, True, True, True]
+    assert cache.evictions == 3
+    with pytest.raises(WorkerError, match="more than --row-cache-rows 4"):
+        cache.begin_batch(np.arange(5, dtype=np.int64), now=2)
+
+
+def test_a_cached_tables_gradient_names_global_rows_of_the_tables_shape() -> None:
+    cache = RowCache(rows=1000, dim=2, capacity=4)
+    cache.begin_batch(np.array([900, 7], np.int64), now=0)
+    slots = cache.place(np.array([7, 900], np.int64), until=0, current=True)
+    values = np.ones((3, 2), np.float32)
+    g = tf.IndexedSlices(tf.constant(values), tf.constant(slots[[1, 0, 1]]), tf.constant([4, 2]))
+    sparse = cache.gradient(g, wire.Sparse)
+    assert sparse.indices.tolist() == [900, 7, 900] and tuple(sparse.dense_shape) == (1000, 2)
 
 
 def _applied(servers: list[Any], version: int) -> None:
