@@ -62,7 +62,7 @@ def test_a_cached_tables_gradient_names_global_rows_of_the_tables_shape() -> Non
     slots = cache.place(np.array([7, 900], np.int64), until=0, current=True)
     values = np.ones((3, 2), np.float32)
     g = tf.IndexedSlices(tf.constant(values), tf.constant(slots[[1, 0, 1]]), tf.constant([4, 2]))
-    sparse = cache.gradient(g, wire.Sparse)
+    sparse = cache.gradient(g)
     assert sparse.indices.tolist() == [900, 7, 900] and tuple(sparse.dense_shape) == (1000, 2)
 
 

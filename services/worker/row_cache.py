@@ -38,6 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour.wire import Sparse
 from downpour.worker.errors import WorkerError
 
 _scope = threading.local()  # .capacity: --row-cache-rows of the build running on this thread
@@ -151,16 +152,16 @@ class RowCache:
         mine = (self.slot_ids >= start) & (self.slot_ids < stop)
         self.fetched[mine] = -1
 
-    def gradient(self, g: Any, wire_sparse: Any) -> Any:
-        """The gradient of the cache variable (slots) as the table's: ``wire_sparse``
-        (``wire.Sparse``) rows with global ids and the table's shape."""
+    def gradient(self, g: Any) -> Sparse:
+        """The gradient of the cache variable (rows by slot, ``tf.IndexedSlices``) as the
+        table's: rows by global id, of the table's shape."""
         if not isinstance(g, tf.IndexedSlices):
             raise WorkerError(
                 "a cached table's gradient is dense, not row-sparse: --row-cache-rows needs "
                 "tables whose gradient touches only the gathered rows"
             )
         slots = g.indices.numpy()
-        return wire_sparse(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
+        return Sparse(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
 
 
 class _CachedEmbedding:

@@ -8,9 +8,11 @@ figures. Row pulls are off (``Worker.rows`` is None) for models without row-spar
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import tensorflow as tf
 
 from downpour import wire
 from downpour.client import Weights
@@ -145,6 +147,32 @@ class RowPulling:
         hits, misses = plan.consume(ids)
         self.stats["row_hits"] += hits
         self.stats["row_misses"] += misses
+
+    def _with_rows(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        """``(features, labels)`` batches outside training (the held-out set), each with its
+        rows pulled before it is handed on; a batch whose rows do not fit a row cache is
+        halved until they do."""
+        plan = self.rows
+        assert plan is not None
+        now = (self._stream.taken if self._stream is not None else 0) + self.config.n_fetch
+
+        def pieces(x: Any, y: Any) -> Iterator[tuple[Any, Any]]:
+            n = int(tf.nest.flatten(y)[0].shape[0])
+            fits = all(
+                t.cache is None or ids.size <= t.cache.capacity
+                for t, ids in zip(plan.tables, plan.batch_ids(x), strict=True)
+            )
+            if fits or n < 2:
+                yield x, y
+                return
+            for lo, hi in ((0, n // 2), (n // 2, n)):
+                yield from pieces(*tf.nest.map_structure(lambda t, a=lo, b=hi: t[a:b], (x, y)))
+
+        for batch in batches:
+            for x, y in pieces(*batch):
+                self._ensure_rows(x, now=now)  # after every batch of the run: none kept
+                now += 1
+                yield x, y
 
     def _lookahead_rows(self, sync: bool) -> list[dict[str, np.ndarray] | None]:
         """Per shard, the table rows to ask with the pull being requested: those of the

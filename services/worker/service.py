@@ -653,7 +653,8 @@ class Worker(RowPulling):
         """The spec's metric on the held-out set with this worker's model as it ends: the last
         weights it pulled and its own BatchNorm statistics (None in tf1 mode, whose weights
         live in the TF1 session, or without a held-out set). Row caches get each held-out
-        batch's rows pulled before it is scored (None when the worker was stopped)."""
+        batch's rows pulled before it is scored (None when the worker was stopped, or the
+        pulls failed)."""
         if self.config.graph != "tf2" or self.inputs.held_out is None:
             return None
         ds = build_dataset(self.inputs.held_out, self.input_ctx, "held_out_fn")
@@ -661,32 +662,11 @@ class Worker(RowPulling):
             return float(evaluate(self.spec, self.model, ds))
         if self.rows is None or self._stop.is_set():
             return None
-        after = self._stream.taken if self._stream is not None else 0
-
-        plan, k = self.rows, after + self.config.n_fetch
-
-        def pieces(x: Any, y: Any) -> Iterator[tuple[Any, Any]]:
-            """The batch, halved until each piece's rows fit the caches."""
-            n = batch_rows(y)
-            fits = all(
-                t.cache is None or ids.size <= t.cache.capacity
-                for t, ids in zip(plan.tables, plan.batch_ids(x), strict=True)
-            )
-            if fits or n < 2:
-                yield x, y
-                return
-            for lo, hi in ((0, n // 2), (n // 2, n)):
-                yield from pieces(*tf.nest.map_structure(lambda t: t[lo:hi], (x, y)))
-
-        def cached(batches: Any) -> Iterator[tuple[Any, Any]]:
-            nonlocal k
-            for batch in batches:
-                for x, y in pieces(*batch):
-                    self._ensure_rows(x, now=k)
-                    k += 1
-                    yield x, y
-
-        return float(evaluate(self.spec, self.model, cached(ds)))
+        try:
+            return float(evaluate(self.spec, self.model, self._with_rows(ds)))
+        except WorkerError as exc:  # the servers went away after training: no score
+            log.warning("no held-out score: pulling its rows failed: %s", exc)
+            return None
 
     def _prime(self, first: Any) -> Iterator[tuple[int, Any]]:
         """The training batches, epoch after epoch, with the first one read already: a

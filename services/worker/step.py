@@ -88,7 +88,7 @@ class GradientStep:
         """Loss as a float and the gradients as wire tensors, in variable order."""
         loss, grads = self._compute(x, y)
         out = [
-            self.caches[i].gradient(g, Sparse) if i in self.caches else to_wire(g)
+            self.caches[i].gradient(g) if i in self.caches else to_wire(g)
             for i, g in enumerate(grads)
         ]
         return float(loss), out
