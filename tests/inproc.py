@@ -192,6 +192,7 @@ WORKER_FLAGS = {
     "graph": "--graph",
     "row_pulls": "--row-pulls",
     "row_staleness": "--row-staleness",
+    "row_cache_rows": "--row-cache-rows",
 }
 
 

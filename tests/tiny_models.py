@@ -195,3 +195,27 @@ def million_embedding() -> ModelSpec:
         return Dataset(x[:640], y[:640], x[640:], y[640:])
 
     return ModelSpec(name="million_embedding", build=build, load_data=data, batch_size=20)
+
+
+def ten_million_embedding() -> ModelSpec:
+    """A 10,000,000 x 64 table (2.56 GB) and a 2-class head: larger than a worker should
+    hold, for ``--row-cache-rows``. Each example gathers 8 ids drawn uniformly over the
+    table (a batch of 64: 512 ids, nearly all distinct); the label is planted in them
+    (whether most are even)."""
+    vocab, dim, features = 10_000_000, 64, 8
+
+    def build() -> keras.Model:
+        inp = keras.Input((features,), dtype="int32", name="ids")
+        # zeros: the servers build the table without a random 2.56 GB temporary
+        e = keras.layers.Embedding(vocab, dim, embeddings_initializer="zeros", name="embed")(inp)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
+        out = keras.layers.Dense(2, name="logits")(h)
+        return keras.Model(inp, out, name="ten_million_embedding")
+
+    def data(_d: str | None) -> Dataset:
+        rng = np.random.default_rng(10)
+        x = rng.integers(0, vocab, (20_480 + 512, features)).astype(np.int32)
+        y = ((x % 2 == 0).sum(axis=1) > features // 2).astype(np.int64)
+        return Dataset(x[:20_480], y[:20_480], x[20_480:], y[20_480:])
+
+    return ModelSpec(name="ten_million_embedding", build=build, load_data=data, batch_size=64)

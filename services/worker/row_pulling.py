@@ -8,9 +8,11 @@ figures. Row pulls are off (``Worker.rows`` is None) for models without row-spar
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import tensorflow as tf
 
 from downpour import wire
 from downpour.client import Weights
@@ -80,7 +82,9 @@ class RowPulling:
                 if t is None:
                     continue
                 if plan.is_table(name):
-                    n, nbytes = plan.install(name, t, weights.version, self.step_fn.scatter_rows)
+                    n, nbytes = plan.install(
+                        name, t, weights.version, self.step_fn.scatter_rows, current=rows_only
+                    )
                     shard.arrays[j] = None
                     if isinstance(t, wire.Sparse):
                         self.stats["rows_pulled"] += int(t.indices.shape[0])
@@ -108,13 +112,17 @@ class RowPulling:
             self._row_held_step = self._row_request_step
             self.stats["pull_ms"] = 1e3 * (time.perf_counter() - started)
 
-    def _ensure_rows(self, x: Any) -> None:
+    def _ensure_rows(self, x: Any, now: int | None = None) -> None:
         """Before a step: pull at once the rows of its batch that are stale (the look-ahead
         pull did not bring them, or the version moved on since), then count the batch's
-        rows as cache hits or misses."""
+        rows as cache hits or misses. ``now``: the batch's index in the run (default: the
+        batch the stream handed out last), which row caches keep until the next batch."""
         plan = self.rows
         assert plan is not None
         ids = plan.batch_ids(x)
+        if now is None:
+            now = max(self._stream.taken - 1, 0) if self._stream is not None else 0
+        plan.begin_batch(ids, now)
         wanted = plan.wanted(ids, self.shards.versions)
         if plan.count(wanted):
             self.stats["row_sync_pulls"] += 1
@@ -133,9 +141,38 @@ class RowPulling:
                         f"server {shard.endpoint} sent a malformed reply: {exc}"
                     ) from None
             self._install_rows(replies, time.perf_counter(), rows_only=True)
+        for table, table_ids in zip(plan.tables, ids, strict=True):
+            if table.cache is not None and (table.cache.slots(table_ids) < 0).any():
+                raise WorkerError(f"rows of {table.variable.path} missing from its row cache")
         hits, misses = plan.consume(ids)
         self.stats["row_hits"] += hits
         self.stats["row_misses"] += misses
+
+    def _with_rows(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        """``(features, labels)`` batches outside training (the held-out set), each with its
+        rows pulled before it is handed on; a batch whose rows do not fit a row cache is
+        halved until they do."""
+        plan = self.rows
+        assert plan is not None
+        now = (self._stream.taken if self._stream is not None else 0) + self.config.n_fetch
+
+        def pieces(x: Any, y: Any) -> Iterator[tuple[Any, Any]]:
+            n = int(tf.nest.flatten(y)[0].shape[0])
+            fits = all(
+                t.cache is None or ids.size <= t.cache.capacity
+                for t, ids in zip(plan.tables, plan.batch_ids(x), strict=True)
+            )
+            if fits or n < 2:
+                yield x, y
+                return
+            for lo, hi in ((0, n // 2), (n // 2, n)):
+                yield from pieces(*tf.nest.map_structure(lambda t, a=lo, b=hi: t[a:b], (x, y)))
+
+        for batch in batches:
+            for x, y in pieces(*batch):
+                self._ensure_rows(x, now=now)  # after every batch of the run: none kept
+                now += 1
+                yield x, y
 
     def _lookahead_rows(self, sync: bool) -> list[dict[str, np.ndarray] | None]:
         """Per shard, the table rows to ask with the pull being requested: those of the
@@ -156,6 +193,7 @@ class RowPulling:
         except DispatchError as exc:
             raise WorkerError(str(exc)) from None
         ids = plan.union(batches)
+        plan.keep_for(ids, start + n - 1)
         return list(plan.wanted(ids, self.shards.versions, ahead=self._versions_ahead(now)))
 
     def _versions_ahead(self, now: int) -> list[int]:

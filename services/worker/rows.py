@@ -23,8 +23,9 @@ moves one version on; before each step, rows of the batch still stale (the look-
 them, or the version moved further) are pulled at once (``row_sync_pulls``), asking the
 server for those rows only. A reply never overwrites a row with an older version than the
 one held. Pulled rows are scattered into the variable (O(rows)); whole variables are
-assigned as before. A larger-than-memory table would keep the same ``fetched`` versions
-for a bounded set of cached rows.
+assigned as before. With ``--row-cache-rows N`` a table of more than N rows is no replica
+but a bounded cache of N rows (``downpour.worker.row_cache``), which keeps the same versions
+per cached row and places pulled rows in its slots.
 
 Split tables: a table split by row ranges over shards (``downpour.partition``) has its ids
 routed to the shard holding each, rebased to that shard's slice (``Partition.route_rows``).
@@ -44,6 +45,8 @@ import tensorflow as tf
 
 from downpour import wire
 from downpour.partition import Part, Partition
+from downpour.worker.errors import WorkerError
+from downpour.worker.row_cache import RowCache
 
 log = logging.getLogger("downpour.worker")
 
@@ -51,17 +54,29 @@ log = logging.getLogger("downpour.worker")
 @dataclass
 class RowTable:
     """One table pulled by row: variable ``var`` (model order), its pieces per shard, and the
-    version at which each of its rows was last fetched (its shard's version; -1 never)."""
+    version at which each of its rows was last fetched (its shard's version; -1 never):
+    ``fetched`` per row of a full replica, or kept per slot by its ``cache``."""
 
     var: int
     variable: Any
     parts: list[tuple[int, Part]]
-    fetched: np.ndarray
+    fetched: np.ndarray | None
+    cache: RowCache | None = None
 
     @property
     def rows(self) -> int:
         """Rows of the whole table."""
+        if self.cache is not None:
+            return self.cache.rows
+        assert self.fetched is not None
         return int(self.fetched.shape[0])
+
+    def fetched_at(self, rows: np.ndarray) -> np.ndarray:
+        """The version each of these global rows was fetched at (-1: never, not cached)."""
+        if self.cache is not None:
+            return self.cache.fetched_at(rows)
+        assert self.fetched is not None
+        return self.fetched[rows]
 
 
 def _embeddings(model: keras.Model) -> dict[str, keras.layers.Embedding]:
@@ -84,14 +99,20 @@ class RowPlan:
         tables: Sequence[int],
         features_spec: Any,
         staleness: int,
+        caches: dict[str, RowCache] | None = None,
     ) -> None:
+        """``caches``: the row caches of the model (``row_cache.caches_of``) by variable
+        path; each must be one of ``tables``."""
         variables = model.trainable_variables
         by_path = _embeddings(model)
         layers = [by_path[variables[i].path] for i in tables]
+        caches = caches or {}
         self.partition = partition
         self.staleness = staleness
         self.tables = [
-            RowTable(
+            RowTable(i, variables[i], partition.parts_of(i), None, caches[variables[i].path])
+            if variables[i].path in caches
+            else RowTable(
                 i,
                 variables[i],
                 partition.parts_of(i),
@@ -99,6 +120,8 @@ class RowPlan:
             )
             for i in tables
         ]
+        self.cached = [t for t in self.tables if t.cache is not None]
+        self.pending_until = 0  # the last batch the pull being requested serves
         self.by_wire = {p.wire_name: (t, p) for t in self.tables for _, p in t.parts}
         extractor = keras.Model(model.inputs, [layer.input for layer in layers])
 
@@ -120,10 +143,32 @@ class RowPlan:
         offered: Sequence[Sequence[str] | None],
         features_spec: Any,
         staleness: int,
+        caches: dict[str, RowCache] | None = None,
     ) -> RowPlan | None:
         """The plan for the tables every shard serves by row (``offered``: each shard's
         hello ``row_tables``), or None when there are none or the model gives no extractor
-        (logged once)."""
+        (logged once). WorkerError when a cached table (``caches``) cannot go by row."""
+        plan = cls._build(model, partition, offered, features_spec, staleness, caches)
+        by_row = {str(t.variable.path) for t in plan.tables} if plan is not None else set()
+        missing = sorted(set(caches or {}) - by_row)
+        if missing:
+            raise WorkerError(
+                f"--row-cache-rows: table {missing[0]} cannot be pulled by row (a server does "
+                "not serve it by row, or the model gives no id extractor; see the log), and a "
+                "row cache cannot hold a table pulled whole"
+            )
+        return plan
+
+    @classmethod
+    def _build(
+        cls,
+        model: keras.Model,
+        partition: Partition,
+        offered: Sequence[Sequence[str] | None],
+        features_spec: Any,
+        staleness: int,
+        caches: dict[str, RowCache] | None,
+    ) -> RowPlan | None:
         serves = [set(o or ()) for o in offered]
         candidates = []
         for var in range(len(model.trainable_variables)):
@@ -140,7 +185,7 @@ class RowPlan:
         if not tables:
             return None
         try:
-            return cls(model, partition, tables, features_spec, staleness)
+            return cls(model, partition, tables, features_spec, staleness, caches)
         except (ValueError, AttributeError, TypeError) as exc:  # Keras: not functional, shared
             log.warning(
                 "row pulls off: cannot find the ids a batch gathers in model %s (%s); tables "
@@ -172,7 +217,7 @@ class RowPlan:
         steps = [ahead] * len(versions) if isinstance(ahead, int) else list(ahead)
         for table, table_ids in zip(self.tables, ids, strict=True):
             for k, part, local in self.partition.route_rows(table.var, table_ids):
-                fetched = table.fetched[local + part.start]
+                fetched = table.fetched_at(local + part.start)
                 stale = (fetched < 0) | (fetched < versions[k] + steps[k] - self.staleness)
                 out[k][part.wire_name] = local[stale]  # never fetched (-1) is always stale
         return out
@@ -196,7 +241,12 @@ class RowPlan:
         fetched (they are pulled again, and any reply may overwrite them)."""
         for table in self.tables:
             for k, part in table.parts:
-                if k == shard:
+                if k != shard:
+                    continue
+                if table.cache is not None:
+                    table.cache.forget(part.start, part.stop)
+                else:
+                    assert table.fetched is not None
                     table.fetched[part.start : part.stop] = -1
 
     def is_table(self, wire_name: str) -> bool:
@@ -204,14 +254,28 @@ class RowPlan:
         return wire_name in self.by_wire
 
     def install(
-        self, wire_name: str, tensor: wire.WireTensor, version: int, scatter: Any
+        self,
+        wire_name: str,
+        tensor: wire.WireTensor,
+        version: int,
+        scatter: Any,
+        current: bool = False,
     ) -> tuple[int, int]:
         """Put a reply's piece of a table into the local replica: a Sparse (rows) or a whole
         piece (an array: the first load, or a server without row pulls). Rows held at a newer
-        version are kept. ``scatter(var, rows, values)`` writes rows of the variable.
+        version are kept. ``scatter(var, rows, values)`` writes rows of the variable. A
+        cached table takes rows only, placed in its slots: ``current``, the rows of the batch
+        about to be computed, else of the batches up to ``pending_until``.
         Returns (rows written, bytes received)."""
         table, part = self.by_wire[wire_name]
         by_row = isinstance(tensor, wire.Sparse)
+        if table.cache is not None:
+            if not by_row:
+                raise WorkerError(
+                    f"a server sent the cached table {wire_name} whole: --row-cache-rows "
+                    "needs servers that serve it by row"
+                )
+            return self._install_cached(table, part, tensor, version, scatter, current)
         if isinstance(tensor, wire.Sparse):
             rows = np.asarray(tensor.indices, np.int64) + part.start
             values = np.asarray(tensor.values)
@@ -220,6 +284,7 @@ class RowPlan:
             values = wire.densify(tensor)
             rows = np.arange(part.start, part.start + values.shape[0], dtype=np.int64)
             nbytes = values.nbytes
+        assert table.fetched is not None
         keep = table.fetched[rows] <= version
         if not keep.all():
             rows, values = rows[keep], values[keep]
@@ -229,6 +294,58 @@ class RowPlan:
             if by_row:  # what a batch's row pull brought (a whole load is no miss)
                 self._just_fetched[self.tables.index(table)].append(rows)
         return int(rows.size), int(nbytes)
+
+    def _install_cached(
+        self,
+        table: RowTable,
+        part: Part,
+        tensor: wire.Sparse,
+        version: int,
+        scatter: Any,
+        current: bool,
+    ) -> tuple[int, int]:
+        """``install`` of rows of a cached table: placed in slots (``RowCache.place``),
+        written there; rows cached at a newer version are kept."""
+        cache = table.cache
+        assert cache is not None
+        rows = np.asarray(tensor.indices, np.int64) + part.start
+        values = np.asarray(tensor.values)
+        nbytes = tensor.indices.nbytes + values.nbytes
+        keep = cache.fetched_at(rows) <= version
+        if not keep.all():
+            rows, values = rows[keep], values[keep]
+        slots = cache.place(rows, self.pending_until, current)
+        placed = slots >= 0
+        if not placed.all():
+            rows, values, slots = rows[placed], values[placed], slots[placed]
+        if rows.size:
+            scatter(table.var, slots, values)
+            cache.fetched[slots] = version
+            self._just_fetched[self.tables.index(table)].append(rows)
+        return int(rows.size), int(nbytes)
+
+    def begin_batch(self, ids: Sequence[np.ndarray], now: int) -> None:
+        """Batch ``now`` with these ids (per table) is next: the caches keep its rows."""
+        for table, table_ids in zip(self.tables, ids, strict=True):
+            if table.cache is not None:
+                table.cache.begin_batch(table_ids, now)
+
+    def keep_for(self, ids: Sequence[np.ndarray], until: int) -> None:
+        """A pull is requested for the batches up to ``until`` with these ids (per table):
+        the caches keep those rows they hold until then, and place the reply's for them."""
+        self.pending_until = until
+        for table, table_ids in zip(self.tables, ids, strict=True):
+            if table.cache is not None:
+                table.cache.keep_for(table_ids, until)
+
+    def first_rows(self, shards: int) -> list[dict[str, np.ndarray] | None]:
+        """Per shard, the rows the first pull asks for: none of the cached tables (so they
+        do not come whole; None: the shard holds no piece of one)."""
+        out: list[dict[str, np.ndarray] | None] = [None] * shards
+        for table in self.cached:
+            for k, part in table.parts:
+                out[k] = {**(out[k] or {}), part.wire_name: np.zeros(0, np.int64)}
+        return out
 
     def consume(self, ids: Sequence[np.ndarray]) -> tuple[int, int]:
         """A batch with these ids (per table) is about to be computed: (hits, misses), where

@@ -58,7 +58,7 @@ from downpour.device import configure_device
 from downpour.inputs import InputContext
 from downpour.logs import set_log_context, stop_on_signals
 from downpour.metrics import Rate, new_worker_stats
-from downpour.models import build_model, evaluate, fingerprint
+from downpour.models import build_model, evaluate, fingerprint_of
 from downpour.partition import make_partition
 from downpour.pipeline import (
     InputError,
@@ -81,6 +81,12 @@ from downpour.transport import (
 )
 from downpour.worker.compress import Compressor, parse_compression
 from downpour.worker.errors import WorkerError
+from downpour.worker.row_cache import (
+    caches_of,
+    check_batch,
+    logical_shapes,
+    row_cache_scope,
+)
 from downpour.worker.row_pulling import RowPulling
 from downpour.worker.rows import Lookahead, RowPlan
 from downpour.worker.schedule import FetchSchedule
@@ -243,7 +249,9 @@ class Worker(RowPulling):
             data_dir=config.data_dir,
             batch_size=spec.batch_size,
         )
-        self.model = build_model(spec)
+        with row_cache_scope(config.row_cache_rows):  # big Embeddings as row caches
+            self.model = build_model(spec)
+        self.caches = caches_of(self.model)
         self.dispatched = config.data_dispatch == "server"
         if self.dispatched:  # the whole data, probed for what the server is to divide
             universe, first = probe_universe(self.inputs.train, self.input_ctx, config.split_size)
@@ -255,7 +263,7 @@ class Worker(RowPulling):
             check_tf1_inputs(spec, first.element_spec)
             self.step_fn: GradientStep | Tf1Step = Tf1Step(spec, self.model)
         else:
-            self.step_fn = GradientStep(spec, self.model, first.element_spec)
+            self.step_fn = GradientStep(spec, self.model, first.element_spec, self.caches)
             try:
                 self.step_fn.trace()
             except (ValueError, TypeError) as exc:
@@ -263,6 +271,9 @@ class Worker(RowPulling):
                     f"model {spec.name!r}: its input_fn's batches {first.element_spec} do not "
                     f"fit the model: {' '.join(str(exc).split())[:600]}"
                 ) from None
+        if self.caches and isinstance(first, tf.data.Dataset):
+            for features, _ in first.take(1):
+                check_batch(self.model, self.caches, features)
         self.planned_per_epoch = None if self.dispatched else known_batches(first)
         self.epoch = 0  # the epoch of the batch computed last
         self._input_stream: Iterator[tuple[int, Any]] | None = None
@@ -270,15 +281,19 @@ class Worker(RowPulling):
             self._batches = self._prime(first)
         variables = self.model.trainable_variables
         self.names = [v.path for v in variables]
-        self.fingerprint = fingerprint(variables)
+        shapes = logical_shapes(variables, self.caches)  # a cache's: its table's
+        self.fingerprint = fingerprint_of(
+            [(v.path, list(sh), str(v.dtype)) for v, sh in zip(variables, shapes, strict=True)]
+        )
         self.payload_bytes = sum(
-            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables
+            int(np.prod(sh)) * np.dtype(str(v.dtype)).itemsize
+            for v, sh in zip(variables, shapes, strict=True)
         )
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.payload_bytes)
         endpoints = config.endpoints()
         self.partition = make_partition(
             self.names,
-            [tuple(int(d) for d in v.shape) for v in variables],
+            shapes,
             [str(v.dtype) for v in variables],
             len(endpoints),
             self.fingerprint,
@@ -393,7 +408,12 @@ class Worker(RowPulling):
             features = batch_signature(tuple(self.element_spec))[0]
             offered = [h.reply.row_tables for h in hellos]
             self.rows = RowPlan.build(
-                self.model, self.partition, offered, features, self.config.row_staleness
+                self.model,
+                self.partition,
+                offered,
+                features,
+                self.config.row_staleness,
+                self.caches,
             )
             if self.rows is not None:
                 log.info(
@@ -632,11 +652,21 @@ class Worker(RowPulling):
     def held_out(self) -> float | None:
         """The spec's metric on the held-out set with this worker's model as it ends: the last
         weights it pulled and its own BatchNorm statistics (None in tf1 mode, whose weights
-        live in the TF1 session, or without a held-out set)."""
+        live in the TF1 session, or without a held-out set). Row caches get each held-out
+        batch's rows pulled before it is scored (None when the worker was stopped, or the
+        pulls failed)."""
         if self.config.graph != "tf2" or self.inputs.held_out is None:
             return None
         ds = build_dataset(self.inputs.held_out, self.input_ctx, "held_out_fn")
-        return float(evaluate(self.spec, self.model, ds))
+        if not self.caches:
+            return float(evaluate(self.spec, self.model, ds))
+        if self.rows is None or self._stop.is_set():
+            return None
+        try:
+            return float(evaluate(self.spec, self.model, self._with_rows(ds)))
+        except WorkerError as exc:  # the servers went away after training: no score
+            log.warning("no held-out score: pulling its rows failed: %s", exc)
+            return None
 
     def _prime(self, first: Any) -> Iterator[tuple[int, Any]]:
         """The training batches, epoch after epoch, with the first one read already: a
@@ -705,8 +735,13 @@ class Worker(RowPulling):
         log.info("computing on %s", self.device)
         self.hello()
         self.fetchers = [Fetcher(self, shard) for shard in self.shards.shards]
-        for fetcher in self.fetchers:  # the first pull from every shard at once
-            fetcher.request(-1)
+        first_rows = (
+            self.rows.first_rows(len(self.fetchers))
+            if self.rows is not None
+            else [None] * len(self.fetchers)
+        )
+        for fetcher, rows in zip(self.fetchers, first_rows, strict=True):
+            fetcher.request(-1, rows)  # the first pull from every shard at once
         self.install(self._fetch_all(), time.perf_counter())
         self._stream = Lookahead((x, y, self.feed is not None and self.feed.last) for x, y in data)
         self._schedule_request(0)  # no step time known yet: at once
@@ -801,6 +836,8 @@ class Worker(RowPulling):
             "row_hits": int(self.stats["row_hits"]),
             "row_misses": int(self.stats["row_misses"]),
             "row_sync_pulls": int(self.stats["row_sync_pulls"]),
+            "row_cache_rows": self.config.row_cache_rows,
+            "row_cache_evictions": sum(c.evictions for c in self.caches.values()),
             "last_seq": self.seq,
             "epochs": self.epoch + 1 if step else 0,
             "stopped_early": not finished,

@@ -163,6 +163,16 @@ ROW_STALENESS = Option(
     type=at_least(0),
     metavar="K",
 )
+ROW_CACHE_ROWS = Option(
+    "row_cache_rows",
+    None,
+    "with row pulls: keep each Embedding table of more than N rows as a cache of N rows "
+    "instead of a full replica (tables larger than the worker holds; a batch may gather "
+    "at most N distinct rows of a table; see docs: models.md)",
+    _TRAIN,
+    type=at_least(1),
+    metavar="N",
+)
 
 WORKER_OPTIONS: tuple[Option, ...] = (
     Option(
@@ -198,6 +208,7 @@ WORKER_OPTIONS: tuple[Option, ...] = (
     PULL_COMPRESS,
     ROW_PULLS,
     ROW_STALENESS,
+    ROW_CACHE_ROWS,
     Option(
         "sync_wait",
         5.0,
@@ -325,6 +336,13 @@ def validate_worker(cfg: WorkerConfig) -> None:
             )
     elif cfg.split_size is not None:
         problems.append("--split-size goes with --data-dispatch server")
+    if cfg.row_cache_rows is not None:
+        if cfg.row_pulls != "auto":
+            problems.append("--row-cache-rows needs row pulls (--row-pulls auto)")
+        if cfg.graph != "tf2":
+            problems.append(
+                "--row-cache-rows works with --graph tf2 (a tf1 graph holds its tables)"
+            )
     if cfg.push_endpoint is not None and len(cfg.servers) > 1:
         problems.append("--push-endpoint works with one server, not with shards")
     refuse(problems)

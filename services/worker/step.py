@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from downpour.spec import ModelSpec
 from downpour.wire import Sparse, Tensor
+from downpour.worker.row_cache import RowCache
 
 
 def batch_signature(element_spec: Any) -> Any:
@@ -37,11 +38,20 @@ def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:
 class GradientStep:
     """``step(x, y) -> (loss, [gradient per trainable variable])`` in one evaluation."""
 
-    def __init__(self, spec: ModelSpec, model: keras.Model, element_spec: Any) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: keras.Model,
+        element_spec: Any,
+        caches: dict[str, RowCache] | None = None,
+    ) -> None:
         """``element_spec``: the input dataset's ``(features, labels)`` spec; an array of
-        examples stands for a single feature tensor with rank-1 ``spec.label_dtype`` labels."""
+        examples stands for a single feature tensor with rank-1 ``spec.label_dtype`` labels.
+        ``caches``: row caches by variable path, whose gradients go out with global ids."""
         self.model = model
         self.variables = list(model.trainable_variables)
+        caches = caches or {}
+        self.caches = {i: caches[v.path] for i, v in enumerate(self.variables) if v.path in caches}
         self.traces = 0
         if isinstance(element_spec, np.ndarray):
             element_spec = (
@@ -77,7 +87,11 @@ class GradientStep:
     def __call__(self, x: Any, y: Any) -> tuple[float, list[Tensor]]:
         """Loss as a float and the gradients as wire tensors, in variable order."""
         loss, grads = self._compute(x, y)
-        return float(loss), [to_wire(g) for g in grads]
+        out = [
+            self.caches[i].gradient(g) if i in self.caches else to_wire(g)
+            for i, g in enumerate(grads)
+        ]
+        return float(loss), out
 
     def prepare(self, arrays: list[np.ndarray]) -> list[tf.Tensor]:
         """Pulled arrays as tensors, ready for ``set_weights``. The fetcher thread calls this,

@@ -1,0 +1,282 @@
+"""A bounded row cache in place of a table's full replica (``--row-cache-rows N``).
+
+A worker with ``--row-cache-rows N`` builds the model under ``row_cache_scope(N)``: every
+Keras ``Embedding`` of more than N rows built inside it gets an (N, dim) variable, the
+cache, instead of its (rows, dim) table, and a lookup that maps the global ids it is given
+to cache slots before gathering. The user's model code is unchanged (a plain ``Embedding``);
+the layer keeps its variable's name and path, and the worker describes the variable by its
+logical shape (``logical_shapes``: the fingerprint, the partition, the wire), so servers see
+the same table as from any other worker. Pushed gradients carry global ids
+(``RowCache.to_wire``); the first weight pull asks for no row of a cached table.
+
+Ids to slots. One TensorFlow ``MutableHashTable`` (int64 id -> int32 slot, -1: not cached)
+per table, looked up inside the compiled step and, eagerly, by the worker for a batch's
+unique ids. Its memory follows the N cached ids, not the table's rows: a dense id -> slot
+array would cost 4 bytes per row of the table (40 MB at 10M rows, 400 MB at 100M), the one
+worker-side cost that would still grow with the table. Beside it, NumPy arrays of N entries
+per slot: its global id (-1 free), the shard version it was fetched at, the last batch that
+used it, and the last coming batch known to need it.
+
+Eviction. A row placed in the cache takes a free slot or evicts the least recently used row
+that no batch from the current one on is known to need. Never evicted: the rows of the
+batch about to be computed (``begin_batch``). Rows a look-ahead pull brings, and cached
+rows of the batches it serves, are kept until those batches are computed; only a top-up of
+the current batch's own rows may evict them (they are pulled again when their batch comes),
+and a look-ahead reply that finds no slot left drops the rows it cannot place (its batch's
+top-up pulls them). So a batch gathering at most N distinct ids of a table always finds all
+of them cached before its step; a batch gathering more than N is refused (``WorkerError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from downpour.wire import Sparse
+from downpour.worker.errors import WorkerError
+
+_scope = threading.local()  # .capacity: --row-cache-rows of the build running on this thread
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_build = keras.layers.Embedding.build
+_classes: dict[type, type] = {}
+
+
+class RowCache:
+    """The cache of one table: ``capacity`` slots of its ``rows`` x ``dim`` table (see the
+    module docstring for the id -> slot map and the eviction rule)."""
+
+    def __init__(self, rows: int, dim: int, capacity: int) -> None:
+        self.rows = rows
+        self.dim = dim
+        self.capacity = capacity
+        self.table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int32, default_value=-1)
+        self.slot_ids = np.full(capacity, -1, np.int64)  # global id per slot, -1 free
+        self.fetched = np.full(capacity, -1, np.int64)  # shard version it was fetched at
+        self.used = np.full(capacity, -1, np.int64)  # last batch that used (or placed) it
+        self.needed = np.full(capacity, -1, np.int64)  # last coming batch known to need it
+        self.now = 0  # the batch about to be computed
+        self._current = np.zeros(capacity, bool)  # slots of that batch: never evicted
+        self.evictions = 0
+        self.dropped = 0  # look-ahead rows that found no slot
+
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        """The table's shape as the model declares it."""
+        return (self.rows, self.dim)
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each global id (int32, -1 where not cached)."""
+        if not ids.size:
+            return np.zeros(0, np.int32)
+        return self.table.lookup(tf.constant(ids, tf.int64)).numpy()
+
+    def fetched_at(self, ids: np.ndarray) -> np.ndarray:
+        """The version each id was fetched at (-1: not cached, or never fetched)."""
+        slots = self.slots(ids)
+        return np.where(slots >= 0, self.fetched[np.maximum(slots, 0)], -1)
+
+    def begin_batch(self, ids: np.ndarray, now: int) -> None:
+        """Batch ``now`` gathering ``ids`` (unique) is next: its cached rows may not be
+        evicted until the next batch begins. WorkerError when it needs more than N rows."""
+        if ids.size > self.capacity:
+            raise WorkerError(
+                f"a batch gathers {ids.size} distinct rows of a {self.rows}-row table, more "
+                f"than --row-cache-rows {self.capacity}: raise --row-cache-rows or make "
+                "batches smaller"
+            )
+        self.now = now
+        self._current[:] = False
+        slots = self.slots(ids)
+        slots = slots[slots >= 0]
+        self._current[slots] = True
+        self.used[slots] = now
+
+    def keep_for(self, ids: np.ndarray, until: int) -> None:
+        """The cached ones of ``ids`` are needed by batches up to ``until``: keep them."""
+        slots = self.slots(ids)
+        slots = slots[slots >= 0]
+        self.needed[slots] = np.maximum(self.needed[slots], until)
+
+    def place(self, ids: np.ndarray, until: int, current: bool) -> np.ndarray:
+        """Slots for rows ``ids`` (unique global ids) about to be written: their own if
+        cached, else free or evicted ones. ``current``: rows of the batch about to be
+        computed (may evict rows kept for coming batches; all must be placed); else rows
+        for batches up to ``until`` (evicts only rows no batch from now on needs; -1 for
+        the rows that found no slot)."""
+        slots = self.slots(ids).astype(np.int64)
+        new = np.flatnonzero(slots < 0)
+        if new.size:
+            # eviction order: free slots, then least recently used; never the current batch's
+            coming = self.needed >= self.now
+            key = self.used.astype(np.float64)
+            key[coming] = np.inf if not current else key[coming] + 2.0**52
+            key[self._current] = np.inf
+            k = int(new.size)
+            order = np.argpartition(key, k - 1)[:k] if k < self.capacity else np.argsort(key)
+            order = order[np.argsort(key[order], kind="stable")][:k]
+            order = order[np.isfinite(key[order])]
+            if current and order.size < k:
+                raise WorkerError(
+                    f"the row cache of a {self.rows}-row table cannot hold the current batch's "
+                    f"rows (--row-cache-rows {self.capacity})"
+                )
+            take = new[: order.size]
+            old = self.slot_ids[order]
+            evicted = old[old >= 0]
+            if evicted.size:
+                self.table.remove(tf.constant(evicted, tf.int64))
+                self.evictions += int(evicted.size)
+            self.table.insert(tf.constant(ids[take], tf.int64), tf.constant(order.astype(np.int32)))
+            self.slot_ids[order] = ids[take]
+            self.fetched[order] = -1
+            self.needed[order] = -1
+            slots[take] = order
+            self.dropped += k - int(order.size)
+        placed = slots[slots >= 0]
+        self.used[placed] = self.now
+        if current:
+            self._current[placed] = True
+        else:
+            self.needed[placed] = np.maximum(self.needed[placed], until)
+        return slots
+
+    def forget(self, start: int, stop: int) -> None:
+        """Rows ``start:stop`` count as never fetched (their shard restarted)."""
+        mine = (self.slot_ids >= start) & (self.slot_ids < stop)
+        self.fetched[mine] = -1
+
+    def gradient(self, g: Any) -> Sparse:
+        """The gradient of the cache variable (rows by slot, ``tf.IndexedSlices``) as the
+        table's: rows by global id, of the table's shape."""
+        if not isinstance(g, tf.IndexedSlices):
+            raise WorkerError(
+                "a cached table's gradient is dense, not row-sparse: --row-cache-rows needs "
+                "tables whose gradient touches only the gathered rows"
+            )
+        slots = g.indices.numpy()
+        return Sparse(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
+
+
+class _CachedEmbedding:
+    """Mixed into an Embedding's class: an (N, dim) variable and an id -> slot lookup."""
+
+    _row_cache: RowCache
+
+    def build(self, input_shape: Any = None) -> None:
+        """The cache variable under the table's own name (so the same path)."""
+        if self.built:
+            return
+        self._embeddings = self.add_weight(
+            shape=(self._row_cache.capacity, self.output_dim),
+            initializer="zeros",  # every row is pulled before a batch reads it
+            name="embeddings",
+            constraint=self.embeddings_constraint,
+            trainable=True,
+        )
+        self.built = True
+
+    def call(self, inputs: Any) -> Any:
+        """Global ids -> slots -> rows. An id not cached has slot -1, which the gather
+        refuses: the worker puts every id of a batch in the cache before its step."""
+        ids = tf.cast(inputs, tf.int64)
+        slots = self._row_cache.table.lookup(ids)
+        slots.set_shape(ids.shape)  # the table's lookup leaves the shape unknown
+        out = tf.gather(self._embeddings.value, slots)
+        return keras.ops.cast(out, dtype=self.compute_dtype)
+
+
+def _scoped_build(self: keras.layers.Embedding, input_shape: Any = None) -> None:
+    """``Embedding.build`` while a scope is active: a table of more than N rows built on the
+    scope's thread becomes a cache; any other builds as usual."""
+    capacity = getattr(_scope, "capacity", None)
+    if capacity is None or self.built or self.input_dim <= capacity:
+        return _original_build(self, input_shape)
+    if self.quantization_mode or self.lora_rank or self.embeddings_regularizer is not None:
+        raise WorkerError(
+            f"Embedding {self.name!r}: --row-cache-rows cannot cache a quantized, LoRA or "
+            "regularized table"
+        )
+    cls = type(self)
+    cached = _classes.get(cls)
+    if cached is None:
+        cached = _classes[cls] = type(f"Cached{cls.__name__}", (_CachedEmbedding, cls), {})
+    self.__class__ = cached
+    self._row_cache = RowCache(int(self.input_dim), int(self.output_dim), capacity)
+    return cached.build(self, input_shape)
+
+
+@contextlib.contextmanager
+def row_cache_scope(capacity: int | None) -> Iterator[None]:
+    """Build models inside: Embeddings of more than ``capacity`` rows built on this thread
+    become row caches (None: an ordinary build)."""
+    global _patch_users
+    if capacity is None:
+        yield
+        return
+    with _patch_lock:
+        if _patch_users == 0:
+            keras.layers.Embedding.build = _scoped_build
+        _patch_users += 1
+    _scope.capacity = capacity
+    try:
+        yield
+    finally:
+        _scope.capacity = None
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                keras.layers.Embedding.build = _original_build
+
+
+def caches_of(model: keras.Model) -> dict[str, RowCache]:
+    """The model's row caches by their variable's path."""
+    return {
+        layer.embeddings.path: layer._row_cache
+        for layer in model._flatten_layers(include_self=False)  # Keras's own layer walk
+        if isinstance(layer, _CachedEmbedding)
+    }
+
+
+def logical_shapes(
+    variables: Sequence[keras.Variable], caches: dict[str, RowCache]
+) -> list[tuple[int, ...]]:
+    """Each variable's shape as the model declares it (a cache's is its table's)."""
+    return [
+        caches[v.path].logical_shape if v.path in caches else tuple(int(d) for d in v.shape)
+        for v in variables
+    ]
+
+
+def check_batch(model: keras.Model, caches: dict[str, RowCache], features: Any) -> None:
+    """WorkerError when this batch gathers more distinct rows of a cached table than its
+    cache holds (checked on the first batch at start, before the worker says hello). A
+    model with no graph of layers to extract the ids from is left to the hello's check."""
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=False)  # Keras's own layer walk
+        if isinstance(layer, _CachedEmbedding)
+    ]
+    if not layers:
+        return
+    try:
+        extractor = keras.Model(model.inputs, [layer.input for layer in layers])
+    except (ValueError, AttributeError, TypeError):
+        return
+    outs = extractor(features, training=False)
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    for layer, ids in zip(layers, outs, strict=True):
+        cache = layer._row_cache
+        n = int(tf.size(tf.unique(tf.reshape(tf.cast(ids, tf.int64), [-1]))[0]))
+        if n > cache.capacity:
+            raise WorkerError(
+                f"the first batch gathers {n} distinct rows of table {layer.embeddings.path} "
+                f"({cache.rows} rows), more than --row-cache-rows {cache.capacity}: raise "
+                "--row-cache-rows or make batches smaller"
+            )
