@@ -535,6 +535,21 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
 MAX_REPORTED = 64
 
 
+def peak_rss_mib() -> float | None:
+    """This process's peak resident set in MiB: ``VmHWM`` from /proc/self/status, the
+    high-water mark of its own address space since its exec. (``ru_maxrss`` is not that: on
+    Linux it keeps the high-water mark of the address space the process had before its exec,
+    the forking parent's.) None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def new_worker_stats() -> dict[str, float]:
     """A worker's ``stats`` at start: every reported figure at zero, ``loss`` NaN (unknown;
     not reported) until the first step. All keys exist from the start, so the heartbeat

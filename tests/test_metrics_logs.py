@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from downpour import logs, metrics
@@ -353,3 +354,20 @@ def test_plot_writes_the_three_pngs(tmp_path: Path) -> None:
         assert image.shape[0] >= 300 and image.shape[1] >= 600, name
         assert image.std() > 0.01, f"{name} is blank"
     assert plot_main(str(tmp_path / "missing")) == 2
+
+
+def test_peak_rss_is_this_address_spaces_high_water_mark() -> None:
+    """``peak_rss_mib`` is VmHWM: at least the resident set now, and it grows with a block
+    this process touches."""
+    from downpour.metrics import peak_rss_mib
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    before = peak_rss_mib()
+    assert before is not None and before >= rss_mib() > 0
+    need_mib = before - rss_mib() + 64  # touched on top of what is resident: a new peak
+    block = np.ones(int(need_mib * 2**20) // 8, np.float64)
+    assert peak_rss_mib() > before and block.sum() > 0

@@ -57,7 +57,7 @@ from downpour.cluster import Shard, ShardSet
 from downpour.device import configure_device
 from downpour.inputs import InputContext
 from downpour.logs import set_log_context, stop_on_signals
-from downpour.metrics import Rate, new_worker_stats
+from downpour.metrics import Rate, new_worker_stats, peak_rss_mib
 from downpour.models import build_model, evaluate, fingerprint_of
 from downpour.partition import make_partition
 from downpour.pipeline import (
@@ -838,6 +838,7 @@ class Worker(RowPulling):
             "row_sync_pulls": int(self.stats["row_sync_pulls"]),
             "row_cache_rows": self.config.row_cache_rows,
             "row_cache_evictions": sum(c.evictions for c in self.caches.values()),
+            "peak_rss_mib": peak_rss_mib(),
             "last_seq": self.seq,
             "epochs": self.epoch + 1 if step else 0,
             "stopped_early": not finished,
