@@ -31,8 +31,8 @@ own core (worker side core 0, server side core 1), TensorFlow's thread pools siz
     (``bench_sparse``)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
-Modes: full (default, < 15 min), ``--quick`` (about 5 min), ``--smoke`` (one repetition, a few
-steps: for the test that checks the bench runs, not for numbers).
+Modes: full (default, about 25 min on 2 cores), ``--quick`` (about 5 min), ``--smoke`` (one
+repetition, a few steps: for the test that checks the bench runs, not for numbers).
 """
 
 from __future__ import annotations
