@@ -235,13 +235,26 @@ def row_cache_scope(capacity: int | None) -> Iterator[None]:
                 keras.layers.Embedding.build = _original_build
 
 
+def _cached_layers(model: keras.Model) -> list[Any]:
+    """The model's Embeddings built as row caches (Keras's own layer walk)."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, _CachedEmbedding)
+    ]
+
+
 def caches_of(model: keras.Model) -> dict[str, RowCache]:
     """The model's row caches by their variable's path."""
-    return {
-        layer.embeddings.path: layer._row_cache
-        for layer in model._flatten_layers(include_self=False)  # Keras's own layer walk
-        if isinstance(layer, _CachedEmbedding)
-    }
+    return {layer.embeddings.path: layer._row_cache for layer in _cached_layers(model)}
+
+
+def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:
+    """Per Embedding the extractor reaches (its outputs are their inputs), the unique int64
+    ids a batch with ``features`` gathers."""
+    outs = extractor(features, training=False)
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    return [tf.unique(tf.reshape(tf.cast(o, tf.int64), [-1]))[0] for o in outs]
 
 
 def logical_shapes(
@@ -258,22 +271,16 @@ def check_batch(model: keras.Model, caches: dict[str, RowCache], features: Any) 
     """WorkerError when this batch gathers more distinct rows of a cached table than its
     cache holds (checked on the first batch at start, before the worker says hello). A
     model with no graph of layers to extract the ids from is left to the hello's check."""
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=False)  # Keras's own layer walk
-        if isinstance(layer, _CachedEmbedding)
-    ]
+    layers = _cached_layers(model)
     if not layers:
         return
     try:
         extractor = keras.Model(model.inputs, [layer.input for layer in layers])
     except (ValueError, AttributeError, TypeError):
         return
-    outs = extractor(features, training=False)
-    outs = outs if isinstance(outs, list | tuple) else [outs]
-    for layer, ids in zip(layers, outs, strict=True):
+    for layer, ids in zip(layers, gathered_ids(extractor, features), strict=True):
         cache = layer._row_cache
-        n = int(tf.size(tf.unique(tf.reshape(tf.cast(ids, tf.int64), [-1]))[0]))
+        n = int(tf.size(ids))
         if n > cache.capacity:
             raise WorkerError(
                 f"the first batch gathers {n} distinct rows of table {layer.embeddings.path} "

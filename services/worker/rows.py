@@ -46,7 +46,7 @@ import tensorflow as tf
 from downpour import wire
 from downpour.partition import Part, Partition
 from downpour.worker.errors import WorkerError
-from downpour.worker.row_cache import RowCache
+from downpour.worker.row_cache import RowCache, gathered_ids
 
 log = logging.getLogger("downpour.worker")
 
@@ -127,9 +127,7 @@ class RowPlan:
 
         @tf.function(input_signature=[features_spec])
         def batch_ids(x: Any) -> list[tf.Tensor]:
-            outs = extractor(x, training=False)
-            outs = outs if isinstance(outs, list | tuple) else [outs]
-            return [tf.unique(tf.reshape(tf.cast(o, tf.int64), [-1]))[0] for o in outs]
+            return gathered_ids(extractor, x)
 
         self._batch_ids = batch_ids
         self._batch_ids.get_concrete_function()  # traced now, once
