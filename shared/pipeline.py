@@ -16,7 +16,11 @@ for numbers) with the two specs in the message; the worker does all this before 
 from __future__ import annotations
 
 import logging
+import queue
+import sys
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,43 @@ from downpour.spec import ModelSpec
 log = logging.getLogger("downpour.inputs")
 
 InputFn = Callable[[InputContext], tf.data.Dataset]
+
+
+class _Retirer:
+    """One daemon thread that drops the iterators handed to it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def retire(self, iterator: Any) -> None:
+        """Delete ``iterator`` on the retiring thread; the caller must drop its references.
+        While the interpreter shuts down no thread can start: the caller deletes it."""
+        if sys.is_finalizing():
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="downpour-retire-iterators", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(iterator)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            del item  # the last reference: tf.data's destructor runs here
+            self._queue.task_done()
+
+    def join(self) -> None:
+        """Wait until every iterator handed over so far is deleted."""
+        self._queue.join()
+
+
+_retirer = _Retirer()
+retire = _retirer.retire
+join_retired = _retirer.join
 
 
 class InputError(ValueError):
@@ -175,6 +216,21 @@ def known_batches(ds: tf.data.Dataset) -> int | None:
     return n if n >= 0 else None
 
 
+def _open_epoch(fn: InputFn, ctx: InputContext, epoch: int) -> list[Any]:
+    """``[dataset, iterator, first batch]`` of epoch ``epoch`` (batch None: it has none). A
+    list, so that whoever takes the iterator can empty it: a future's result would otherwise
+    keep the iterator alive, and delete it wherever the future dies."""
+    ds = build_dataset(fn, ctx.for_epoch(epoch))
+    it = iter(ds)
+    return [ds, it, next(it, None)]
+
+
+def _take(opened: list[Any]) -> tuple[tf.data.Dataset, Any, Any]:
+    ds, it, head = opened
+    opened.clear()
+    return ds, it, head
+
+
 def epoch_batches(
     fn: InputFn,
     ctx: InputContext,
@@ -184,28 +240,60 @@ def epoch_batches(
     """``(epoch, batch)`` of pass after pass of ``fn`` (``ctx.epoch`` counting from 0):
     ``epochs`` passes (a fraction of a pass: that share of its batches), or without end.
     ``first`` is epoch 0's dataset when the caller built it already. An epoch without a
-    batch raises InputError: this worker's share is empty."""
+    batch raises InputError: this worker's share is empty.
+
+    While an epoch is read, a background thread builds the next one's pipeline and reads its
+    first batch (filling its shuffle buffer), so an epoch boundary costs the step nothing;
+    two pipelines are alive for that while. Finished iterators go to ``retire``."""
     epoch, per_epoch = 0, None
-    while epochs is None or epoch < epochs:
-        ds = first if epoch == 0 and first is not None else build_dataset(fn, ctx.for_epoch(epoch))
-        limit = None
-        if epochs is not None and epochs - epoch < 1:
-            n = per_epoch if per_epoch is not None else known_batches(ds)
-            limit = max(1, round((epochs - epoch) * n)) if n is not None else None
-        count = 0
-        for batch in ds:
-            yield epoch, batch
-            count += 1
-            if limit is not None and count >= limit:
-                break
-        if count == 0:
-            raise InputError(
-                f"worker {ctx.worker_index} of {ctx.num_workers}: input_fn gave no batch in "
-                f"epoch {epoch} (this worker's share of the data is empty: fewer examples or "
-                "files than workers?)"
-            )
-        per_epoch = count if limit is None else per_epoch
-        epoch += 1
+    pool = ThreadPoolExecutor(1, thread_name_prefix="downpour-next-epoch")
+    ahead: Future[list[Any]] | None = None
+    it: Any = None
+    try:
+        while epochs is None or epoch < epochs:
+            if ahead is not None:
+                ds, it, head = _take(ahead.result())
+                ahead = None
+            elif epoch == 0 and first is not None:
+                ds = first
+                it = iter(ds)
+                head = next(it, None)
+            else:
+                ds, it, head = _take(_open_epoch(fn, ctx, epoch))
+            limit = None
+            if epochs is not None and epochs - epoch < 1:
+                n = per_epoch if per_epoch is not None else known_batches(ds)
+                limit = max(1, round((epochs - epoch) * n)) if n is not None else None
+            if epochs is None or epoch + 1 < epochs:
+                ahead = pool.submit(_open_epoch, fn, ctx, epoch + 1)
+            count = 0
+            batch = head
+            while batch is not None:
+                yield epoch, batch
+                count += 1
+                if limit is not None and count >= limit:
+                    break
+                batch = next(it, None)
+            retire(it)
+            it = batch = head = None
+            if count == 0:
+                raise InputError(
+                    f"worker {ctx.worker_index} of {ctx.num_workers}: input_fn gave no batch "
+                    f"in epoch {epoch} (this worker's share of the data is empty: fewer "
+                    "examples or files than workers?)"
+                )
+            per_epoch = count if limit is None else per_epoch
+            epoch += 1
+    finally:
+        if it is not None:  # closed mid-epoch
+            retire(it)
+            it = None
+        if ahead is not None:  # closed: the next epoch is not read; its opening is awaited
+            try:
+                retire(_take(ahead.result())[1])
+            except Exception as exc:  # noqa: BLE001 - a failure to open what nobody reads
+                log.debug("the epoch read ahead failed to open: %s", exc)
+        pool.shutdown()
 
 
 def training_features(fn: InputFn, ctx: InputContext, max_batches: int) -> list[Any]:

@@ -3,6 +3,8 @@ dataset, inputs of other shapes training to a bar, and bad input refused before 
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,9 +15,16 @@ import pytest
 import tensorflow as tf
 import tiny_models
 
-from downpour import InputContext
+from downpour import InputContext, pipeline
 from downpour.models import build_model, evaluate
-from downpour.pipeline import InputError, build_dataset, epoch_batches, resolve_inputs
+from downpour.pipeline import (
+    InputError,
+    build_dataset,
+    epoch_batches,
+    join_retired,
+    resolve_inputs,
+    retire,
+)
 from downpour.settings import ConfigError
 from downpour.worker.service import Worker
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
@@ -160,6 +169,73 @@ def test_an_empty_element_shard_is_refused() -> None:
     ctx = InputContext(2, 3, batch_size=4)
     with pytest.raises(InputError, match="worker 2 of 3: input_fn gave no batch in epoch 0"):
         next(epoch_batches(two, ctx, 1.0))
+
+
+def autotuned(ctx: InputContext) -> tf.data.Dataset:
+    """Six batches of ids shifted by the epoch, through the autotuned stages input_fns use."""
+    ds = tf.data.Dataset.range(24).map(lambda i: i + 100 * ctx.epoch, tf.data.AUTOTUNE)
+    return ds.batch(4).map(lambda b: (b, b), tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
+def finalized_on(obj: Any) -> list[str]:
+    """Filled with the name of the thread that deletes ``obj``, once it is deleted."""
+    where: list[str] = []
+    weakref.finalize(obj, lambda: where.append(threading.current_thread().name))
+    return where
+
+
+def test_retire_deletes_an_iterator_on_the_retiring_thread() -> None:
+    it = iter(autotuned(InputContext(batch_size=4)))
+    next(it)
+    where = finalized_on(it)
+    retire(it)
+    del it
+    join_retired()
+    assert where == ["downpour-retire-iterators"]
+
+
+def test_the_next_epoch_is_opened_ahead_and_finished_iterators_are_retired(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[tuple[int, str]] = []
+    retired: list[list[str]] = []  # per retired iterator: the thread that deleted it
+
+    def recorded(ctx: InputContext) -> tf.data.Dataset:
+        opened.append((ctx.epoch, threading.current_thread().name))
+        return autotuned(ctx)
+
+    def watched(it: Any) -> None:
+        retired.append(finalized_on(it))
+        retire(it)
+
+    monkeypatch.setattr(pipeline, "retire", watched)
+    stream = epoch_batches(recorded, InputContext(batch_size=4), 3.0)
+    got = [(e, [int(i) for i in x.numpy()]) for e, (x, _) in stream]
+    assert [e for e, _ in got] == [0] * 6 + [1] * 6 + [2] * 6
+    assert got[6][1] == [100, 101, 102, 103] and got[-1][1] == [220, 221, 222, 223]
+    assert [e for e, _ in opened] == [0, 1, 2]  # each epoch once; none past the last
+    assert opened[0][1] == threading.current_thread().name
+    assert all(name.startswith("downpour-next-epoch") for _, name in opened[1:])
+    join_retired()
+    assert retired == [["downpour-retire-iterators"]] * 3
+
+    # a stream closed mid-epoch retires its open iterator and the one read ahead
+    retired.clear()
+    stream = epoch_batches(recorded, InputContext(batch_size=4))
+    next(stream)
+    stream.close()
+    join_retired()
+    assert retired == [["downpour-retire-iterators"]] * 2
+
+
+def test_an_empty_later_epoch_is_refused_from_the_read_ahead() -> None:
+    def first_only(ctx: InputContext) -> tf.data.Dataset:
+        return autotuned(ctx).take(0 if ctx.epoch else 6)
+
+    stream = epoch_batches(first_only, InputContext(batch_size=4), 2.0)
+    assert len([next(stream) for _ in range(6)]) == 6
+    with pytest.raises(InputError, match="input_fn gave no batch in epoch 1"):
+        next(stream)
 
 
 def test_the_tf1_graph_refuses_dict_features() -> None:

@@ -30,7 +30,7 @@ import tensorflow as tf
 from downpour import wire
 from downpour.client import ShardClient, SplitGrant
 from downpour.inputs import ELEMENTS, FILES, InputContext
-from downpour.pipeline import InputError, InputFn, build_dataset
+from downpour.pipeline import InputError, InputFn, build_dataset, retire
 from downpour.transport import Refused, RemoteError, ServerUnavailable, Stopped
 
 log = logging.getLogger("downpour.worker")
@@ -117,15 +117,19 @@ class SplitFeed:
             self.counts["splits"] += 1
             ds = build_dataset(self.fn, self.ctx.for_epoch(grant.epoch, grant.split))
             it = iter(ds)
-            batch = self._next(it)
-            if batch is None:
-                log.warning("split %d of epoch %d has no batch", grant.split.index, grant.epoch)
-                self.split_done()
-            while batch is not None:
-                following = self._next(it)
-                self.last = following is None
-                yield grant.epoch, batch
-                batch = following
+            try:
+                batch = self._next(it)
+                if batch is None:
+                    log.warning("split %d of epoch %d has no batch", grant.split.index, grant.epoch)
+                    self.split_done()
+                while batch is not None:
+                    following = self._next(it)
+                    self.last = following is None
+                    yield grant.epoch, batch
+                    batch = following
+            finally:  # tf.data deletes an autotuned iterator slowly: not on this thread
+                retire(it)
+                del it
 
     def _next(self, it: Iterator[Any]) -> Any:
         try:

@@ -7,8 +7,8 @@ the same run:
 - memory: batches sliced from NumPy arrays of MNIST-5k held in memory, reshuffled every
   epoch (no tf.data at all: the floor any input pipeline is measured against);
 - tfrecord: ``downpour.examples.mnist_tfrecord.input_fn`` over the same 4,000 examples
-  written by ``downpour data tfrecord`` (4 files, interleave, shuffle, parse, prefetch), a new
-  epoch's dataset made whenever one ends, as a worker does.
+  written by ``downpour data tfrecord`` (4 files, interleave, shuffle, parse, prefetch), read
+  epoch after epoch by the worker's own ``epoch_batches``.
 
 Windows of a fixed number of steps alternate between the two, each round starting with the
 other one; ``tfrecord_vs_memory`` is the median of the per-round ratios of steps/s.
@@ -16,7 +16,6 @@ other one; ``tfrecord_vs_memory`` is the median of the per-round ratios of steps
 
 from __future__ import annotations
 
-import itertools
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from downpour.cli.data import mnist5k, write
 from downpour.data import Dataset
 from downpour.examples import mnist_tfrecord
 from downpour.models import build_model
+from downpour.pipeline import epoch_batches
 from downpour.spec import ModelSpec
 from downpour.worker.step import GradientStep
 
@@ -40,10 +40,10 @@ SIZES = {"smoke": (1, 4, 2), "quick": (2, 15, 5), "full": (5, 60, 10)}
 
 
 def tfrecord_batches(data_dir: str, batch_size: int) -> Iterator[tuple[Any, Any]]:
-    """Endless batches of the TFRecord example's input_fn, one dataset per epoch."""
+    """Endless batches of the TFRecord example's input_fn, one dataset per epoch, as the
+    worker reads them."""
     ctx = InputContext(seed=0, data_dir=data_dir, batch_size=batch_size)
-    for epoch in itertools.count():
-        yield from mnist_tfrecord.input_fn(ctx.for_epoch(epoch))
+    return (batch for _, batch in epoch_batches(mnist_tfrecord.input_fn, ctx))
 
 
 def steps_per_s(step: GradientStep, source: Iterator[tuple[Any, Any]], steps: int) -> float:
