@@ -101,7 +101,7 @@ lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check services shared tests
 	$(VENV)/bin/ruff format --check services shared tests
 
-# Side-by-side performance run; writes bench-results.json. QUICK=1: about 5 min, else about 25 min.
+# Side-by-side performance run; writes bench-results.json. QUICK=1: about 3 min, else about 25 min.
 bench: $(VENV)/.stamp-test
 	$(PY) tests/bench/bench.py $(if $(filter 1,$(QUICK)),--quick) --out bench-results.json
 

@@ -31,8 +31,10 @@ own core (worker side core 0, server side core 1), TensorFlow's thread pools siz
     (``bench_sparse``)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
-Modes: full (default, about 25 min on 2 cores), ``--quick`` (about 5 min), ``--smoke`` (one
-repetition, a few steps: for the test that checks the bench runs, not for numbers).
+Modes: full (default, about 25 min on 2 cores); ``--quick`` (one round of the headline
+set-ups, about 3 min: ``Plan.lean`` skips sections 5, 7 and 10 and the ``n_fetch_4`` row);
+``--smoke`` (one repetition, a few steps: for the test that checks the bench runs, not for
+numbers).
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ REQUIRED: dict[str, list[str]] = {
 }
 
 
+LEAN_SKIP = "not measured by --quick (run the full bench)"
+
+
 def section(r: dict[str, Any], path: str) -> dict[str, Any]:
     """The sub-document at a dotted ``path`` ("end_to_end.pinned"); {} when absent."""
     doc: Any = r
@@ -131,7 +136,8 @@ def section(r: dict[str, Any], path: str) -> dict[str, Any]:
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, each with the measured value, the bound and whether it is met."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
-    rows = [
+    p, g = e["pinned"], r["goodput"]
+    rows: list[tuple[str, float | None, str, float]] = [
         ("wire ratio_to_memcpy", w["ratio_to_memcpy"], "<=", 3.0),
         ("seed speedup", s["speedup"], ">=", 3.5),
         ("server ratio", v["ratio"], ">=", 0.85),
@@ -142,22 +148,22 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             "<=",
             1.0,
         ),
-        ("ratio_1w_vs_local", e["ratio_1w_vs_local"], ">=", 1.0),
-        ("ratio_1w_vs_tf_pss", e["ratio_1w_vs_tf_pss"], ">=", 1.5),
-        ("ratio_1w_curve_vs_plain", e["ratio_1w_curve_vs_plain"], ">=", 0.85),
-        ("shards ratio_two_vs_one", r["shards"]["ratio_two_vs_one"], ">=", 1.6),
+        ("ratio_1w_vs_local", e.get("ratio_1w_vs_local"), ">=", 1.0),
+        ("ratio_1w_vs_tf_pss", e.get("ratio_1w_vs_tf_pss"), ">=", 1.5),
+        ("ratio_1w_curve_vs_plain", e.get("ratio_1w_curve_vs_plain"), ">=", 0.85),
+        ("shards ratio_two_vs_one", r["shards"].get("ratio_two_vs_one"), ">=", 1.6),
         # the lever the issues name, bf16 (lossy, not the default): on the wire a push with
         # --compress bf16; end to end --compress bf16 and --pull-compress bf16 (full plan only)
         ("wire ratio_to_memcpy, bf16", w["bf16_ratio_to_memcpy"], "<=", 3.0),
         ("input tfrecord_vs_memory", r["input"]["tfrecord_vs_memory"], ">=", 0.95),
         # emulated hosts: every process on its own core
-        ("pinned ratio_to_limit", e["pinned"]["ratio_to_limit"], ">=", 0.95),
-        ("pinned ratio_1w_vs_local", e["pinned"]["ratio_1w_vs_local"], ">=", 1.15),
-        ("pinned overhead_vs_tf_pss", e["pinned"]["overhead_vs_tf_pss"], "<=", 0.5),
+        ("pinned ratio_to_limit", p["ratio_to_limit"], ">=", 0.95),
+        ("pinned ratio_1w_vs_local", p["ratio_1w_vs_local"], ">=", 1.15),
+        ("pinned overhead_vs_tf_pss", p["overhead_vs_tf_pss"], "<=", 0.5),
         ("server pinned_overhead_memcpys", v["pinned_overhead_memcpys"], "<=", 2.0),
-        ("goodput push_ratio_to_raw", r["goodput"]["push_ratio_to_raw"], ">=", 0.90),
-        ("goodput pull_ratio_to_raw", r["goodput"]["pull_ratio_to_raw"], ">=", 0.90),
-        ("goodput pushpull_ratio_to_raw", r["goodput"]["pushpull_ratio_to_raw"], ">=", 0.90),
+        ("goodput push_ratio_to_raw", g["push_ratio_to_raw"], ">=", 0.90),
+        ("goodput pull_ratio_to_raw", g["pull_ratio_to_raw"], ">=", 0.90),
+        ("goodput pushpull_ratio_to_raw", g["pushpull_ratio_to_raw"], ">=", 0.90),
         *bench_sparse.targets(r["sparse"]),
     ]
     if "ratio_1w_bf16_vs_local" in e:
@@ -168,6 +174,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ]
     out = []
     for name, value, op, bound in rows:
+        if value is None:  # not measured by a lean plan
+            continue
         met = value <= bound if op == "<=" else value >= bound
         out.append({"target": name, "value": value, "op": op, "bound": bound, "met": bool(met)})
     return out
@@ -242,9 +250,53 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _fetch_rows(r: dict[str, Any]) -> list[str]:
+def _e2e_rows(e: dict[str, Any]) -> list[str]:
+    """The end-to-end rows (unpinned: every process free to use both cores)."""
+    if "skipped" in e:
+        return [f"| e2e | skipped | {e['skipped']} |"]
+    return [
+        f"| e2e | local training (one process) | {e['local_steps_per_s']:.2f} steps/s |",
+        f"| e2e | downpour 1 worker + server | {e['downpour_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | downpour 2 workers + server | {e['downpour_2w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | TF ParameterServerStrategy 1 worker + 1 PS | "
+        f"{e['tf_pss_1w_steps_per_s']:.2f} steps/s |",
+        f"| e2e | downpour 1 worker + server, CURVE on every socket | "
+        f"{e['downpour_1w_curve_steps_per_s']:.2f} steps/s "
+        f"({e['ratio_1w_curve_vs_plain']:.2f}x plaintext) |",
+        *_bf16_rows(e),
+        f"| e2e | CPU busy: local / downpour 1w / 2w (workers + server) | "
+        f"{e['local_cpu_cores']:.2f} / {e['downpour_1w_cpu_cores']:.2f} / "
+        f"{e['downpour_2w_cpu_cores']:.2f} cores |",
+        f"| e2e | **downpour 1w / local** | **{e['ratio_1w_vs_local']:.2f}** "
+        f"(per round: {_fmt_list(e['ratio_1w_vs_local_per_round'])}) |",
+        f"| e2e | **downpour 1w / TF PSS** | **{e['ratio_1w_vs_tf_pss']:.2f}** "
+        f"(per round: {_fmt_list(e['ratio_1w_vs_tf_pss_per_round'])}) |",
+    ]
+
+
+def _shard_rows(sh: dict[str, Any]) -> list[str]:
+    """The shards section's rows."""
+    if "skipped" in sh:
+        return [f"| shards | skipped | {sh['skipped']} |"]
+    return [
+        f"| shards | 1 shard under synthetic pushers | "
+        f"{sh['one_shard_applies_per_s']:.1f} updates/s |",
+        f"| shards | 2 shards (the slower one; each "
+        f"{_fmt_list(sh['two_shards_per_shard_applies_per_s'])}) | "
+        f"{sh['two_shards_applies_per_s']:.1f} updates/s |",
+        f"| shards | each shard of the pair alone (as on its own machine; the slower) | "
+        f"{sh['two_shards_each_alone_applies_per_s']:.1f} updates/s "
+        f"({sh['ratio_each_alone_vs_one']:.2f}x 1 shard) |",
+        f"| shards | **2 shards / 1 shard** | **{sh['ratio_two_vs_one']:.2f}x** "
+        f"(server CPU {sh['server_cpu_cores_one']:.2f} / "
+        f"{sh['server_cpu_cores_two']:.2f} cores) |",
+    ]
+
+
+def _fetch_rows(f: dict[str, Any]) -> list[str]:
     """Row n_fetch_4: the fetch schedule at --n-fetch 4 beside --n-fetch 1, pinned."""
-    f = r["n_fetch_4"]
+    if "skipped" in f:
+        return [f"| e2e, pinned | --n-fetch 4 / 1 | {f['skipped']} |"]
     lead, rtt = f["fetch_lead_steps"], f["pull_rtt_ms"]  # None without a worker summary
     return [
         f"| e2e, pinned | downpour worker core 0, server core 1, **--n-fetch 4 / 1** "
@@ -297,33 +349,8 @@ def table(r: dict[str, Any]) -> str:
         f"{v['pull_p99_ms']:.1f} ms (bound {v['pull_p99_bound_ms']:.1f} ms) |",
         f"| server | pull latency, server idle p50 / p99 | {v['pull_idle_p50_ms']:.1f} / "
         f"{v['pull_idle_p99_ms']:.1f} ms |",
-        f"| e2e | local training (one process) | {e['local_steps_per_s']:.2f} steps/s |",
-        f"| e2e | downpour 1 worker + server | {e['downpour_1w_steps_per_s']:.2f} steps/s |",
-        f"| e2e | downpour 2 workers + server | {e['downpour_2w_steps_per_s']:.2f} steps/s |",
-        f"| e2e | TF ParameterServerStrategy 1 worker + 1 PS | "
-        f"{e['tf_pss_1w_steps_per_s']:.2f} steps/s |",
-        f"| e2e | downpour 1 worker + server, CURVE on every socket | "
-        f"{e['downpour_1w_curve_steps_per_s']:.2f} steps/s "
-        f"({e['ratio_1w_curve_vs_plain']:.2f}x plaintext) |",
-        *_bf16_rows(e),
-        f"| e2e | CPU busy: local / downpour 1w / 2w (workers + server) | "
-        f"{e['local_cpu_cores']:.2f} / {e['downpour_1w_cpu_cores']:.2f} / "
-        f"{e['downpour_2w_cpu_cores']:.2f} cores |",
-        f"| e2e | **downpour 1w / local** | **{e['ratio_1w_vs_local']:.2f}** "
-        f"(per round: {_fmt_list(e['ratio_1w_vs_local_per_round'])}) |",
-        f"| e2e | **downpour 1w / TF PSS** | **{e['ratio_1w_vs_tf_pss']:.2f}** "
-        f"(per round: {_fmt_list(e['ratio_1w_vs_tf_pss_per_round'])}) |",
-        f"| shards | 1 shard under synthetic pushers | "
-        f"{r['shards']['one_shard_applies_per_s']:.1f} updates/s |",
-        f"| shards | 2 shards (the slower one; each "
-        f"{_fmt_list(r['shards']['two_shards_per_shard_applies_per_s'])}) | "
-        f"{r['shards']['two_shards_applies_per_s']:.1f} updates/s |",
-        f"| shards | each shard of the pair alone (as on its own machine; the slower) | "
-        f"{r['shards']['two_shards_each_alone_applies_per_s']:.1f} updates/s "
-        f"({r['shards']['ratio_each_alone_vs_one']:.2f}x 1 shard) |",
-        f"| shards | **2 shards / 1 shard** | **{r['shards']['ratio_two_vs_one']:.2f}x** "
-        f"(server CPU {r['shards']['server_cpu_cores_one']:.2f} / "
-        f"{r['shards']['server_cpu_cores_two']:.2f} cores) |",
+        *_e2e_rows(e),
+        *_shard_rows(r["shards"]),
         f"| input | worker step fed by in-memory arrays | "
         f"{r['input']['memory_steps_per_s']:.2f} steps/s |",
         f"| input | worker step fed by TFRecord files (input_fn: interleave, parse, prefetch) | "
@@ -331,7 +358,7 @@ def table(r: dict[str, Any]) -> str:
         f"| input | **TFRecord / memory** | **{r['input']['tfrecord_vs_memory']:.2f}** "
         f"(per round: {_fmt_list(r['input']['tfrecord_vs_memory_per_round'])}) |",
         *_pinned_rows(r),
-        *_fetch_rows(r),
+        *_fetch_rows(r["n_fetch_4"]),
         *bench_sparse.table_rows(r["sparse"]),
         "",
         "| target | measured | goal | met |",
@@ -407,7 +434,10 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         timings["server_pinned"] = time.monotonic() - t
         t = time.monotonic()
         log("[5/11] end to end")
-        result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
+        if plan.lean:  # the pinned set-ups below measure local and 1 worker
+            result["end_to_end"] = {"skipped": LEAN_SKIP}
+        else:
+            result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
         t = time.monotonic()
         log("[6/11] end to end, pinned")
@@ -415,11 +445,17 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         timings["end_to_end_pinned"] = time.monotonic() - t
         t = time.monotonic()
         log("[6/11] end to end, pinned, --n-fetch 4")
-        result["n_fetch_4"] = bench_fetch.run(plan, procs, result["end_to_end"]["pinned"])
+        if plan.lean:
+            result["n_fetch_4"] = {"skipped": LEAN_SKIP}
+        else:
+            result["n_fetch_4"] = bench_fetch.run(plan, procs, result["end_to_end"]["pinned"])
         timings["n_fetch_4"] = time.monotonic() - t
         t = time.monotonic()
         log("[7/11] shards")
-        result["shards"] = bench_shards.run(plan, procs, names, grads)
+        if plan.lean:
+            result["shards"] = {"skipped": LEAN_SKIP}
+        else:
+            result["shards"] = bench_shards.run(plan, procs, names, grads)
         timings["shards"] = time.monotonic() - t
         t = time.monotonic()
         log("[8/11] input")
@@ -431,9 +467,9 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         timings["goodput"] = time.monotonic() - t
         t = time.monotonic()
         log("[10/11] shaped link")
-        if plan.name == "quick":  # namespaces and three more workers: the full plan's
+        if plan.lean:  # namespaces and three more workers: the full plan's
             log("shaped link: skipped by --quick")
-            result["link_1gbit"] = {"skipped": "not measured by --quick (run the full bench)"}
+            result["link_1gbit"] = {"skipped": LEAN_SKIP}
         else:
             result["link_1gbit"] = bench_link.run(plan, procs)
         timings["link_1gbit"] = time.monotonic() - t
@@ -452,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse options, run, print the table, write the JSON; 1 if a required figure is bad."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="fewer repetitions (about 5 min)")
+    mode.add_argument(
+        "--quick", action="store_true", help="fewer repetitions, headline set-ups (under 3 min)"
+    )
     mode.add_argument("--smoke", action="store_true", help="one repetition, a few steps")
     p.add_argument("--out", default="bench-results.json", help="where to write the JSON")
     args = p.parse_args(argv)

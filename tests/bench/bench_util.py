@@ -57,15 +57,20 @@ class Plan:
     pinned_rounds: int = 1  # rounds of the pinned end-to-end set-ups (emulated hosts)
     goodput_reps: int = 3  # messages per goodput sample (x size-dependent factor)
     link_window_s: float = 2.0  # timed window of each shaped-link set-up
+    # measure only the headline set-ups: not the e2e 2-worker, CURVE and unpinned TF PSS ones,
+    # n_fetch_4, shards and the shaped link (each process start-up costs seconds of TF import)
+    lean: bool = False
 
 
 PLANS = {
     "smoke": Plan(
         "smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1, goodput_reps=1, link_window_s=1.0
     ),
-    # quick (about 5 minutes on 2 cores): one round, short windows, few steps; most of its time is
-    # process start-up, so it also skips the shaped link and measures fewer TF PSS variants
-    "quick": Plan("quick", 30, 6, 12, 1.0, 2, 1.5, 30, 6, 3, 1.5, 15, 8, 15, 1, goodput_reps=2),
+    # quick (under 3 minutes on 2 cores): one round, short windows, few steps; most of its time is
+    # process start-up, so it measures the headline set-ups only (lean) and fewer TF PSS variants
+    "quick": Plan(
+        "quick", 30, 6, 12, 1.0, 2, 1.5, 30, 6, 3, 1.5, 15, 8, 15, 1, goodput_reps=2, lean=True
+    ),
     "full": Plan(
         "full",
         200,
