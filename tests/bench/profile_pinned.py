@@ -1,0 +1,158 @@
+"""Per-thread py-spy profiles of the bench's pinned set-ups: where a step's time goes.
+
+    .venv/bin/python tests/bench/profile_pinned.py [--setup e2e|flood] [--seconds 20]
+
+``e2e``: the pinned end-to-end set-up of ``make bench`` (a downpour worker on core 0, its
+server on core 1, Deep-MNIST, Adam); ``flood``: the server on core 1 under the bench's
+pre-encoded pushers on core 0. After a warm-up, ``py-spy record --threads --idle
+--nonblocking`` samples each downpour process for the same window (the sampler itself costs
+a few percent of a core; it reads memory without stopping the process). For every thread
+the summary prints its share of the window's samples by the innermost frame of downpour's
+(or the library function it called into), so a thread that waits shows where, and the
+steps/s of the window beside the unprofiled figure of ``make bench``.
+
+The raw profiles (``py-spy`` raw format, one line per stack) stay in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_util import Procs, free_port, host_cpus, log, server_ready, start_server, status_endpoint
+
+from downpour.client import fetch_status
+
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+OURS = ("worker/", "server/", "shared/", "cli/")  # py-spy names files from their package root
+
+
+def record(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen[bytes]:
+    """Start py-spy on ``pid`` for ``seconds``: raw stacks per thread, idle ones included."""
+    args = [PY_SPY, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking"]
+    args += ["--rate", str(rate), "--duration", str(int(seconds)), "--format", "raw"]
+    return subprocess.Popen([*args, "--output", str(out)], stdout=subprocess.DEVNULL)
+
+
+def where(frames: list[str]) -> str:
+    """The innermost frame of downpour's own code, with the call it was in (if any)."""
+    parsed = [FRAME.match(f) for f in frames]
+    for i in range(len(parsed) - 1, -1, -1):
+        m = parsed[i]
+        if m and m["file"].startswith(OURS):
+            inner = parsed[i + 1] if i + 1 < len(parsed) else None
+            callee = f" -> {inner['func']}" if inner else ""
+            return f"{m['func']} ({m['file']}:{m['line']}){callee}"
+    m = parsed[-1] if parsed else None
+    return f"{m['func']} ({Path(m['file']).name})" if m else "?"
+
+
+def summarise(raw: Path, top: int = 8) -> list[str]:
+    """Per thread: its samples and the ``top`` places they were in."""
+    threads: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0]
+        threads[thread][where(frames[1:])] += int(count)
+    lines = []
+    for thread, places in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
+        n = sum(places.values())
+        lines.append(f"  {thread}: {n} samples")
+        for place, k in places.most_common(top):
+            lines.append(f"    {100 * k / n:5.1f} %  {place}")
+    return lines
+
+
+def steps_and_version(endpoint: Any, wid: str) -> tuple[int, int, float]:
+    doc = fetch_status(endpoint, timeout_s=10.0)
+    return int(doc["workers"].get(wid, {}).get("steps") or 0), int(doc["version"]), doc["uptime_s"]
+
+
+def e2e(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
+    """Worker on core 0, server on core 1 (``bench_e2e.downpour``'s pinned set-up)."""
+    worker_cpus, server_cpus = host_cpus(0), host_cpus(1)
+    port, wid = free_port(), "profile-w0"
+    server, pending = start_server(procs, "server", port=port, wait=False, cpus=server_cpus)
+    args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
+    args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
+    worker, _ = procs.start(args, wid, cpus=worker_cpus)
+    endpoint = status_endpoint(server_ready(procs, server, Path(pending["ready_file"])))
+    deadline = time.monotonic() + 180.0
+    while steps_and_version(endpoint, wid)[0] < 20:  # tracing and the first pulls done
+        if time.monotonic() > deadline or worker.poll() is not None:
+            raise RuntimeError(f"worker not warmed up:\n{procs.log_tail(worker)}")
+        time.sleep(0.2)
+    s0, v0, t0 = steps_and_version(endpoint, wid)
+    spies = [
+        record(worker.pid, seconds, rate, out / "worker.txt"),
+        record(server.pid, seconds, rate, out / "server.txt"),
+    ]
+    for spy in spies:
+        spy.wait(timeout=seconds + 60)
+    s1, v1, t1 = steps_and_version(endpoint, wid)
+    head = f"worker on core {worker_cpus}, server on core {server_cpus}: "
+    head += f"{(s1 - s0) / (t1 - t0):.2f} steps/s, {(v1 - v0) / (t1 - t0):.2f} updates/s profiled"
+    return [
+        head,
+        "worker:",
+        *summarise(out / "worker.txt"),
+        "server:",
+        *summarise(out / "server.txt"),
+    ]
+
+
+def flood(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
+    """Server on core 1 under ``pinned.py flood``'s pre-encoded pushers on core 0."""
+    core, pushers = host_cpus(1), host_cpus(0)
+    server, info = start_server(procs, "server", cpus=core)
+    args = [str(Path(__file__).with_name("pinned.py")), "flood"]
+    args += ["--push-port", str(info["push_port"]), "--status-port", str(info["status_port"])]
+    args += ["--in-flight", "16", "--warmup-s", "3", "--windows", "1"]
+    args += ["--window-s", str(seconds + 10)]
+    flooder, result = procs.start(args, "flood", cpus=pushers)
+    endpoint, deadline = status_endpoint(info), time.monotonic() + 120.0
+    while int(fetch_status(endpoint, timeout_s=10.0)["version"]) < 200:  # past its warm-up
+        if time.monotonic() > deadline or flooder.poll() is not None:
+            raise RuntimeError(f"no flood:\n{procs.log_tail(flooder)}")
+        time.sleep(0.2)
+    spy = record(server.pid, seconds, rate, out / "server.txt")
+    spy.wait(timeout=seconds + 60)
+    flooder.wait(timeout=seconds + 120)
+    head = f"server on core {core}, pushers on core {pushers}: {result.read_text().strip()[-300:]}"
+    return [head, "server:", *summarise(out / "server.txt")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one set-up under py-spy and print the per-thread summary."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--setup", choices=("e2e", "flood"), default="e2e")
+    p.add_argument("--seconds", type=float, default=20.0, help="profiled window")
+    p.add_argument("--rate", type=int, default=100, help="samples per second")
+    p.add_argument("--out", help="directory for the raw profiles (default: a new temp dir)")
+    args = p.parse_args(argv)
+    if not Path(PY_SPY).exists():
+        print("py-spy is not installed: pip install py-spy", file=sys.stderr)
+        return 2
+    out = Path(args.out or tempfile.mkdtemp(prefix="downpour-profile-"))
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"profiling the pinned {args.setup} set-up for {args.seconds:.0f} s; raw profiles in {out}")
+    with Procs(out) as procs:
+        lines = {"e2e": e2e, "flood": flood}[args.setup](procs, out, args.seconds, args.rate)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
