@@ -4,7 +4,8 @@
 
 ``e2e``: the pinned end-to-end set-up of ``make bench`` (a downpour worker on core 0, its
 server on core 1, Deep-MNIST, Adam); ``flood``: the server on core 1 under the bench's
-pre-encoded pushers on core 0. After a warm-up, ``py-spy record --threads --idle
+pre-encoded pushers on core 0; ``goodput``: the goodput section's sender (core 0) and
+receiver (core 1). After a warm-up, ``py-spy record --threads --idle
 --nonblocking`` samples each downpour process for the same window (the sampler itself costs
 a few percent of a core; it reads memory without stopping the process). For every thread
 the summary prints its share of the window's samples by the innermost frame of downpour's
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import math
 import re
 import shutil
 import subprocess
@@ -134,10 +137,47 @@ def flood(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
     return [head, "server:", *summarise(out / "server.txt")]
 
 
+def goodput(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
+    """``goodput.py``: its receiver on core 1, its sender on core 0, the 13.1 MB gradient list
+    and 1 MB, pushes, pulls and both, through downpour's sockets and raw pyzmq in turn."""
+    from bench_goodput import ONE_MB
+
+    from downpour.models import build_model
+    from downpour.spec import load_spec
+
+    model = build_model(load_spec("downpour.models:deep_mnist"), seed=0)
+    shapes = [[int(d) for d in v.shape] for v in model.trainable_variables]
+    total = sum(math.prod(x) for x in shapes) * 4
+    sizes = json.dumps({"1MB": ONE_MB, f"{total / 1e6:.1f}MB": shapes})
+    script = str(Path(__file__).with_name("goodput.py"))
+    ready = out / "goodput-ready.json"
+    server, _ = procs.start(
+        [script, "serve", "--sizes", sizes, "--ready-file", str(ready)], "serve", cpus=host_cpus(1)
+    )
+    deadline = time.monotonic() + 60.0
+    while not ready.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"goodput server not ready:\n{procs.log_tail(server)}")
+        time.sleep(0.05)  # polling a file for a bounded time
+    ports = json.loads(ready.read_text())
+    args = [script, "client", "--sizes", sizes, "--rounds", "1000"]
+    args += ["--push-port", str(ports["push_port"]), "--rep-port", str(ports["rep_port"])]
+    client, _ = procs.start(args, "client", cpus=host_cpus(0))
+    spies = [
+        record(client.pid, seconds, rate, out / "sender.txt"),
+        record(server.pid, seconds, rate, out / "receiver.txt"),
+    ]
+    for spy in spies:
+        spy.wait(timeout=seconds + 60)
+    sender, receiver = summarise(out / "sender.txt"), summarise(out / "receiver.txt")
+    head = f"goodput: sender on core {host_cpus(0)}, receiver on core {host_cpus(1)}"
+    return [head, "sender:", *sender, "receiver:", *receiver]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one set-up under py-spy and print the per-thread summary."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--setup", choices=("e2e", "flood"), default="e2e")
+    p.add_argument("--setup", choices=("e2e", "flood", "goodput"), default="e2e")
     p.add_argument("--seconds", type=float, default=20.0, help="profiled window")
     p.add_argument("--rate", type=int, default=100, help="samples per second")
     p.add_argument("--out", help="directory for the raw profiles (default: a new temp dir)")
@@ -149,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log(f"profiling the pinned {args.setup} set-up for {args.seconds:.0f} s; raw profiles in {out}")
     with Procs(out) as procs:
-        lines = {"e2e": e2e, "flood": flood}[args.setup](procs, out, args.seconds, args.rate)
+        setup = {"e2e": e2e, "flood": flood, "goodput": goodput}[args.setup]
+        lines = setup(procs, out, args.seconds, args.rate)
     print("\n".join(lines))
     return 0
 
