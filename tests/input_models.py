@@ -3,7 +3,8 @@
 - ``ids``: blobs with an ``id`` feature (the example's index) next to ``x``; the model takes
   both (the id through a zero weight), so the ids travel in every batch the worker trains on.
   With ``DOWNPOUR_TEST_IDS_DIR`` set, its input_fn appends the ids of every batch it yields
-  to ``ids-<worker index>-<pid>.txt`` there (a test hook of this plugin, not of downpour).
+  to ``ids-<worker index>-<epoch>-<pid>.txt`` there (a test hook of this plugin, not of
+  downpour; by epoch, because a worker reads the next epoch's first batches ahead).
   With ``DOWNPOUR_TEST_GATE`` naming a file too, each batch, once recorded, waits (at most
   ``GATE_S``) while that file exists: a test holds the workers mid-split with it. With
   ``DOWNPOUR_TEST_BATCH_S`` set, each batch takes at least that many seconds (pacing, so
@@ -49,10 +50,10 @@ def _blobs(n: int, dim: int = 8, classes: int = 4, seed: int = 3) -> tuple[np.nd
 _X, _Y = _blobs(N_IDS + 120)
 
 
-def _record(ids: tf.Tensor, worker_index: int) -> None:
+def _record(ids: tf.Tensor, worker_index: int, epoch: int) -> None:
     directory = os.environ.get(IDS_DIR_ENV)
     if directory:
-        path = Path(directory) / f"ids-{worker_index}-{os.getpid()}.txt"
+        path = Path(directory) / f"ids-{worker_index}-{epoch}-{os.getpid()}.txt"
         with open(path, "a") as f:
             f.write("".join(f"{i}\n" for i in ids.numpy().tolist()))
     time.sleep(float(os.environ.get(PACE_ENV) or 0))
@@ -72,7 +73,7 @@ def ids_input_fn(ctx: InputContext) -> tf.data.Dataset:
 
         def record(features: dict, labels: tf.Tensor) -> tuple[dict, tf.Tensor]:
             def write(ids: tf.Tensor) -> tf.Tensor:
-                _record(ids, ctx.worker_index)
+                _record(ids, ctx.worker_index, ctx.epoch)
                 return ids
 
             ids = tf.py_function(write, [features["id"]], tf.int64)

@@ -196,7 +196,7 @@ def test_a_killed_worker_split_is_reread_and_a_joiner_takes_work(
         return cluster.worker(server.port, *args, model="input_models:ids", worker_id=name)
 
     def holding(w) -> bool:  # the worker read its split's first batch and waits at the gate
-        return any(ids_dir.glob(f"ids-0-{w.proc.pid}.txt"))
+        return any(ids_dir.glob(f"ids-0-0-{w.proc.pid}.txt"))
 
     workers = [start(f"w{i}") for i in range(3)]
     for w in workers:

@@ -45,20 +45,16 @@ def test_three_workers_train_on_each_example_once_per_epoch(
     per_worker = -(-input_models.N_IDS // 3 // 32)  # 200 examples each: 7 batches an epoch
     assert [s["steps"] for s in sums] == [2 * per_worker] * 3
     assert [s["epochs"] for s in sums] == [2, 2, 2]
-    for i in range(3):  # what each worker trained on, epoch by epoch
-        (path,) = ids_dir.glob(f"ids-{i}-*.txt")
-        ids = [int(line) for line in path.read_text().split()]
-        assert len(ids) == 2 * input_models.N_IDS // 3
-    both = [int(x) for p in sorted(ids_dir.glob("ids-*.txt")) for x in p.read_text().split()]
-    for epoch in range(2):  # each worker's file holds its epoch 0 ids, then its epoch 1 ids
-        share = input_models.N_IDS // 3
-        seen = [
-            int(x)
-            for p in sorted(ids_dir.glob("ids-*.txt"))
-            for x in p.read_text().split()[epoch * share : (epoch + 1) * share]
-        ]
+    share = input_models.N_IDS // 3
+    for epoch in range(2):  # what each worker read, epoch by epoch
+        seen = []
+        for i in range(3):
+            (path,) = ids_dir.glob(f"ids-{i}-{epoch}-*.txt")
+            ids = [int(line) for line in path.read_text().split()]
+            assert len(ids) == share, f"worker {i}, epoch {epoch}"
+            seen += ids
         assert sorted(seen) == list(range(input_models.N_IDS)), f"epoch {epoch}"
-    assert len(both) == 2 * input_models.N_IDS
+    assert len(list(ids_dir.glob("ids-*.txt"))) == 6  # no epoch read past the last
 
     doc = fetch_status(server.status)
     assert doc["updates_applied"] == 3 * 2 * per_worker and doc["rejected_total"] == 0
