@@ -10,35 +10,47 @@ import json
 import math
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench_util import Plan, Procs, host_cpus, log
 
 HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "goodput.py")
 ONE_MB = [[1 << 18]]  # 262,144 float32: 1 MiB
+
+
+def sizes_of(shapes: Sequence[Sequence[int]]) -> str:
+    """``goodput.py --sizes``: 1 MB and the gradient list of these float32 shapes."""
+    total = sum(math.prod(s) for s in shapes) * 4
+    return json.dumps({"1MB": ONE_MB, f"{total / 1e6:.1f}MB": [list(s) for s in shapes]})
+
+
+def start_receiver(procs: Procs, sizes: str) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """``goodput.py serve`` on core 1 and, once it is listening, its ports."""
+    ready = procs.logdir / f"ready-goodput-{len(procs.procs):02d}.json"
+    server, _ = procs.start(
+        [SCRIPT, "serve", "--sizes", sizes, "--ready-file", str(ready)],
+        "goodput-serve",
+        cpus=host_cpus(1),
+    )
+    deadline = time.monotonic() + 60.0
+    while not ready.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            procs.stop(server)
+            raise RuntimeError(f"goodput server not ready:\n{procs.log_tail(server)}")
+        time.sleep(0.05)  # polling a file for a bounded time
+    return server, json.loads(ready.read_text())
 
 
 def run(plan: Plan, procs: Procs, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     """The goodput section: every figure of ``goodput.py client``."""
-    total = sum(math.prod(s) for s in shapes) * 4
-    sizes = json.dumps({"1MB": ONE_MB, f"{total / 1e6:.1f}MB": [list(s) for s in shapes]})
-    script = str(HERE / "goodput.py")
-    ready = procs.logdir / f"ready-goodput-{len(procs.procs):02d}.json"
-    server, _ = procs.start(
-        [script, "serve", "--sizes", sizes, "--ready-file", str(ready)],
-        "goodput-serve",
-        cpus=host_cpus(1),
-    )
+    sizes = sizes_of(shapes)
+    server, ports = start_receiver(procs, sizes)
     try:
-        deadline = time.monotonic() + 60.0
-        while not ready.exists():
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"goodput server not ready:\n{procs.log_tail(server)}")
-            time.sleep(0.05)  # polling a file for a bounded time
-        ports = json.loads(ready.read_text())
         log(f"goodput: {plan.goodput_reps} rounds, sender on core 0, receiver on core 1")
-        args = [script, "client", "--sizes", sizes, "--rounds", str(plan.goodput_reps)]
+        args = [SCRIPT, "client", "--sizes", sizes, "--rounds", str(plan.goodput_reps)]
         args += ["--push-port", str(ports["push_port"]), "--rep-port", str(ports["rep_port"])]
         client, out = procs.start(args, "goodput-client", cpus=host_cpus(0))
         try:

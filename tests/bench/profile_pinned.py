@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import math
 import re
 import shutil
 import subprocess
@@ -140,27 +138,15 @@ def flood(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
 def goodput(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
     """``goodput.py``: its receiver on core 1, its sender on core 0, the 13.1 MB gradient list
     and 1 MB, pushes, pulls and both, through downpour's sockets and raw pyzmq in turn."""
-    from bench_goodput import ONE_MB
+    from bench_goodput import SCRIPT, sizes_of, start_receiver
 
     from downpour.models import build_model
     from downpour.spec import load_spec
 
     model = build_model(load_spec("downpour.models:deep_mnist"), seed=0)
-    shapes = [[int(d) for d in v.shape] for v in model.trainable_variables]
-    total = sum(math.prod(x) for x in shapes) * 4
-    sizes = json.dumps({"1MB": ONE_MB, f"{total / 1e6:.1f}MB": shapes})
-    script = str(Path(__file__).with_name("goodput.py"))
-    ready = out / "goodput-ready.json"
-    server, _ = procs.start(
-        [script, "serve", "--sizes", sizes, "--ready-file", str(ready)], "serve", cpus=host_cpus(1)
-    )
-    deadline = time.monotonic() + 60.0
-    while not ready.exists():
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"goodput server not ready:\n{procs.log_tail(server)}")
-        time.sleep(0.05)  # polling a file for a bounded time
-    ports = json.loads(ready.read_text())
-    args = [script, "client", "--sizes", sizes, "--rounds", "1000"]
+    sizes = sizes_of([[int(d) for d in v.shape] for v in model.trainable_variables])
+    server, ports = start_receiver(procs, sizes)
+    args = [SCRIPT, "client", "--sizes", sizes, "--rounds", "1000"]
     args += ["--push-port", str(ports["push_port"]), "--rep-port", str(ports["rep_port"])]
     client, _ = procs.start(args, "client", cpus=host_cpus(0))
     spies = [
