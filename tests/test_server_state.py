@@ -91,3 +91,37 @@ def test_momentum_aware_refuses_an_optimizer_without_beta_1(optimizer: str) -> N
     with pytest.raises(ValueError, match="needs --optimizer adam"):
         Server(load_spec("tiny_models:tiny"), config)
     assert ParameterState(load_spec("tiny_models:tiny"), optimizer, 0.1).momentum is None
+
+
+def test_stage_copies_and_checks_in_one_pass_and_the_apply_reads_the_staged_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from downpour.server import state as state_module
+
+    monkeypatch.setattr(state_module, "STAGE_CHUNK", 7)  # several chunks per variable
+    spec = load_spec("tiny_models:tiny")
+    staged_state = ParameterState(spec, "adam", 0.01, seed=0)
+    plain_state = ParameterState(spec, "adam", 0.01, seed=0)
+    for i in range(3):
+        g = _grads(staged_state, i)
+        staged, bad = staged_state.stage(g)
+        assert bad is None
+        for s, buf, a in zip(staged, staged_state._staging, g, strict=True):
+            assert s is buf  # the apply copies nothing more
+            np.testing.assert_array_equal(s, a)
+        staged_state.apply(staged)
+        plain_state.apply(g)
+    for a, b in zip(staged_state.variables, plain_state.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    before = [v.numpy().copy() for v in staged_state.variables]
+    g = _grads(staged_state, 9)
+    big = max(range(len(g)), key=lambda i: g[i].size)
+    assert g[big].size > 7  # the bad value sits in a later chunk
+    g[big].reshape(-1)[-1] = np.nan
+    g[-1].reshape(-1)[0] = np.inf
+    first_bad = staged_state.names[min(big, len(g) - 1)]
+    assert staged_state.stage(g)[1] == first_bad  # the first, in variable order
+    assert staged_state.stage(g, check=False)[1] is None
+    for v, b in zip(staged_state.variables, before, strict=True):
+        np.testing.assert_array_equal(v.numpy(), b)  # staging never touches a parameter

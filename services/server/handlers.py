@@ -569,10 +569,10 @@ def handle_gradients(
                 wire.R_FUTURE, f"base_version {msg.base_version} > server version {version}"
             )
         grads = check_gradients(msg, ctx.state, keep_sparse=not isinstance(ctx.policy, SyncPolicy))
-        if not ctx.allow_nonfinite:
-            for name, g in zip(ctx.state.names, grads, strict=True):
-                if not wire.all_finite(g.values if isinstance(g, wire.Sparse) else g):
-                    raise ProtocolError(wire.R_NONFINITE, f"{name!r} has NaN or Inf")
+        # into the apply's staging buffers, NaN/Inf checked in the same pass
+        grads, nonfinite = ctx.state.stage(grads, check=not ctx.allow_nonfinite)
+        if nonfinite is not None:
+            raise ProtocolError(wire.R_NONFINITE, f"{nonfinite!r} has NaN or Inf")
         if rec is None:
             rec = ctx.registry.admit(msg.sender, now)
             if rec is None:
