@@ -138,6 +138,7 @@ class Policy(ABC):
     kind: str = ""
     gates_pulls = False  # True: the server asks pull_wait_ms before serving a worker's pull
     wants_weights = False  # True: the server calls observe(version, weights) before each offer
+    extrapolates = False  # True: a dense pull is served pull_weights(version, snapshot)
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
@@ -159,6 +160,18 @@ class Policy(ABC):
         """The server's current weights (an immutable snapshot) before an offer; only
         policies with ``wants_weights`` are told (``downpour.server.compensation``)."""
         return None
+
+    def pull_weights(
+        self,
+        version: int,
+        weights: Sequence[np.ndarray],
+        skip: Collection[int] = (),
+    ) -> list[np.ndarray]:
+        """The weights a pull of ``version`` is served (``weights``: its snapshot; the
+        arrays at indices ``skip``, e.g. row-sparse tables, are served as they are). Only
+        policies with ``extrapolates`` are asked (``lookahead``: where the server is expected
+        to be when the puller's gradient lands); the others serve the snapshot itself."""
+        return list(weights)
 
     def flush(self, version: int) -> Decision | None:
         """At shutdown: an update made of held gradients, or None (only sync holds any)."""
