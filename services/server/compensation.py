@@ -264,6 +264,7 @@ class MomentumAwarePolicy(Policy):
     ``s``. Mitliagkas et al., 2016. Every gradient is applied with ``lr``."""
 
     kind = "momentum-aware"
+    sets_momentum = True
 
     def __init__(self, beta_1: float = 0.9, window: int = MOMENTUM_WINDOW) -> None:
         super().__init__()
@@ -332,6 +333,11 @@ class LookaheadPolicy(WeightAwarePolicy):
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self.counters["extrapolated"] = 0  # versions served extrapolated
         self.counters["not_extrapolated"] = 0  # ... served as they are (no w_{v-k} kept yet)
+
+    @property
+    def sets_momentum(self) -> bool:  # type: ignore[override]
+        """True for ``momentum-aware+lookahead`` (needs adam)."""
+        return self.momentum_policy is not None
 
     @property
     def spec(self) -> str:
