@@ -307,6 +307,13 @@ def measure_costs(reps: int = 20) -> dict[str, float]:
     }
 
 
+def _distance(a: list[Any], b: list[Any]) -> float:
+    """``||a - b||`` over every array of two weight lists."""
+    return math.sqrt(
+        sum(float(((x - y).astype("float64") ** 2).sum()) for x, y in zip(a, b, strict=True))
+    )
+
+
 def simulate(job: Job) -> dict[str, Any]:
     """Run one simulated training (see the module docstring); the run's record."""
     import numpy as np
@@ -337,13 +344,16 @@ def simulate(job: Job) -> dict[str, Any]:
     gradients = 0
     raw_bytes = sent_bytes = 0
     staleness: list[int] = []
+    served: dict[int, tuple[list[Any], list[Any]]] = {}  # lookahead: worker -> (w_v, pulled)
+    gaps: list[tuple[float, float]] = []  # lookahead: the two distances to the apply weights
 
     def start(i: int, t: float) -> None:
         """Worker i pulls the current weights at clock t and computes its next gradient."""
         nonlocal order, gradients, raw_bytes, sent_bytes
         version, weights = state.weights()
         if policy.extrapolates:  # as the server's pull handler: lookahead
-            weights = policy.pull_weights(version, weights)
+            served[i] = (weights, policy.pull_weights(version, weights))
+            weights = served[i][1]
         step.set_weights(weights)
         x, y = next(streams[i])
         _, grads = step(x, y)
@@ -396,6 +406,10 @@ def simulate(job: Job) -> dict[str, Any]:
         begin = max(t, server_free)
         if policy.wants_weights:  # as the server's handler: dc, gap-aware
             policy.observe(state.version, state.weights()[1])
+        if policy.extrapolates:  # how far from the weights it lands on, pulled vs served
+            now = state.weights()[1]
+            pulled, extrapolated = served[i]
+            gaps.append((_distance(pulled, now), _distance(extrapolated, now)))
         d = policy.offer(grads, msg.base_version, state.version, msg.sender)
         if d.action == APPLY:
             assert d.grads is not None
@@ -453,6 +467,12 @@ def simulate(job: Job) -> dict[str, Any]:
         "bytes_raw": raw_bytes,
         "bytes_sent": sent_bytes,
         "bytes_ratio": round(raw_bytes / sent_bytes, 2) if sent_bytes else None,
+        # lookahead: mean ||w_served - w_apply|| / mean ||w_v - w_apply|| (1: no closer)
+        "lookahead_gap_ratio": (
+            round(sum(g[1] for g in gaps) / sum(g[0] for g in gaps), 3)
+            if gaps and sum(g[0] for g in gaps) > 0
+            else None
+        ),
         "run_seconds": round(time.monotonic() - started, 1),
         "curve": curve,
     }

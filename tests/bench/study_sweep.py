@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{job.workers}w {policy} lr={job.lr:g} seed {seed}: {got}; "
             f"final {r['final_accuracy']:.3f} best {r['best_accuracy']:.3f} "
-            f"staleness {r['staleness_mean']:.1f} ({r['run_seconds']} s)",
+            f"staleness {r['staleness_mean']:.1f} gap ratio {r['lookahead_gap_ratio']} "
+            f"({r['run_seconds']} s)",
             flush=True,
         )
         if args.log:
