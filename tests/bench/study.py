@@ -180,7 +180,7 @@ PLANS = {
         1600,
         400,
         (5e-4,),
-        ((1, "async"), (2, "momentum-aware")),
+        ((1, "async"), (2, "momentum-aware"), (2, "lookahead")),
         500,
         2,
         lr_variant_policy="momentum-aware",

@@ -4,7 +4,8 @@
 momentum-aware@4e-4 dc-a:4 lookahead:0.5`` runs each ``POLICY[@LR]`` once with
 ``study.simulate`` (the same simulation as ``make study``; LR default 1e-3), prints one line
 per run (updates and gradients to 96 %, final accuracy, speed-up over the 1-worker time
-given by ``--base-seconds``) and appends each record (with its accuracy curve) to ``--log``.
+given by ``--base-seconds``) and appends each record (with its accuracy curve) to ``--log``;
+``--table LOG`` prints such a log as a Markdown table.
 """
 
 from __future__ import annotations
@@ -18,10 +19,33 @@ from pathlib import Path
 import study
 
 
+def table(log: Path) -> str:
+    """A Markdown table of every record in a ``--log`` file, in the order they ran."""
+    lines = [
+        "| workers | policy | lr | seed | updates to 96 % | gradients to 96 % | gradients run | "
+        "final acc | staleness mean | lookahead gap ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for text in log.read_text().splitlines():
+        r = json.loads(text)
+        ok = r["reached"]
+        if r.get("decay") is not None:  # runs of a prototype extrapolation, since removed
+            r["policy"] += f" (prototype: EMA drift, decay {r['decay']:g})"
+        lines.append(
+            f"| {r['workers']} | {r['policy']} | {r['lr']:g} | {r.get('seed', 0)} | "
+            f"{r['updates_to_target'] if ok else 'not reached'} | "
+            f"{r['gradients_to_target'] if ok else '—'} | {r['gradients']} | "
+            f"{r['final_accuracy']:.3f} | {r['staleness_mean']:.1f} | "
+            f"{r.get('lookahead_gap_ratio') or '—'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the given policies one after another in this process."""
+    """Run the given policies one after another in this process (or print ``--table``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("runs", nargs="+", metavar="POLICY[@LR]")
+    p.add_argument("runs", nargs="*", metavar="POLICY[@LR]")
+    p.add_argument("--table", type=Path, metavar="LOG", help="print a log's runs as Markdown")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--costs", default="44.71,1.51", metavar="GRAD_MS,APPLY_MS")
     p.add_argument("--max-updates", type=int, default=800)
@@ -33,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0", help="simulation seeds, e.g. 0,1,2 (0: the grid's)")
     p.add_argument("--log", type=Path, help="append every record (JSON lines) here")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table), end="")
+        return 0
     grad_ms, apply_ms = (float(x) for x in args.costs.split(","))
     study._init_process()
     seeds = [int(x) for x in args.seeds.split(",")]
