@@ -179,7 +179,7 @@ PLANS = {
         800,
         1600,
         400,
-        (5e-4,),
+        (5e-4, 6e-4),
         ((1, "async"), (2, "momentum-aware"), (2, "lookahead")),
         500,
         2,
