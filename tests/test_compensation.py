@@ -1,5 +1,6 @@
 """Unit tests for the weight- and staleness-aware policies, ``services/server/compensation.py``:
-delay compensation (dc, dc-a), gap-aware damping and asynchrony-aware momentum."""
+delay compensation (dc, dc-a), gap-aware damping, asynchrony-aware momentum and look-ahead
+pulls."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from downpour.server.compensation import (
     DelayCompensatedPolicy,
     GapAwarePolicy,
+    LookaheadPolicy,
     MomentumAwarePolicy,
     WeightRing,
 )
@@ -137,4 +139,53 @@ def test_momentum_aware_parameter_and_parse_forms() -> None:
     assert parse_policy("gap-aware").spec == "gap-aware"
     for bad in ("momentum-aware:1.5", "momentum-aware:x", "dc", "dc:-1", "dc:a"):
         with pytest.raises(ValueError, match=r"(dc|momentum-aware).*(L >= 0|B)"):
+            parse_policy(bad)
+
+
+def _steady(p: LookaheadPolicy, tau: int, n: int = 5) -> None:
+    """Offer ``n`` gradients of staleness ``tau``: the mean staleness becomes ``tau``."""
+    for _ in range(n):
+        assert p.offer([_ro([0.0])], 10 - tau, 10, "w0").action == APPLY
+
+
+def test_lookahead_serves_the_weights_extrapolated_over_the_mean_staleness() -> None:
+    p = LookaheadPolicy(0.5)
+    ws = [[_ro([v, -2.0 * v * v]), np.full(2, v, np.int32), _ro([[v]])] for v in range(6)]
+    for v in range(5):
+        p.observe(v, ws[v])
+    _steady(p, 2)
+    assert p.horizon() == 2
+    out = p.pull_weights(5, ws[5], skip=[2])
+    # w5 + 0.5 * (w5 - w3): [5 + 1, -50 + 0.5 * (-50 + 18)]
+    np.testing.assert_allclose(out[0], [6.0, -66.0])
+    assert out[0].dtype == np.float32 and not out[0].flags.writeable
+    assert out[1] is ws[5][1] and out[2] is ws[5][2]  # integers and skipped arrays: as they are
+    np.testing.assert_array_equal(ws[5][0], [5.0, -50.0])  # the snapshot is not touched
+    assert p.pull_weights(5, ws[5]) is out  # once per version
+    assert p.counters["extrapolated"] == 1
+    assert p.describe()["horizon"] == 2
+
+
+def test_lookahead_without_staleness_or_history_serves_the_snapshot() -> None:
+    p = LookaheadPolicy()
+    w = [_ro([1.0, 2.0])]
+    _steady(p, 0)  # one worker: nothing moves while a gradient is in flight
+    assert p.pull_weights(3, w)[0] is w[0]
+    _steady(p, 3, n=20)
+    assert p.horizon() > 0
+    assert p.pull_weights(4, w)[0] is w[0]  # w_{4-k} was never observed
+    assert p.counters["not_extrapolated"] == 2 and p.counters["extrapolated"] == 0
+
+
+def test_lookahead_parse_forms_and_momentum() -> None:
+    assert parse_policy("lookahead").spec == "lookahead"
+    p = parse_policy("LOOKAHEAD:0.5")
+    assert isinstance(p, LookaheadPolicy) and p.scale == 0.5 and p.momentum_policy is None
+    assert p.offer([_ro([1.0])], 0, 7, "w0").momentum is None
+    m = parse_policy("momentum-aware+lookahead:2")
+    assert isinstance(m, LookaheadPolicy) and m.spec == "momentum-aware+lookahead:2"
+    assert m.offer([_ro([1.0])], 0, 7, "w0").momentum == 0.025  # beta_1 for staleness 7
+    assert parse_policy("momentum-aware:0.95+lookahead").spec == "momentum-aware:0.95+lookahead"
+    for bad in ("lookahead:-1", "lookahead:x", "lookahead+momentum-aware", "gap-aware+lookahead"):
+        with pytest.raises(ValueError, match="lookahead"):
             parse_policy(bad)

@@ -518,6 +518,33 @@ def test_dc_compensates_a_stale_push_with_the_weights_it_was_computed_from(spec:
     assert ctx.policy.describe()["ring_versions"] == 2
 
 
+def test_lookahead_pull_serves_extrapolated_weights_and_async_serves_the_snapshot(
+    spec: Any,
+) -> None:
+    """lookahead:2 through the handler: after pushes of staleness 1 (horizon 1) a pull of
+    version v gets w_v + 2 * (w_v - w_{v-1}); with SGD and g = 1 that is w_v - 2 * LR."""
+    ctx, plain = make_ctx(spec, policy="lookahead:2"), make_ctx(spec)
+    for c in (ctx, plain):
+        assert offer(c, push(c, 1, "w0")).decision.action == APPLY  # type: ignore[union-attr]
+        for seq in range(2, 5):
+            assert offer(c, push(c, seq, "w0", base_version=c.state.version - 1)).decision
+    assert ctx.policy.horizon() == 1  # type: ignore[attr-defined]
+    _, now = ctx.state.weights()
+    got = request(ctx, Message(wire.PULL, "w0"))
+    assert got.base_version == 4
+    for name, a in zip(ctx.state.names, now, strict=True):
+        np.testing.assert_allclose(got.tensors[name], a - 2 * LR, rtol=1e-5, atol=1e-6)
+    again = request(ctx, Message(wire.PULL, "w1", body={"encoding": wire.BF16}))
+    for name, a in zip(ctx.state.names, now, strict=True):
+        np.testing.assert_allclose(again.tensors[name], a - 2 * LR, rtol=2**-7, atol=1e-6)
+    assert ctx.policy.counters["extrapolated"] == 1  # one extrapolation per version
+    served = request(plain, Message(wire.PULL, "w0"))
+    for name, a in zip(plain.state.names, plain.state.weights()[1], strict=True):
+        np.testing.assert_array_equal(served.tensors[name], a)
+    unchanged = request(ctx, Message(wire.PULL, "w0", body={"have": 4, "incarnation": "inc-1"}))
+    assert unchanged.body["unchanged"] is True and not unchanged.tensors
+
+
 def test_momentum_aware_sets_the_servers_beta_1_as_staleness_grows(spec: Any) -> None:
     ctx = dataclasses.replace(
         make_ctx(spec, policy="momentum-aware"), state=ParameterState(spec, "adam", 1e-3)

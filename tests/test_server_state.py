@@ -77,17 +77,18 @@ def test_momentum_is_refused_by_an_optimizer_without_one() -> None:
     assert state.momentum is None and not state.set_momentum(0.5)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_momentum_aware_refuses_an_optimizer_without_beta_1(optimizer: str) -> None:
+@pytest.mark.parametrize(
+    ("optimizer", "policy"),
+    [("sgd", "momentum-aware"), ("adagrad", "momentum-aware"), ("sgd", "momentum-aware+lookahead")],
+)
+def test_momentum_aware_refuses_an_optimizer_without_beta_1(optimizer: str, policy: str) -> None:
     """momentum-aware steers Adam's beta_1; with SGD or Adagrad it could do nothing, so the
     server refuses to start (the CLI turns the ValueError into exit 2) instead of training
     silently without its policy."""
     from downpour.server.service import Server
     from downpour.server.settings import ServerConfig
 
-    config = ServerConfig(
-        port=0, push_port=0, status_port=0, optimizer=optimizer, policy="momentum-aware"
-    )
+    config = ServerConfig(port=0, push_port=0, status_port=0, optimizer=optimizer, policy=policy)
     with pytest.raises(ValueError, match="needs --optimizer adam"):
         Server(load_spec("tiny_models:tiny"), config)
     assert ParameterState(load_spec("tiny_models:tiny"), optimizer, 0.1).momentum is None

@@ -1,7 +1,8 @@
 """``make study`` in its smoke mode: a reduced grid runs and writes valid output files.
 
-The smoke grid (1 and 2 workers, ``sync`` and ``ssp`` for 2, ``none`` and ``bf16``, 30
-updates, a 70 % target) exercises the same code as the full study: the real ParameterState, Policy,
+The smoke grid (1 and 2 workers, ``sync``, ``ssp`` and ``lookahead`` for 2, ``none`` and
+``bf16``, ``lookahead`` without compression only, 30 updates, a 70 % target) exercises the
+same code as the full study: the real ParameterState, Policy (with look-ahead pulls),
 GradientStep, Compressor and wire path in the event simulation, the table and the plots.
 Only the shape of the result is checked, plus what holds by construction.
 """
@@ -29,7 +30,7 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "study-results.json").read_text())
     assert doc["plan"]["name"] == "smoke" and doc["machine"]["cores"] >= 1
     runs = doc["runs"]
-    assert len(runs) == 6 and not any("error" in r for r in runs)
+    assert len(runs) == 7 and not any("error" in r for r in runs)
     assert {(r["workers"], r["policy"], r["compress"]) for r in runs} == {
         (1, "async", "none"),
         (1, "async", "bf16"),
@@ -37,19 +38,23 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
         (2, "sync:2/2", "bf16"),
         (2, "ssp:2", "none"),
         (2, "ssp:2", "bf16"),
+        (2, "lookahead", "none"),
     }
     for r in runs:
         assert r["curve"][0][0] == 0 and r["curve"][-1][0] == r["updates"] > 0
         assert all(0.0 <= p[3] <= 1.0 for p in r["curve"])
         c = r["policy_counters"]
         assert c["updates"] == r["updates"]
-        # every gradient computed was offered, but an ssp worker's last one may be in flight
-        in_flight = r["workers"] - 1 if r["policy"].startswith("ssp") else 0
+        # every gradient computed was offered, but the last one of each other worker of an
+        # asynchronous policy (ssp, lookahead) may be in flight when the run stops
+        in_flight = 0 if r["policy"].startswith("sync") else r["workers"] - 1
         assert c["offered"] <= r["gradients"] <= c["offered"] + in_flight
         if r["policy"].startswith("sync"):
             assert c["applied"] == 2 * c["updates"] and r["staleness_max"] == 0
         if r["policy"].startswith("ssp"):  # every gradient applied: the bound is kept by waiting
             assert c["applied"] == c["updates"] == c["offered"] and c["dropped_stale"] == 0
+        if r["policy"] == "lookahead":  # pulls were served extrapolated once tau was measured
+            assert c["applied"] == c["updates"] and c["extrapolated"] > 0
         expected = 2.0 if r["compress"] == "bf16" else 1.0
         assert r["bytes_ratio"] == pytest.approx(expected, abs=0.02)
     # the speed-up columns, on every row: 1 worker's simulated time over the row's (same

@@ -26,14 +26,31 @@ here correct or damp a stale gradient, or tune the optimizer to the staleness me
   ``Decision.momentum``, which the server assigns to Adam's ``beta_1`` before the update
   (``ParameterState.set_momentum``). One worker keeps ``B``; 8 workers (s = 7) get 0.025.
   Needs an optimizer with ``beta_1`` (adam).
+- ``lookahead[:A]`` (look-ahead pulls): a whole pull of version ``v`` is served
+  ``w_v + A * (w_v - w_{v-k})`` instead of ``w_v``, with ``k = round(s)`` (``s`` the running
+  mean staleness over the last 100 gradients, as momentum-aware's; ``A`` default 1): the
+  server is expected to move about as far in the ``k`` updates a gradient is in flight as in
+  the last ``k``, so the worker computes its gradient near the weights it will be applied
+  to. Every gradient is applied as ``async`` does. Worker-side look-ahead of Hakimi, Barkai,
+  Gabel, Schuster, "Taming Momentum in a Distributed Asynchronous Environment" (DANA), 2019,
+  which extrapolates with the optimizer's momentum; here with the weights' own recent motion,
+  which includes Adam's normalisation and the other workers' updates.
+  ``momentum-aware[:B]+lookahead[:A]`` also lowers ``beta_1`` as momentum-aware does. With
+  one worker (``k`` = 0) the weights are served as they are. Only whole pulls are
+  extrapolated, and only their float, non-row-sparse variables; a row pull (Embedding
+  tables) is served the weights as they are.
 
-``dc`` and ``gap-aware`` need ``w_base``, the weights a gradient was computed from: the
-server hands each policy with ``wants_weights`` the current snapshot (``observe(version,
-weights)``) before each offer, and the policy keeps the last ``R`` versions in a ``WeightRing``
-(default R = 32: ``--policy dc:L`` with 8 workers sees staleness up to about 16). The ring
+``dc`` and ``gap-aware`` need ``w_base``, the weights a gradient was computed from, and
+``lookahead`` needs ``w_{v-k}``: the server hands each policy with ``wants_weights`` the
+current snapshot (``observe(version, weights)``) before each offer (``lookahead`` also
+records the version it extrapolates), and the policy keeps the last ``R`` versions in a
+``WeightRing`` (default R = 32: ``--policy dc:L`` with 8 workers sees staleness up to about
+16; ``lookahead``'s ``k`` is at most R - 1). The ring
 holds references to the server's per-version snapshots (immutable arrays), so its memory cost
 is up to ``R`` x the model's (shard's) bytes: 32 x 0.86 MB for the study's CNN, 32 x 13 MB
-for Deep-MNIST. A gradient whose base version has left the ring (or from before a restart) is
+for Deep-MNIST. ``lookahead`` adds one extrapolated copy of the model per version (made
+at the first pull of the version, shared by every pull of it, replaced at the next
+version). A gradient whose base version has left the ring (or from before a restart) is
 applied as ``async`` would, counted ``uncompensated``. Row-sparse gradients (``Sparse``, an
 Embedding's) are compensated on the rows they touch only (repeated rows summed first); the
 gap is measured over the whole dense weights.
@@ -45,7 +62,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +70,7 @@ import numpy as np
 from downpour.server.policies import Decision, Policy
 from downpour.wire import Sparse, dedupe_rows
 
-DEFAULT_RING = 32  # versions of weights kept for dc / gap-aware
+DEFAULT_RING = 32  # versions of weights kept for dc / gap-aware / lookahead
 MOMENTUM_WINDOW = 100  # gradients in the running mean of staleness (momentum-aware)
 DC_DECAY = 0.95  # dc-a: decay of the running mean square of the gradient
 DC_EPS = 1e-7
@@ -247,6 +264,7 @@ class MomentumAwarePolicy(Policy):
     ``s``. Mitliagkas et al., 2016. Every gradient is applied with ``lr``."""
 
     kind = "momentum-aware"
+    sets_momentum = True
 
     def __init__(self, beta_1: float = 0.9, window: int = MOMENTUM_WINDOW) -> None:
         super().__init__()
@@ -285,10 +303,119 @@ class MomentumAwarePolicy(Policy):
         }
 
 
+class LookaheadPolicy(WeightAwarePolicy):
+    """Look-ahead pulls: serve ``w_v + A * (w_v - w_{v-k})``, ``k = round(s)`` for mean
+    staleness ``s``, so a gradient is computed near where the server will be when it lands.
+    Hakimi, Barkai, Gabel, Schuster, "Taming Momentum in a Distributed Asynchronous
+    Environment" (DANA), 2019. Every gradient is applied with ``lr``; with ``beta_1`` set,
+    also with momentum-aware's ``beta_1`` (``momentum-aware+lookahead``)."""
+
+    kind = "lookahead"
+    extrapolates = True
+
+    def __init__(
+        self,
+        scale: float = 1.0,
+        beta_1: float | None = None,
+        ring: int = DEFAULT_RING,
+        window: int = MOMENTUM_WINDOW,
+    ) -> None:
+        super().__init__(ring)
+        if not (np.isfinite(scale) and scale >= 0):
+            raise ValueError(f"lookahead: A must be a finite number >= 0, got {scale}")
+        if beta_1 is not None and not 0.0 <= beta_1 < 1.0:
+            raise ValueError(f"momentum-aware+lookahead: B must be in [0, 1), got {beta_1}")
+        self.scale = float(scale)
+        self.momentum_policy = None if beta_1 is None else MomentumAwarePolicy(beta_1, window)
+        self.window = window
+        self.mean_staleness = 0.0
+        self._n = 0
+        self._cache: tuple[int, list[np.ndarray]] | None = None
+        self.counters["extrapolated"] = 0  # versions served extrapolated
+        self.counters["not_extrapolated"] = 0  # ... served as they are (no w_{v-k} kept yet)
+
+    @property
+    def sets_momentum(self) -> bool:  # type: ignore[override]
+        """True for ``momentum-aware+lookahead`` (needs adam)."""
+        return self.momentum_policy is not None
+
+    @property
+    def spec(self) -> str:
+        tail = "" if self.scale == 1.0 else f":{self.scale:g}"
+        if self.momentum_policy is None:
+            return f"lookahead{tail}"
+        b = self.momentum_policy.beta_1
+        head = "momentum-aware" if b == 0.9 else f"momentum-aware:{b:g}"
+        return f"{head}+lookahead{tail}"
+
+    def horizon(self) -> int:
+        """``k = round(s)``: the versions the server is expected to move while a gradient
+        computed now is in flight (0: nothing to extrapolate)."""
+        return min(int(round(self.mean_staleness)), self.ring.size - 1)
+
+    def offer(
+        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
+    ) -> Decision:
+        if (d := self._future(base_version, version)) is not None:
+            return d
+        tau = version - base_version
+        self._n += 1
+        self.mean_staleness += (tau - self.mean_staleness) / min(self._n, self.window)
+        momentum = None
+        if self.momentum_policy is not None:
+            momentum = self.momentum_policy.momentum(self.mean_staleness)
+        return self._apply(grads, tau, worker, momentum=momentum)
+
+    def pull_weights(
+        self,
+        version: int,
+        weights: Sequence[np.ndarray],
+        skip: Collection[int] = (),
+    ) -> list[np.ndarray]:
+        """``w_v + A * (w_v - w_{v-k})`` for every float array not in ``skip``; computed once
+        per version and shared by every pull of it. Served as they are while ``k`` is 0 or
+        ``w_{v-k}`` is not kept."""
+        if self._cache is not None and self._cache[0] == version:
+            return self._cache[1]
+        self.observe(version, weights)
+        k = self.horizon()
+        base = self.ring.get(version - k) if k > 0 and self.scale > 0 else None
+        if base is None:
+            self.counters["not_extrapolated"] += 1
+            out = list(weights)
+        else:
+            self.counters["extrapolated"] += 1
+            out = []
+            for i, (w, b) in enumerate(zip(weights, base, strict=True)):
+                if i in skip or not np.issubdtype(w.dtype, np.floating):
+                    out.append(w)
+                    continue
+                e = (w + self.scale * (w - b)).astype(w.dtype, copy=False)  # a fresh array
+                e.setflags(write=False)  # shared by every pull of this version, as a snapshot
+                out.append(e)
+        self._cache = (version, out)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        out = {
+            **super().describe(),
+            "scale": self.scale,
+            "mean_staleness": self.mean_staleness,
+            "horizon": self.horizon(),
+        }
+        if self.momentum_policy is not None:
+            out["beta_1"] = self.momentum_policy.momentum(self.mean_staleness)
+        return out
+
+
 _NUM = r"([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)"
 _DC = re.compile(rf"(dc|dc-a|dc-asgd):{_NUM}")
 _MOMENTUM = re.compile(rf"momentum-aware(?::{_NUM})?")
-FORMS = "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1)"
+_LOOKAHEAD = re.compile(rf"(?:momentum-aware(?::{_NUM})?(\+))?lookahead(?::{_NUM})?")
+FORMS = (
+    "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1), lookahead[:A] "
+    "(A >= 0), momentum-aware[:B]+lookahead[:A]"
+)
 
 
 def parse_compensation(t: str) -> Policy | None:
@@ -300,6 +427,14 @@ def parse_compensation(t: str) -> Policy | None:
         raise ValueError(f"policy {t!r}: expected dc:L or dc-a:L with a number L >= 0")
     if t == "gap-aware":
         return GapAwarePolicy()
+    if m := _LOOKAHEAD.fullmatch(t):
+        scale = float(m.group(3)) if m.group(3) else 1.0
+        beta_1 = (float(m.group(1)) if m.group(1) else 0.9) if m.group(2) else None
+        return LookaheadPolicy(scale, beta_1)
+    if "lookahead" in t:
+        raise ValueError(
+            f"policy {t!r}: expected lookahead[:A] or momentum-aware[:B]+lookahead[:A], A >= 0"
+        )
     if m := _MOMENTUM.fullmatch(t):
         return MomentumAwarePolicy(float(m.group(1)) if m.group(1) else 0.9)
     if t.startswith("momentum-aware"):

@@ -19,7 +19,10 @@ Every valid push goes through the staleness policy (``downpour.server.policies``
 applied (with the policy's learning-rate scale), dropped (counted, not an error: the sender
 hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
 aggregation). Under ``ssp:K`` the policy also gates pulls: a worker too far ahead of the
-slowest live one is answered "wait" (``wait_ms``, no weights) and asks again.
+slowest live one is answered "wait" (``wait_ms``, no weights) and asks again. Under
+``lookahead`` a whole pull is served the policy's extrapolated weights of the current version
+(``Policy.pull_weights``, computed once per version; row-sparse tables as they are); a row
+pull is served the weights as they are.
 """
 
 from __future__ import annotations
@@ -289,6 +292,9 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         ctx.stats.counters["pulls_unchanged"] += 1
         body = wire.PullReply(ctx.incarnation, unchanged=True, dropped_stale=dropped)
         return wire.weights_reply(version, body)
+    if ctx.policy.extrapolates:  # lookahead: this version's extrapolated weights (cached)
+        skip = [i for i, sparse in enumerate(ctx.state.sparse) if sparse]
+        arrays = ctx.policy.pull_weights(version, arrays, skip)
     tensors: Sequence[wire.WireTensor] = arrays
     if req.encoding == wire.BF16:
         ctx.stats.counters["pulls_bf16"] += 1

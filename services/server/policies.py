@@ -35,13 +35,16 @@ Policies (``parse_policy`` text, ``downpour server --policy``), each rule exactl
   Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013
   (Petuum Bösen). Unlike ``bounded:K`` nothing is dropped: the bound is kept by waiting.
 
-- ``dc:L`` / ``dc-a:L`` (delay compensation), ``gap-aware`` (damping by the parameter gap)
-  and ``momentum-aware[:B]`` (Adam's beta_1 lowered as staleness grows): their rules, sources
-  and memory cost are ``downpour.server.compensation``'s docstring.
+- ``dc:L`` / ``dc-a:L`` (delay compensation), ``gap-aware`` (damping by the parameter gap),
+  ``momentum-aware[:B]`` (Adam's beta_1 lowered as staleness grows) and ``lookahead[:A]``
+  (pulls served extrapolated weights; ``momentum-aware[:B]+lookahead[:A]`` combines the
+  two): their rules, sources and memory cost are ``downpour.server.compensation``'s
+  docstring.
 
 A policy that gates pulls (``gates_pulls``: ``ssp``) also answers ``pull_wait_ms`` for each
 pull from an enrolled worker: 0 to serve the weights, otherwise how long the worker should
-wait before asking again.
+wait before asking again. A policy that ``extrapolates`` (``lookahead``) chooses the weights
+a whole pull is served (``pull_weights``).
 
 Pure Python and NumPy: no sockets, no TensorFlow. Not thread-safe (the loop is the caller).
 
@@ -138,6 +141,8 @@ class Policy(ABC):
     kind: str = ""
     gates_pulls = False  # True: the server asks pull_wait_ms before serving a worker's pull
     wants_weights = False  # True: the server calls observe(version, weights) before each offer
+    extrapolates = False  # True: a dense pull is served pull_weights(version, snapshot)
+    sets_momentum = False  # True: decisions carry the optimizer's beta_1 (needs adam)
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
@@ -159,6 +164,18 @@ class Policy(ABC):
         """The server's current weights (an immutable snapshot) before an offer; only
         policies with ``wants_weights`` are told (``downpour.server.compensation``)."""
         return None
+
+    def pull_weights(
+        self,
+        version: int,
+        weights: Sequence[np.ndarray],
+        skip: Collection[int] = (),
+    ) -> list[np.ndarray]:
+        """The weights a pull of ``version`` is served (``weights``: its snapshot; the
+        arrays at indices ``skip``, e.g. row-sparse tables, are served as they are). Only
+        policies with ``extrapolates`` are asked (``lookahead``: where the server is expected
+        to be when the puller's gradient lands); the others serve the snapshot itself."""
+        return list(weights)
 
     def flush(self, version: int) -> Decision | None:
         """At shutdown: an update made of held gradients, or None (only sync holds any)."""
@@ -495,14 +512,15 @@ _SSP = re.compile(r"ssp:(-?\d+)")
 _SYNC = re.compile(r"sync:(-?\d+)/(-?\d+)")
 POLICY_FORMS = (
     "async, staleness-aware, bounded:K (K >= 0), ssp:K (K >= 0), sync:K/N (1 <= K <= N), "
-    "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1)"
+    "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1), lookahead[:A] "
+    "(A >= 0), momentum-aware[:B]+lookahead[:A]"
 )
 
 
 def parse_policy(text: str) -> Policy:
     """``async`` | ``staleness-aware`` | ``bounded:K`` | ``ssp:K`` | ``sync:K/N`` | ``dc:L`` |
-    ``dc-a:L`` | ``gap-aware`` | ``momentum-aware[:B]`` -> a fresh Policy (the last four are
-    ``downpour.server.compensation``'s).
+    ``dc-a:L`` | ``gap-aware`` | ``momentum-aware[:B]`` | ``[momentum-aware[:B]+]lookahead[:A]``
+    -> a fresh Policy (the last five are ``downpour.server.compensation``'s).
 
     Raises ValueError naming the accepted forms for anything else.
     """

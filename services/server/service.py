@@ -88,7 +88,7 @@ class Server:
             shard=config.shard,
             num_shards=config.num_shards,
         )
-        if self.policy.kind == "momentum-aware" and self.state.momentum is None:
+        if self.policy.sets_momentum and self.state.momentum is None:
             raise ValueError(
                 f"--policy {self.policy.spec} sets the optimizer's beta_1: it needs "
                 f"--optimizer adam, not {config.optimizer}"

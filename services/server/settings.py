@@ -92,7 +92,9 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         "ssp:K (a worker more than K pushes ahead of the slowest live one waits in its pull), "
         "sync:K/N (average the first K fresh gradients of N workers, apply once), "
         "dc:L / dc-a:L (delay compensation), gap-aware (learning rate / parameter gap), "
-        "momentum-aware[:B] (Adam's beta_1 lowered as staleness grows); see docs: "
+        "momentum-aware[:B] (Adam's beta_1 lowered as staleness grows), lookahead[:A] "
+        "(pulls get the weights extrapolated over the mean staleness), "
+        "momentum-aware[:B]+lookahead[:A]; see docs: "
         "policies.md",
         _TRAIN,
         type=policy_text,

@@ -2,14 +2,15 @@
 
 For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
 ``bounded:2``, ``ssp:2``, ``sync:K/N`` with K = N - N//4, ``dc-a:2``, ``gap-aware``,
-``momentum-aware``) and every compression (``none``, ``bf16``, ``topk:0.01``; the last three
-policies without compression only): the applied updates, gradients and simulated time to
-reach 96 % held-out accuracy on the fixed MNIST-5k split (4,000 train / 1,000 held out,
-``downpour.data.load_mnist_5k``), or the accuracy reached within a cap, and the wall-clock
-speed-up over 1 worker. Writes ``study-results.json`` (top-level ``runs``: every run with
-``workers``, ``policy``, ``compress``, ``sim_seconds_to_target``, ``speedup`` = 1 worker's
-simulated seconds over the run's and ``gradients_vs_1w``), ``study.md`` (the tables) and PNG
-plots into ``--out`` (default ``runs/study``).
+``momentum-aware``, ``lookahead``) and every compression (``none``, ``bf16``,
+``topk:0.01``; the last four policies without compression only): the applied updates,
+gradients and simulated time to reach 96 % held-out accuracy on the fixed MNIST-5k split
+(4,000 train / 1,000 held out, ``downpour.data.load_mnist_5k``), or the accuracy reached
+within a cap, and the wall-clock speed-up over 1 worker. Writes ``study-results.json``
+(top-level ``runs``: every run with ``workers``, ``policy``, ``compress``,
+``sim_seconds_to_target``, ``speedup`` = 1 worker's simulated seconds over the run's and
+``gradients_vs_1w``), ``study.md`` (the tables) and PNG plots into ``--out`` (default
+``runs/study``).
 
 How 8 workers run on 2 cores: a deterministic event simulation in one process per run,
 built from the classes the real services use. The server is a real ``ParameterState``
@@ -23,7 +24,9 @@ in [0.85, 1.15], all seeded), the server is a single queue that spends the measu
 apply time per applied update, and a worker pulls right after the server has taken its push
 (like ``--no-prefetch``), then computes its next gradient from those weights. Under
 ``ssp:K`` that pull goes through the policy's ``pull_wait_ms`` (every worker alive): a
-worker held there starts its next gradient when the slow ones have caught up. The staleness
+worker held there starts its next gradient when the slow ones have caught up. Under
+``lookahead`` the pull gets the policy's ``pull_weights`` (the extrapolated weights), as
+the server's pull handler serves them. The staleness
 of a gradient is therefore what W equally busy machines would produce (about W - 1), not
 what two oversubscribed cores produce. A worker of a ``sync:K/N`` server whose gradient was
 held waits for the next version (as ``downpour worker`` does); a dropped gradient's worker
@@ -124,8 +127,9 @@ class Plan:
     bounded_k: int = 2
     ssp_k: int = 2
     dc: str = "dc-a:2"  # the delay-compensation policy of the grid's "dc" kind
+    lookahead: str = "lookahead"  # the look-ahead policy of the grid's "lookahead" kind
     # kinds run without compression only (the compression rows compare the older kinds)
-    uncompressed_only: tuple[str, ...] = ("dc", "gap-aware", "momentum-aware")
+    uncompressed_only: tuple[str, ...] = ("dc", "gap-aware", "momentum-aware", "lookahead")
     lr_variant_policy: str = "staleness-aware"
 
 
@@ -134,7 +138,17 @@ PLANS = {
         "full",
         (1, 2, 4, 8),
         ("none", "bf16", "topk:0.01"),
-        ("async", "staleness-aware", "bounded", "ssp", "sync", "dc", "gap-aware", "momentum-aware"),
+        (
+            "async",
+            "staleness-aware",
+            "bounded",
+            "ssp",
+            "sync",
+            "dc",
+            "gap-aware",
+            "momentum-aware",
+            "lookahead",
+        ),
         0.96,
         20,
         1500,
@@ -149,14 +163,24 @@ PLANS = {
         "quick",
         (1, 8),
         ("none",),
-        ("async", "staleness-aware", "bounded", "ssp", "sync", "dc", "gap-aware", "momentum-aware"),
+        (
+            "async",
+            "staleness-aware",
+            "bounded",
+            "ssp",
+            "sync",
+            "dc",
+            "gap-aware",
+            "momentum-aware",
+            "lookahead",
+        ),
         0.96,
         25,
         800,
         1600,
         400,
-        (5e-4,),
-        ((1, "async"), (2, "momentum-aware")),
+        (5e-4, 6e-4),
+        ((1, "async"), (2, "momentum-aware"), (2, "lookahead")),
         500,
         2,
         lr_variant_policy="momentum-aware",
@@ -165,7 +189,7 @@ PLANS = {
         "smoke",
         (1, 2),
         ("none", "bf16"),
-        ("sync", "ssp"),
+        ("sync", "ssp", "lookahead"),
         0.7,
         10,
         30,
@@ -189,6 +213,8 @@ def policy_for(kind: str, workers: int, plan: Plan) -> str:
         return f"sync:{workers - workers // 4}/{workers}"
     if kind == "dc":
         return plan.dc
+    if kind == "lookahead":
+        return plan.lookahead
     return kind
 
 
@@ -208,6 +234,7 @@ class Job:
     apply_units: float  # the server's apply time in gradient-times (measured once)
     grad_s: float  # measured seconds per gradient (converts the clock to seconds)
     variant: str = ""  # "" for the grid; e.g. "lr" for the learning-rate variants
+    seed: int = 0  # > 0: other data orders and worker speeds (the grid's runs use 0)
 
     def label(self) -> str:
         """A short name for logs."""
@@ -280,6 +307,13 @@ def measure_costs(reps: int = 20) -> dict[str, float]:
     }
 
 
+def _distance(a: list[Any], b: list[Any]) -> float:
+    """``||a - b||`` over every array of two weight lists."""
+    return math.sqrt(
+        sum(float(((x - y).astype("float64") ** 2).sum()) for x, y in zip(a, b, strict=True))
+    )
+
+
 def simulate(job: Job) -> dict[str, Any]:
     """Run one simulated training (see the module docstring); the run's record."""
     import numpy as np
@@ -298,8 +332,8 @@ def simulate(job: Job) -> dict[str, Any]:
     policy = parse_policy(job.policy)
     w = job.workers
     compressors = [parse_compression(job.compress) for _ in range(w)]
-    streams = [batches(data, spec.batch_size, 100 + i) for i in range(w)]
-    rng = np.random.default_rng(1000 + w)
+    streams = [batches(data, spec.batch_size, 100 + i + 7919 * job.seed) for i in range(w)]
+    rng = np.random.default_rng(1000 + w + 7919 * job.seed)
     speed = rng.uniform(0.85, 1.15, w) if w > 1 else np.ones(1)
     limits = wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
     names = state.names
@@ -310,11 +344,17 @@ def simulate(job: Job) -> dict[str, Any]:
     gradients = 0
     raw_bytes = sent_bytes = 0
     staleness: list[int] = []
+    served: dict[int, tuple[list[Any], list[Any]]] = {}  # lookahead: worker -> (w_v, pulled)
+    gaps: list[tuple[float, float]] = []  # lookahead: the two distances to the apply weights
 
     def start(i: int, t: float) -> None:
         """Worker i pulls the current weights at clock t and computes its next gradient."""
         nonlocal order, gradients, raw_bytes, sent_bytes
-        step.set_weights(state.weights()[1])
+        version, weights = state.weights()
+        if policy.extrapolates:  # as the server's pull handler: lookahead
+            served[i] = (weights, policy.pull_weights(version, weights))
+            weights = served[i][1]
+        step.set_weights(weights)
         x, y = next(streams[i])
         _, grads = step(x, y)
         gradients += 1
@@ -366,6 +406,10 @@ def simulate(job: Job) -> dict[str, Any]:
         begin = max(t, server_free)
         if policy.wants_weights:  # as the server's handler: dc, gap-aware
             policy.observe(state.version, state.weights()[1])
+        if policy.extrapolates:  # how far from the weights it lands on, pulled vs served
+            now = state.weights()[1]
+            pulled, extrapolated = served[i]
+            gaps.append((_distance(pulled, now), _distance(extrapolated, now)))
         d = policy.offer(grads, msg.base_version, state.version, msg.sender)
         if d.action == APPLY:
             assert d.grads is not None
@@ -423,6 +467,12 @@ def simulate(job: Job) -> dict[str, Any]:
         "bytes_raw": raw_bytes,
         "bytes_sent": sent_bytes,
         "bytes_ratio": round(raw_bytes / sent_bytes, 2) if sent_bytes else None,
+        # lookahead: mean ||w_served - w_apply|| / mean ||w_v - w_apply|| (1: no closer)
+        "lookahead_gap_ratio": (
+            round(sum(g[1] for g in gaps) / sum(g[0] for g in gaps), 3)
+            if gaps and sum(g[0] for g in gaps) > 0
+            else None
+        ),
         "run_seconds": round(time.monotonic() - started, 1),
         "curve": curve,
     }
@@ -647,7 +697,10 @@ def add_speedups(runs: list[dict[str, Any]], cross: list[dict[str, Any]]) -> Non
 
 
 def kind_of(policy: str) -> str:
-    """The grid's kind of a policy text (``bounded:2`` -> ``bounded``, ``dc-a:2`` -> ``dc``)."""
+    """The grid's kind of a policy text (``bounded:2`` -> ``bounded``, ``dc-a:2`` -> ``dc``,
+    ``momentum-aware+lookahead`` -> ``lookahead``)."""
+    if "lookahead" in policy:
+        return "lookahead"
     head = policy.split(":")[0]
     return "dc" if head in ("dc", "dc-a") else head
 
@@ -872,6 +925,7 @@ COLORS = {
     "dc": "C5",
     "gap-aware": "C6",
     "momentum-aware": "C7",
+    "lookahead": "C8",
 }
 
 
@@ -978,6 +1032,8 @@ def policy_for_text(kind: str, workers: int, plan: dict[str, Any]) -> str:
         return f"sync:{workers - workers // 4}/{workers}"
     if kind == "dc":
         return plan.get("dc", "dc-a:2")
+    if kind == "lookahead":
+        return plan.get("lookahead", "lookahead")
     return kind
 
 
