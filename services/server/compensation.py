@@ -259,6 +259,13 @@ class GapAwarePolicy(WeightAwarePolicy):
         return self._apply(grads, tau, worker, scale)
 
 
+def running_mean(mean: float, x: float, n: int, window: int) -> float:
+    """``mean`` updated with the ``n``-th value ``x``: the plain mean over the first ``window``
+    values, then an exponential one with weight ``1 / window`` (both policies below track the
+    mean staleness with it)."""
+    return mean + (x - mean) / min(n, window)
+
+
 class MomentumAwarePolicy(Policy):
     """Asynchrony-aware momentum: ``beta_1 = max(0, B - s / (s + 1))`` for mean staleness
     ``s``. Mitliagkas et al., 2016. Every gradient is applied with ``lr``."""
@@ -291,7 +298,7 @@ class MomentumAwarePolicy(Policy):
             return d
         tau = version - base_version
         self._n += 1
-        self.mean_staleness += (tau - self.mean_staleness) / min(self._n, self.window)
+        self.mean_staleness = running_mean(self.mean_staleness, tau, self._n, self.window)
         return self._apply(grads, tau, worker, momentum=self.momentum(self.mean_staleness))
 
     def describe(self) -> dict[str, Any]:
@@ -344,9 +351,7 @@ class LookaheadPolicy(WeightAwarePolicy):
         tail = "" if self.scale == 1.0 else f":{self.scale:g}"
         if self.momentum_policy is None:
             return f"lookahead{tail}"
-        b = self.momentum_policy.beta_1
-        head = "momentum-aware" if b == 0.9 else f"momentum-aware:{b:g}"
-        return f"{head}+lookahead{tail}"
+        return f"{self.momentum_policy.spec}+lookahead{tail}"
 
     def horizon(self) -> int:
         """``k = round(s)``: the versions the server is expected to move while a gradient
@@ -360,7 +365,7 @@ class LookaheadPolicy(WeightAwarePolicy):
             return d
         tau = version - base_version
         self._n += 1
-        self.mean_staleness += (tau - self.mean_staleness) / min(self._n, self.window)
+        self.mean_staleness = running_mean(self.mean_staleness, tau, self._n, self.window)
         momentum = None
         if self.momentum_policy is not None:
             momentum = self.momentum_policy.momentum(self.mean_staleness)

@@ -133,22 +133,24 @@ class Plan:
     lr_variant_policy: str = "staleness-aware"
 
 
+ALL_KINDS = (  # every policy kind the grid knows (policy_for)
+    "async",
+    "staleness-aware",
+    "bounded",
+    "ssp",
+    "sync",
+    "dc",
+    "gap-aware",
+    "momentum-aware",
+    "lookahead",
+)
+
 PLANS = {
     "full": Plan(
         "full",
         (1, 2, 4, 8),
         ("none", "bf16", "topk:0.01"),
-        (
-            "async",
-            "staleness-aware",
-            "bounded",
-            "ssp",
-            "sync",
-            "dc",
-            "gap-aware",
-            "momentum-aware",
-            "lookahead",
-        ),
+        ALL_KINDS,
         0.96,
         20,
         1500,
@@ -163,17 +165,7 @@ PLANS = {
         "quick",
         (1, 8),
         ("none",),
-        (
-            "async",
-            "staleness-aware",
-            "bounded",
-            "ssp",
-            "sync",
-            "dc",
-            "gap-aware",
-            "momentum-aware",
-            "lookahead",
-        ),
+        ALL_KINDS,
         0.96,
         25,
         800,
