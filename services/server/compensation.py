@@ -259,11 +259,21 @@ class GapAwarePolicy(WeightAwarePolicy):
         return self._apply(grads, tau, worker, scale)
 
 
-def running_mean(mean: float, x: float, n: int, window: int) -> float:
-    """``mean`` updated with the ``n``-th value ``x``: the plain mean over the first ``window``
-    values, then an exponential one with weight ``1 / window`` (both policies below track the
-    mean staleness with it)."""
-    return mean + (x - mean) / min(n, window)
+class StalenessMean:
+    """The mean staleness of the gradients offered so far: the plain mean over the first
+    ``window``, then an exponential one with weight ``1 / window`` (momentum-aware and
+    lookahead follow it)."""
+
+    def __init__(self, window: int = MOMENTUM_WINDOW) -> None:
+        self.window = window
+        self.n = 0
+        self.value = 0.0
+
+    def add(self, tau: int) -> float:
+        """The mean with ``tau`` counted in."""
+        self.n += 1
+        self.value += (tau - self.value) / min(self.n, self.window)
+        return self.value
 
 
 class MomentumAwarePolicy(Policy):
@@ -278,13 +288,15 @@ class MomentumAwarePolicy(Policy):
         if not 0.0 <= beta_1 < 1.0:
             raise ValueError(f"momentum-aware: B must be in [0, 1), got {beta_1}")
         self.beta_1 = float(beta_1)
-        self.window = window
-        self.mean_staleness = 0.0
-        self._n = 0
+        self.staleness = StalenessMean(window)
 
     @property
     def spec(self) -> str:
         return "momentum-aware" if self.beta_1 == 0.9 else f"momentum-aware:{self.beta_1:g}"
+
+    @property
+    def mean_staleness(self) -> float:
+        return self.staleness.value
 
     def momentum(self, mean_staleness: float) -> float:
         """``max(0, B - s / (s + 1))``, rounded to 0.001."""
@@ -297,9 +309,7 @@ class MomentumAwarePolicy(Policy):
         if (d := self._future(base_version, version)) is not None:
             return d
         tau = version - base_version
-        self._n += 1
-        self.mean_staleness = running_mean(self.mean_staleness, tau, self._n, self.window)
-        return self._apply(grads, tau, worker, momentum=self.momentum(self.mean_staleness))
+        return self._apply(grads, tau, worker, momentum=self.momentum(self.staleness.add(tau)))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -334,9 +344,7 @@ class LookaheadPolicy(WeightAwarePolicy):
             raise ValueError(f"momentum-aware+lookahead: B must be in [0, 1), got {beta_1}")
         self.scale = float(scale)
         self.momentum_policy = None if beta_1 is None else MomentumAwarePolicy(beta_1, window)
-        self.window = window
-        self.mean_staleness = 0.0
-        self._n = 0
+        self.staleness = StalenessMean(window)
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self.counters["extrapolated"] = 0  # versions served extrapolated
         self.counters["not_extrapolated"] = 0  # ... served as they are (no w_{v-k} kept yet)
@@ -353,6 +361,10 @@ class LookaheadPolicy(WeightAwarePolicy):
             return f"lookahead{tail}"
         return f"{self.momentum_policy.spec}+lookahead{tail}"
 
+    @property
+    def mean_staleness(self) -> float:
+        return self.staleness.value
+
     def horizon(self) -> int:
         """``k = round(s)``: the versions the server is expected to move while a gradient
         computed now is in flight (0: nothing to extrapolate)."""
@@ -364,11 +376,8 @@ class LookaheadPolicy(WeightAwarePolicy):
         if (d := self._future(base_version, version)) is not None:
             return d
         tau = version - base_version
-        self._n += 1
-        self.mean_staleness = running_mean(self.mean_staleness, tau, self._n, self.window)
-        momentum = None
-        if self.momentum_policy is not None:
-            momentum = self.momentum_policy.momentum(self.mean_staleness)
+        s = self.staleness.add(tau)
+        momentum = None if self.momentum_policy is None else self.momentum_policy.momentum(s)
         return self._apply(grads, tau, worker, momentum=momentum)
 
     def pull_weights(
