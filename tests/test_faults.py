@@ -303,7 +303,8 @@ def test_sync_round_dies_with_its_server_and_workers_push_again_at_once(
     args += ("--checkpoint-every", "10", "--checkpoint-secs", "0")
     args += ("--port", str(port), "--push-port", str(push_port), "--status-port", str(status_port))
     server = cluster.server(*args)
-    wargs = ("--steps", "300", "--request-timeout", "1", "--server-timeout", "90")
+    # the workers train until told to stop, so the kill always lands mid-training
+    wargs = ("--steps", "100000", "--request-timeout", "1", "--server-timeout", "90")
     wargs += ("--sync-wait", "300")
     workers = [cluster.worker(port, *wargs, worker_id=f"w{i}") for i in range(2)]
     wait_until(lambda: _applied_at_least(server, 14), 120, "sync rounds under way")
@@ -313,13 +314,17 @@ def test_sync_round_dies_with_its_server_and_workers_push_again_at_once(
     again = cluster.server(*args)
     restored = _status(again)["restored_from"]
     assert restored is not None and restored >= 10
+    wait_until(
+        lambda: _applied_at_least(again, restored + 100), 120, "the restarted server's rounds"
+    )
     for w in workers:
-        assert w.wait(timeout=120) == 0, w.log_text()
+        w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        assert w.wait(timeout=60) == 0, w.log_text()
     sums = [summary(w) for w in workers]
-    assert [s["steps"] for s in sums] == [300, 300]
     assert [s["sync_wait_timeouts"] for s in sums] == [0, 0]
     doc = _status(again)
-    assert doc["version"] > restored + 100  # the restarted server's rounds went on
+    assert doc["version"] >= restored + 100  # the restarted server's rounds went on
     assert doc["staleness"]["max"] == 0  # sync: only gradients from the current weights
 
 
