@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from downpour.server.state import ALIGN_BYTES, ParameterState, aligned_empty
+from downpour.server.state import ParameterState
 from downpour.spec import load_spec
 
 
@@ -63,9 +63,3 @@ def test_apply_refuses_a_wrong_shape_instead_of_broadcasting() -> None:
     with pytest.raises(ValueError, match="shape"):
         state.apply(grads)
     assert state.version == 0
-
-
-def test_aligned_empty_is_aligned() -> None:
-    for shape in [(), (1,), (3, 5), (1024, 10)]:
-        a = aligned_empty(shape, np.dtype("float32"))
-        assert a.shape == shape and a.ctypes.data % ALIGN_BYTES == 0

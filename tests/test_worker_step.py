@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import tensorflow as tf
 
 from downpour.models import build_model
 from downpour.spec import load_spec
 from downpour.wire import Sparse
-from downpour.worker.step import (
-    ALIGN,
-    Accumulator,
-    GradientStep,
-    _Capsule,
-    as_array,
-    to_tensor,
-    to_wire,
-)
+from downpour.worker.step import Accumulator, GradientStep
 
 
 def test_one_evaluation_returns_every_gradient_and_traces_once() -> None:
@@ -108,53 +98,6 @@ def test_rows_written_by_row_leave_the_table_readable_without_a_copy() -> None:
     np.testing.assert_allclose(grads[0].values, ref[0].values.numpy(), rtol=1e-6)
     assert abs(loss - float(ref_loss)) < 1e-6
     assert step.traces == 1
-
-
-def _address(t: tf.Tensor) -> int:
-    """Where a CPU tensor's memory is (DLPack shares it without a copy)."""
-    return np.from_dlpack(_Capsule(tf.experimental.dlpack.to_dlpack(t))).ctypes.data
-
-
-def test_gradients_leave_tensorflow_without_a_copy_and_outlive_the_tensor() -> None:
-    g = tf.random.stateless_uniform([256, 512], seed=(1, 2))  # 512 kB
-    a = as_array(g)
-    assert a.ctypes.data == _address(g)  # the tensor's own memory, not a copy of it
-    assert not a.flags.writeable  # nobody may change what a tensor holds
-    expected = g.numpy().copy()
-    del g
-    gc.collect()
-    _ = [tf.random.stateless_uniform([256, 512], seed=(3, i)) for i in range(4)]
-    np.testing.assert_array_equal(a, expected)  # the array keeps the buffer alive
-
-
-def test_small_other_dtype_and_sparse_gradients_come_out_as_arrays() -> None:
-    small = tf.constant([1.0, 2.0])
-    assert isinstance(as_array(small), np.ndarray) and as_array(small).tolist() == [1.0, 2.0]
-    bf = tf.cast(tf.ones([256, 512]), tf.bfloat16)  # NumPy has no DLPack bfloat16
-    assert as_array(bf).dtype == bf.dtype.as_numpy_dtype and as_array(bf).shape == (256, 512)
-    values = tf.random.stateless_uniform([300, 64], seed=(5, 6))
-    s = to_wire(tf.IndexedSlices(values, tf.range(300, dtype=tf.int64), tf.constant([1000, 64])))
-    assert isinstance(s, Sparse) and s.dense_shape == (1000, 64)
-    np.testing.assert_array_equal(s.values, values.numpy())
-
-
-def test_pulled_arrays_become_aligned_tensors_that_own_a_copy() -> None:
-    src = np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)
-    view = np.frombuffer(src.tobytes(), dtype=np.float32).reshape(256, 256)  # read-only
-    t = to_tensor(view)
-    assert t.dtype == tf.float32 and t.shape == (256, 256)
-    assert _address(t) % ALIGN == 0  # what TensorFlow's kernels expect
-    src_copy = src.copy()
-    src[:] = -1  # the tensor holds its own copy
-    np.testing.assert_array_equal(t.numpy(), src_copy)
-    v = tf.Variable(tf.zeros([256, 256]))
-    v.assign(t)
-    del t
-    gc.collect()
-    np.testing.assert_array_equal(v.numpy(), src_copy)
-    for a in (np.ones(3, np.float32), np.ones((256, 256), np.uint8), np.zeros((0, 8), np.float32)):
-        b = to_tensor(a)  # small, other dtypes, empty: the plain conversion
-        assert b.dtype.as_numpy_dtype == a.dtype and b.shape == a.shape
 
 
 def test_set_weights_from_arrays_and_prepared_tensors_load_the_same_values() -> None:

@@ -32,20 +32,10 @@ from downpour.models import build_model, describe_variables, evaluate, fingerpri
 from downpour.partition import Partition, make_partition
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
+from downpour.tensors import aligned_empty
 from downpour.wire import Sparse, all_finite, dedupe_rows
 
-# TensorFlow's kernels CHECK-fail on a tensor that is not aligned like its own allocator's
-# buffers (EIGEN_MAX_ALIGN_BYTES, at most 64), so arrays are staged at this alignment.
-ALIGN_BYTES = 64
 STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float32 stay in L2
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN_BYTES) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def sparse_gradients(spec: ModelSpec, model: keras.Model) -> list[bool]:

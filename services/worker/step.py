@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from downpour.spec import ModelSpec
+from downpour.tensors import as_array, to_tensor
 from downpour.wire import Sparse, Tensor
 from downpour.worker.row_cache import RowCache
 
@@ -25,62 +26,6 @@ def batch_signature(element_spec: Any) -> Any:
     return tf.nest.map_structure(
         lambda s: tf.TensorSpec((None, *s.shape[1:]), s.dtype), element_spec
     )
-
-
-# Dtypes that both NumPy and TensorFlow exchange through DLPack.
-SHARED_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
-SHARE_MIN_BYTES = 64 * 1024  # below this the plain conversions cost no more
-ALIGN = 64  # bytes: what TensorFlow's CPU kernels expect of a tensor's memory
-
-
-class _Capsule:
-    """A DLPack capsule from TensorFlow in the form ``np.from_dlpack`` takes."""
-
-    __slots__ = ("capsule",)
-
-    def __init__(self, capsule: Any) -> None:
-        self.capsule = capsule
-
-    def __dlpack__(self, stream: Any = None, **_: Any) -> Any:
-        return self.capsule
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (1, 0)  # kDLCPU
-
-
-def as_array(t: tf.Tensor) -> np.ndarray:
-    """A CPU tensor as a read-only ndarray on the tensor's own memory (through DLPack).
-
-    ``Tensor.numpy()`` copies, at about a third of memcpy speed; a gradient of 13 MB then
-    costs the worker's core a few milliseconds per step for nothing, since the array is only
-    read (sent ``copy=False``). The array keeps the tensor's buffer alive, and TensorFlow's
-    buffers are reference counted, so nothing overwrites it. Small tensors, other dtypes and
-    tensors on another device take ``numpy()``."""
-    dtype = t.dtype.as_numpy_dtype
-    if (
-        np.dtype(dtype) not in SHARED_DTYPES
-        or t.shape.num_elements() * t.dtype.size < SHARE_MIN_BYTES
-        or "CPU" not in t.device
-    ):
-        return t.numpy()
-    return np.from_dlpack(_Capsule(tf.experimental.dlpack.to_dlpack(t)))
-
-
-def to_tensor(a: np.ndarray) -> tf.Tensor:
-    """``a`` as a tensor: one memcpy into fresh aligned memory that the tensor then uses as
-    it is (through DLPack).
-
-    ``tf.convert_to_tensor`` copies at a fraction of memcpy speed (slower still from the
-    read-only views a pull reply decodes to). The memory is fresh for every call and nothing
-    else refers to it, so a variable assigned from the tensor may keep it. Small arrays and
-    other dtypes take ``tf.convert_to_tensor``."""
-    if a.dtype not in SHARED_DTYPES or a.nbytes < SHARE_MIN_BYTES:
-        return tf.convert_to_tensor(a)
-    raw = np.empty(a.nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    out = raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
-    np.copyto(out, a)
-    return tf.experimental.dlpack.from_dlpack(out.__dlpack__())
 
 
 def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:
