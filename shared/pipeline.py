@@ -216,13 +216,17 @@ def known_batches(ds: tf.data.Dataset) -> int | None:
     return n if n >= 0 else None
 
 
-def _open_epoch(fn: InputFn, ctx: InputContext, epoch: int) -> list[Any]:
-    """``[dataset, iterator, first batch]`` of epoch ``epoch`` (batch None: it has none). A
-    list, so that whoever takes the iterator can empty it: a future's result would otherwise
-    keep the iterator alive, and delete it wherever the future dies."""
-    ds = build_dataset(fn, ctx.for_epoch(epoch))
+def _opened(ds: tf.data.Dataset) -> list[Any]:
+    """``[dataset, iterator, first batch]`` (batch None: it has none). A list, so that
+    whoever takes the iterator can empty it: a future's result would otherwise keep the
+    iterator alive, and delete it wherever the future dies."""
     it = iter(ds)
     return [ds, it, next(it, None)]
+
+
+def _open_epoch(fn: InputFn, ctx: InputContext, epoch: int) -> list[Any]:
+    """``_opened`` for epoch ``epoch`` of ``fn``."""
+    return _opened(build_dataset(fn, ctx.for_epoch(epoch)))
 
 
 def _take(opened: list[Any]) -> tuple[tf.data.Dataset, Any, Any]:
@@ -255,9 +259,7 @@ def epoch_batches(
                 ds, it, head = _take(ahead.result())
                 ahead = None
             elif epoch == 0 and first is not None:
-                ds = first
-                it = iter(ds)
-                head = next(it, None)
+                ds, it, head = _take(_opened(first))
             else:
                 ds, it, head = _take(_open_epoch(fn, ctx, epoch))
             limit = None

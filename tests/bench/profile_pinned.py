@@ -1,6 +1,6 @@
 """Per-thread py-spy profiles of the bench's pinned set-ups: where a step's time goes.
 
-    .venv/bin/python tests/bench/profile_pinned.py [--setup e2e|flood] [--seconds 20]
+    .venv/bin/python tests/bench/profile_pinned.py [--setup e2e|flood|goodput] [--seconds 20]
 
 ``e2e``: the pinned end-to-end set-up of ``make bench`` (a downpour worker on core 0, its
 server on core 1, Deep-MNIST, Adam); ``flood``: the server on core 1 under the bench's
@@ -37,11 +37,18 @@ FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 OURS = ("worker/", "server/", "shared/", "cli/")  # py-spy names files from their package root
 
 
-def record(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen[bytes]:
-    """Start py-spy on ``pid`` for ``seconds``: raw stacks per thread, idle ones included."""
-    args = [PY_SPY, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking"]
-    args += ["--rate", str(rate), "--duration", str(int(seconds)), "--format", "raw"]
-    return subprocess.Popen([*args, "--output", str(out)], stdout=subprocess.DEVNULL)
+def record(pids: dict[str, int], seconds: float, rate: int, out: Path) -> dict[str, list[str]]:
+    """py-spy on each process of ``pids`` (name: pid) for the same ``seconds``, raw stacks
+    per thread, idle ones included, in ``out/<name>.txt``; each one's ``summarise``."""
+    spies = []
+    for name, pid in pids.items():
+        args = [PY_SPY, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking"]
+        args += ["--rate", str(rate), "--duration", str(int(seconds)), "--format", "raw"]
+        args += ["--output", str(out / f"{name}.txt")]
+        spies.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
+    for spy in spies:
+        spy.wait(timeout=seconds + 60)
+    return {name: summarise(out / f"{name}.txt") for name in pids}
 
 
 def where(frames: list[str]) -> str:
@@ -96,22 +103,11 @@ def e2e(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
             raise RuntimeError(f"worker not warmed up:\n{procs.log_tail(worker)}")
         time.sleep(0.2)
     s0, v0, t0 = steps_and_version(endpoint, wid)
-    spies = [
-        record(worker.pid, seconds, rate, out / "worker.txt"),
-        record(server.pid, seconds, rate, out / "server.txt"),
-    ]
-    for spy in spies:
-        spy.wait(timeout=seconds + 60)
+    profiles = record({"worker": worker.pid, "server": server.pid}, seconds, rate, out)
     s1, v1, t1 = steps_and_version(endpoint, wid)
     head = f"worker on core {worker_cpus}, server on core {server_cpus}: "
     head += f"{(s1 - s0) / (t1 - t0):.2f} steps/s, {(v1 - v0) / (t1 - t0):.2f} updates/s profiled"
-    return [
-        head,
-        "worker:",
-        *summarise(out / "worker.txt"),
-        "server:",
-        *summarise(out / "server.txt"),
-    ]
+    return [head, "worker:", *profiles["worker"], "server:", *profiles["server"]]
 
 
 def flood(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
@@ -128,11 +124,10 @@ def flood(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
         if time.monotonic() > deadline or flooder.poll() is not None:
             raise RuntimeError(f"no flood:\n{procs.log_tail(flooder)}")
         time.sleep(0.2)
-    spy = record(server.pid, seconds, rate, out / "server.txt")
-    spy.wait(timeout=seconds + 60)
+    profiles = record({"server": server.pid}, seconds, rate, out)
     flooder.wait(timeout=seconds + 120)
     head = f"server on core {core}, pushers on core {pushers}: {result.read_text().strip()[-300:]}"
-    return [head, "server:", *summarise(out / "server.txt")]
+    return [head, "server:", *profiles["server"]]
 
 
 def goodput(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
@@ -149,15 +144,9 @@ def goodput(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
     args = [SCRIPT, "client", "--sizes", sizes, "--rounds", "1000"]
     args += ["--push-port", str(ports["push_port"]), "--rep-port", str(ports["rep_port"])]
     client, _ = procs.start(args, "client", cpus=host_cpus(0))
-    spies = [
-        record(client.pid, seconds, rate, out / "sender.txt"),
-        record(server.pid, seconds, rate, out / "receiver.txt"),
-    ]
-    for spy in spies:
-        spy.wait(timeout=seconds + 60)
-    sender, receiver = summarise(out / "sender.txt"), summarise(out / "receiver.txt")
+    profiles = record({"sender": client.pid, "receiver": server.pid}, seconds, rate, out)
     head = f"goodput: sender on core {host_cpus(0)}, receiver on core {host_cpus(1)}"
-    return [head, "sender:", *sender, "receiver:", *receiver]
+    return [head, "sender:", *profiles["sender"], "receiver:", *profiles["receiver"]]
 
 
 def main(argv: list[str] | None = None) -> int:
