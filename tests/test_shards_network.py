@@ -7,6 +7,7 @@ Skips, printing the reason, where namespaces cannot be made (not root, no iprout
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,7 +75,7 @@ def test_two_shards_two_workers_across_namespaces_with_curve_and_a_shard_restart
             "--server",
             servers,
             "--steps",
-            "200",
+            "100000",  # until SIGTERM: the kill always lands mid-training
             "--key",
             str(keys / "clients" / f"{wid}.key_secret"),
             "--server-key",
@@ -103,11 +104,19 @@ def test_two_shards_two_workers_across_namespaces_with_curve_and_a_shard_restart
     again = start_shard(1)
     doc1 = status_in(hosts[1], again, keys)
     assert doc1["restored_from"] is not None and doc1["restored_from"] >= 40
+    wait_until(
+        lambda: status_in(hosts[1], again, keys)["version"] >= doc1["restored_from"] + 60,
+        240,
+        "training to resume on the restarted shard",
+    )
     for w in workers:
-        assert w.wait(timeout=300) == 0, w.log_text()
-    assert [summary(w)["steps"] for w in workers] == [200, 200]
+        w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        assert w.wait(timeout=60) == 0, w.log_text()
+    steps = [summary(w)["steps"] for w in workers]
     final = [status_in(h, s, keys) for h, s in zip(shard_hosts, (shards[0], again), strict=True)]
-    assert final[1]["version"] > doc1["restored_from"]  # training resumed on the restarted shard
+    assert final[1]["version"] >= doc1["restored_from"] + 60  # resumed on the restarted shard
+    assert sum(steps) >= final[0]["version"]  # each of a shard's updates came from one step
     for d in final:
         assert {"w0", "w1"} <= set(d["workers"]) and d["rejected"].get("identity", 0) == 0
         assert d["partition"] == final[0]["partition"]
