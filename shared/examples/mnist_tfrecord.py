@@ -67,8 +67,10 @@ def read(
         ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed)
     shape, scale = tuple(meta.shape), float(meta.scale)
 
+    features = FEATURES if with_ids else {k: v for k, v in FEATURES.items() if k != "id"}
+
     def parse(serialized: tf.Tensor) -> tuple[tf.Tensor | dict[str, tf.Tensor], tf.Tensor]:
-        ex = tf.io.parse_example(serialized, FEATURES)
+        ex = tf.io.parse_example(serialized, features)  # only what is returned
         pixels = tf.io.decode_raw(ex["image"], tf.uint8)
         images = tf.reshape(tf.cast(pixels, tf.float32) / scale, (-1, *shape))
         if with_ids:

@@ -459,7 +459,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         timings["shards"] = time.monotonic() - t
         t = time.monotonic()
         log("[8/11] input")
-        result["input"] = bench_input.run(plan, spec, data)
+        result["input"] = bench_input.run(plan, procs)
         timings["input"] = time.monotonic() - t
         t = time.monotonic()
         log("[9/11] goodput")

@@ -11,11 +11,19 @@ the same run:
   epoch after epoch by the worker's own ``epoch_batches``.
 
 Windows of a fixed number of steps alternate between the two, each round starting with the
-other one; ``tfrecord_vs_memory`` is the median of the per-round ratios of steps/s.
+other one; ``tfrecord_vs_memory`` is the median of the per-round ratios of steps/s. In the
+full plan a window is two whole epochs, so every window pays for the same number of epoch
+openings, and nine rounds keep one slow spell of a shared machine from setting the median.
+
+The section runs in a process of its own (``python bench_input.py PLAN`` prints its result
+as JSON), as a worker does: nothing left by the bench's other sections (their threads, their
+models, their garbage) shares its cores or its interpreter.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,19 +32,21 @@ from typing import Any
 
 import numpy as np
 from bench_e2e import batches as memory_batches
-from bench_util import Plan, median
+from bench_util import Plan, Procs, median
 
 from downpour import InputContext
 from downpour.cli.data import mnist5k, write
-from downpour.data import Dataset
+from downpour.data import load_mnist_5k
 from downpour.examples import mnist_tfrecord
 from downpour.models import build_model
 from downpour.pipeline import epoch_batches
-from downpour.spec import ModelSpec
+from downpour.spec import load_spec
 from downpour.worker.step import GradientStep
 
-# (rounds, steps per window, warm-up steps) per plan: short in quick and smoke
-SIZES = {"smoke": (1, 4, 2), "quick": (2, 15, 5), "full": (5, 60, 10)}
+HERE = Path(__file__).resolve().parent
+# (rounds, steps per window, warm-up steps) per plan; None: WINDOW_EPOCHS whole epochs
+SIZES = {"smoke": (1, 4, 2), "quick": (2, 15, 5), "full": (9, None, 10)}
+WINDOW_EPOCHS = 2
 
 
 def tfrecord_batches(data_dir: str, batch_size: int) -> Iterator[tuple[Any, Any]]:
@@ -54,9 +64,18 @@ def steps_per_s(step: GradientStep, source: Iterator[tuple[Any, Any]], steps: in
     return steps / (time.perf_counter() - t0)
 
 
-def run(plan: Plan, spec: ModelSpec, data: Dataset) -> dict[str, Any]:
+def run(plan: Plan, procs: Procs) -> dict[str, Any]:
+    """The section's result, measured in a child process (see the module docstring)."""
+    return procs.run_json([str(HERE / "bench_input.py"), plan.name], "input", timeout_s=900)
+
+
+def measure(plan_name: str) -> dict[str, Any]:
     """memory_steps_per_s, tfrecord_steps_per_s (medians) and tfrecord_vs_memory."""
-    rounds, steps, warmup = SIZES[plan.name]
+    spec = load_spec("downpour.models:deep_mnist")
+    data = load_mnist_5k()
+    rounds, steps, warmup = SIZES[plan_name]
+    if steps is None:
+        steps = WINDOW_EPOCHS * (len(data.x_train) // spec.batch_size)
     with tempfile.TemporaryDirectory(prefix="downpour-bench-input-") as tmp:
         out = Path(tmp) / "mnist"
         out.mkdir()
@@ -83,3 +102,7 @@ def run(plan: Plan, spec: ModelSpec, data: Dataset) -> dict[str, Any]:
         "steps_per_window": steps,
         "traces": step.traces,
     }
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1])))

@@ -25,8 +25,6 @@ the bare compiled apply and a memcpy of the gradient list measured on core 1 in 
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +40,7 @@ def child(
     procs: Procs, mode: str, cpus: list[int], args: list[str], timeout_s: float = 600.0
 ) -> dict[str, Any]:
     """Run ``pinned.py mode args`` on ``cpus``; its JSON result (bounded wait)."""
-    proc, out = procs.start([str(HERE / "pinned.py"), mode, *args], f"pinned-{mode}", cpus=cpus)
-    try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        procs.stop(proc)
-        raise RuntimeError(f"pinned {mode} did not finish in {timeout_s:.0f} s") from None
-    if code != 0:
-        raise RuntimeError(f"pinned {mode} exited with {code}:\n{procs.log_tail(proc)}")
-    return json.loads(out.read_text().strip().splitlines()[-1])
+    return procs.run_json([str(HERE / "pinned.py"), mode, *args], f"pinned-{mode}", timeout_s, cpus)
 
 
 def overhead_ratio(downpour: float, tf_pss: float, grad_only: float) -> float:

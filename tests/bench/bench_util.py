@@ -258,6 +258,25 @@ class Procs:
         for proc, _ in self.procs:
             self.stop(proc)
 
+    def run_json(
+        self,
+        args: list[str],
+        name: str,
+        timeout_s: float = 600.0,
+        cpus: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
+        """Run ``python args...`` to its end (bounded wait) and return the JSON object on
+        the last line of its stdout; RuntimeError with its log's tail if it fails."""
+        proc, out = self.start(args, name, cpus=cpus)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop(proc)
+            raise RuntimeError(f"{name} did not finish in {timeout_s:.0f} s") from None
+        if code != 0:
+            raise RuntimeError(f"{name} exited with {code}:\n{self.log_tail(proc)}")
+        return json.loads(out.read_text().strip().splitlines()[-1])
+
     def log_tail(self, proc: subprocess.Popen[bytes], lines: int = 30) -> str:
         """The last lines of a child's stderr log, for error messages."""
         for p, log in self.procs:
