@@ -42,6 +42,14 @@ from downpour.transport import Counters, PushSocket, ServerUnavailable, make_con
 log = logging.getLogger("downpour.cluster")
 
 
+class Incompatible(Exception):
+    """A shard's hello says it cannot decode an encoding this client sends.
+
+    Recovery: none by retrying; upgrade the server or send another encoding. The message names
+    the server, the missing encodings and what the server decodes.
+    """
+
+
 def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
     """The partition of a model's trainable variables over ``num_shards`` shards."""
     from downpour.models import fingerprint  # Keras: only callers holding a model pay for it
@@ -88,7 +96,9 @@ class ShardSet:
 
     ``server_timeout_s``: how long hello, pull and push wait out a server that does not
     answer before ServerUnavailable. ``counters`` receives ``reconnects``, ``backpressure``
-    and ``dropped``; ``stop`` ends every wait early.
+    and ``dropped``; ``stop`` ends every wait early. ``encodings``: what this client's pushes
+    use, which every hello (a restarted shard's too) checks the shard decodes (Incompatible);
+    ``sends`` names where they come from in that error (``--compress topk:0.01``).
     """
 
     def __init__(
@@ -109,6 +119,8 @@ class ShardSet:
         push_endpoint: tuple[str, int] | None = None,
         counters: Counters | None = None,
         stop: threading.Event | None = None,
+        encodings: frozenset[str] = frozenset(),
+        sends: str = "this client",
     ) -> None:
         if len(endpoints) != partition.num_shards:
             raise ValueError(f"{len(endpoints)} endpoints for {partition.num_shards} shards")
@@ -137,7 +149,10 @@ class ShardSet:
             self.shards.append(shard)
         self.pushed_incarnations: list[str | None] = []  # each shard's, at the last push
         self.model = ""  # what hello said, kept to say it again to a restarted shard
-        self.check: Callable[[Shard, Hello], None] | None = None
+        self.encodings = encodings
+        self.sends = sends
+        self.policy = ""  # the staleness policy the last hello named (``sync:2/4``, ``async``)
+        self.resume_seq = 0  # the highest sequence number a hello said the server accepted
 
     # ------------------------------------------------------------ state
 
@@ -150,6 +165,16 @@ class ShardSet:
     def version(self) -> int:
         """The oldest of the shards' versions."""
         return min(self.versions)
+
+    @property
+    def sync(self) -> bool:
+        """The servers aggregate synchronously (hello: policy ``sync:K/N``)."""
+        return self.policy.startswith("sync:")
+
+    @property
+    def ssp(self) -> bool:
+        """The servers hold pulls of workers too far ahead (hello: policy ``ssp:K``)."""
+        return self.policy.startswith("ssp:")
 
     def new_client(self, shard: Shard) -> ShardClient:
         """Another client for ``shard`` (one per thread): same options, its own socket."""
@@ -197,7 +222,7 @@ class ShardSet:
         again = [s for s in self.shards if self.needs_hello(s)]
         for shard in again:
             old_port = shard.push_port
-            self.hello(shard, self.model, self.check)
+            self.hello(shard, self.model)
             self.counters["rehellos"] = self.counters.get("rehellos", 0) + 1
             log.warning(
                 "server %s restarted: said hello again (gradients to port %s%s)",
@@ -227,21 +252,24 @@ class ShardSet:
             partition=self.partition.digest,
         )
 
-    def hello(
-        self,
-        shard: Shard,
-        model: str,
-        check: Callable[[Shard, Hello], None] | None = None,
-    ) -> Hello:
-        """Say hello to one shard (again, after a restart, too): note its incarnation, let
-        ``check`` refuse what it answered, and (re)connect the gradient socket when the push
-        port is new. Refused / ServerUnavailable / Stopped from the client."""
-        self.model, self.check = model, check
+    def hello(self, shard: Shard, model: str) -> Hello:
+        """Say hello to one shard (again, after a restart, too): note its incarnation, its
+        policy and where this sender's sequence resumes, check it decodes ``encodings``, and
+        (re)connect the gradient socket when the push port is new. Incompatible; Refused /
+        ServerUnavailable / Stopped from the client."""
+        self.model = model
         hello = shard.client.hello(self.hello_request(shard, model))
         self.note_incarnation(shard, hello.reply.incarnation, hello.version)
         shard.hello_incarnation = hello.reply.incarnation
-        if check is not None:
-            check(shard, hello)
+        offered = hello.reply.encodings or ()
+        missing = sorted(self.encodings - set(offered))
+        if missing:
+            raise Incompatible(
+                f"server {shard.endpoint} cannot decode the {', '.join(missing)} encoding that "
+                f"{self.sends} sends (it decodes {', '.join(offered)})"
+            )
+        self.policy = hello.reply.policy
+        self.resume_seq = max(self.resume_seq, hello.reply.last_seq)
         push_port = hello.reply.push_port
         if push_port != shard.push_port:
             if shard.push is not None:
@@ -267,11 +295,9 @@ class ShardSet:
         )
         return hello
 
-    def hello_all(
-        self, model: str, check: Callable[[Shard, Hello], None] | None = None
-    ) -> list[Hello]:
+    def hello_all(self, model: str) -> list[Hello]:
         """Hello every shard in shard order (see ``hello``)."""
-        return [self.hello(s, model, check) for s in self.shards]
+        return [self.hello(s, model) for s in self.shards]
 
     # ------------------------------------------------------------ pull
 

@@ -14,6 +14,7 @@ import bisect
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -557,6 +558,12 @@ def new_worker_stats() -> dict[str, float]:
     stats: dict[str, float] = {m.key: 0.0 if m.kind == GAUGE else 0 for m in WORKER_REPORTED}
     stats["loss"] = math.nan
     return stats
+
+
+def reported_counts(stats: Mapping[str, float]) -> dict[str, int]:
+    """The counters of a worker's reported figures (``WORKER_REPORTED``) as whole numbers:
+    what its summary shows of them."""
+    return {m.key: int(stats[m.key]) for m in WORKER_REPORTED if m.kind == COUNTER}
 
 
 def clean_reported(stats: Any) -> dict[str, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from downpour.worker.row_pulling import RowPulling
+from downpour.worker.row_pulling import versions_ahead
 from downpour.worker.schedule import FetchSchedule
 
 
@@ -103,12 +103,8 @@ def test_row_pulls_expect_a_later_request_to_bring_a_newer_version() -> None:
     from the versions it expects the reply to be ahead of the weights held; a request the
     schedule sends later than N steps after the last one expects more versions."""
 
-    class Rows(RowPulling):
-        pass
-
-    r = Rows()
-    r._row_version_steps, r._row_version_gap = [4, 8], [4, 4]  # shard 1 moves twice as fast
-    r._row_held_step = 16  # the weights held were requested before step 16
-    assert r._versions_ahead(20) == [4, 8]  # N = 4 steps on: the last pace
-    assert r._versions_ahead(22) == [6, 12]  # 6 steps since the held weights were requested
-    assert r._versions_ahead(16) == [1, 2]  # a request right away: at least a step's pace
+    steps, gap = [4, 8], [4, 4]  # shard 1 moves twice as fast
+    held = 16  # the weights held were requested before step 16
+    assert versions_ahead(steps, gap, held, 20) == [4, 8]  # N = 4 steps on: the last pace
+    assert versions_ahead(steps, gap, held, 22) == [6, 12]  # 6 steps since the held request
+    assert versions_ahead(steps, gap, held, 16) == [1, 2]  # at once: at least a step's pace

@@ -75,13 +75,13 @@ def _train_recording(ports: int | list[int], **config: Any) -> tuple[dict[str, A
     """Train one worker on this thread; its summary and the gradient lists it pushed."""
     worker = make_worker(ports, BIG, **config)
     pushed: list[Any] = []
-    push = worker.push
+    push = worker.pusher.push
 
     def recording(grads: list[wire.Tensor], *args: Any) -> bool:
         pushed.append(grads)
         return push(grads, *args)
 
-    worker.push = recording  # type: ignore[method-assign]
+    worker.pusher.push = recording  # type: ignore[method-assign]
     try:
         if config.get("row_cache_rows"):
             assert tuple(worker.model.trainable_variables[0].shape) == (CACHE, 16)

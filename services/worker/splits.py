@@ -32,15 +32,12 @@ from downpour.client import ShardClient, SplitGrant
 from downpour.inputs import ELEMENTS, FILES, InputContext
 from downpour.pipeline import InputError, InputFn, build_dataset, retire
 from downpour.transport import Refused, RemoteError, ServerUnavailable, Stopped
+from downpour.worker.errors import DispatchError
 
 log = logging.getLogger("downpour.worker")
 
 SPLIT_BATCHES = 20  # the default split: this many batches of elements
 MAX_WAIT_S = 5.0  # longest single wait for the epoch's in-flight splits, whatever the hint
-
-
-class DispatchError(Exception):
-    """Shard 0 refused or stopped answering split requests; the message says why."""
 
 
 def probe_universe(
