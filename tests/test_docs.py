@@ -157,7 +157,8 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_mkdocs_build_strict_fails_on_a_broken_anchor(tmp_path: Path) -> None:
     _require_docs_tools()
-    for name in ("pyproject.toml", "shared", "services", "tests"):
+    # docs/index.md includes sections of README.md
+    for name in ("pyproject.toml", "README.md", "shared", "services", "tests"):
         (tmp_path / name).symlink_to(ROOT / name)
     shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
     shutil.copytree(DOCS, tmp_path / "docs", symlinks=True)
