@@ -87,6 +87,44 @@ def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
     return model
 
 
+def model_inputs(model: keras.Model) -> Any:
+    """The model's input structure (KerasTensors: one, a list, a dict or nested, as given to
+    ``keras.Model(inputs=...)``; a Sequential's too), or None for a model that declares none
+    (subclassed)."""
+    for m in (model, getattr(model, "_functional", None)):
+        struct = getattr(m, "_inputs_struct", None)  # Keras's own record of Model(inputs=...)
+        if struct is not None:
+            return struct
+    return None
+
+
+def zero_inputs(model: keras.Model) -> Any:
+    """A batch of one example of zeros (empty strings for string inputs) in the model's own
+    input structure (``model_inputs``): unknown dimensions are 1. ValueError for a model
+    that declares no inputs."""
+    import tensorflow as tf
+
+    struct = model_inputs(model)
+    if struct is None:
+        raise ValueError(f"model {model.name!r} declares no inputs (keras.Input)")
+
+    def zeros(t: Any) -> Any:
+        shape = (1, *(d or 1 for d in t.shape[1:]))
+        dtype = tf.as_dtype(t.dtype)
+        return tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype)
+
+    return tf.nest.map_structure(zeros, struct)
+
+
+def embedding_tables(model: keras.Model) -> dict[str, keras.layers.Embedding]:
+    """The model's Embedding layers by their table's variable path (nested models too)."""
+    found: dict[str, keras.layers.Embedding] = {}
+    for layer in model._flatten_layers(include_self=False):  # Keras's own layer walk
+        if isinstance(layer, keras.layers.Embedding):
+            found[layer.embeddings.path] = layer
+    return found
+
+
 def evaluate(spec: ModelSpec, model: keras.Model, x: Any, y: np.ndarray | None = None) -> float:
     """The spec's metric, inference mode: on arrays ``(x, y)`` in batches of 500, or with
     ``y`` None on ``x``, an iterable of ``(features, labels)`` batches (a held-out

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from downpour.data import dataset_held_out_fn, dataset_input_fn
 from downpour.inputs import InputContext
+from downpour.models import model_inputs
 from downpour.spec import ModelSpec
 
 log = logging.getLogger("downpour.inputs")
@@ -127,16 +128,6 @@ def build_dataset(fn: InputFn, ctx: InputContext, what: str = "input_fn") -> tf.
     return ds
 
 
-def model_inputs(model: keras.Model) -> Any:
-    """The model's input structure (KerasTensors: one, a list or a dict), or None for a model
-    that declares none (subclassed)."""
-    for m in (model, getattr(model, "_functional", None)):
-        struct = getattr(m, "_inputs_struct", None)  # Keras's own record of Model(inputs=...)
-        if struct is not None:
-            return struct
-    return None
-
-
 def _describe(spec: Any) -> str:
     return str(tf.nest.map_structure(lambda s: f"{s.dtype.name}{list(s.shape)}", spec)).replace(
         "'", ""
@@ -161,32 +152,45 @@ def check_element_spec(element_spec: Any, model: keras.Model, what: str = "input
     if isinstance(wanted, (list, tuple)) and len(wanted) == 1 and not isinstance(features, tuple):
         wanted = wanted[0]
     head = f"{what}'s features {_describe(features)} do not fit model inputs {_describe_k(wanted)}"
-    if isinstance(wanted, dict):
-        if not isinstance(features, dict):
-            raise InputError(f"{head}: the model takes a dict of named inputs")
-        missing = sorted(set(wanted) - set(features))
-        if missing:
-            raise InputError(f"{head}: no feature {', '.join(map(repr, missing))}")
-        pairs = [(k, features[k], wanted[k]) for k in sorted(wanted)]
-    else:
-        try:
-            tf.nest.assert_same_structure(
-                features, tf.nest.map_structure(lambda _: 0, wanted), check_types=False
-            )
-        except (ValueError, TypeError):
-            raise InputError(f"{head}: another structure") from None
-        pairs = [
-            (str(i), f, w)
-            for i, (f, w) in enumerate(
-                zip(tf.nest.flatten(features), tf.nest.flatten(wanted), strict=True)
-            )
-        ]
+    pairs = _feature_pairs(features, wanted, head, "")
     for name, f, w in pairs:
         got, want = f.shape[1:], tuple(w.shape[1:])
         if not _shape_fits(got, want):
             raise InputError(f"{head}: feature {name} has shape {list(f.shape)}")
         if (f.dtype == tf.string) != (tf.as_dtype(w.dtype) == tf.string):
             raise InputError(f"{head}: feature {name} is {f.dtype.name}")
+
+
+def _feature_pairs(features: Any, wanted: Any, head: str, path: str) -> list[tuple[str, Any, Any]]:
+    """(name, feature spec, model input) for every input of ``wanted``, matched by key in
+    dicts (at any depth; extra features are allowed) and by position elsewhere; InputError
+    (``head`` and the reason) where the structures differ."""
+    if isinstance(wanted, dict):
+        if not isinstance(features, dict):
+            where = f" at {path}" if path else ""
+            raise InputError(f"{head}: the model takes a dict of named inputs{where}")
+        missing = sorted(set(wanted) - set(features))
+        if missing:
+            raise InputError(f"{head}: no feature {', '.join(repr(path + k) for k in missing)}")
+        return [
+            pair
+            for k in sorted(wanted)
+            for pair in _feature_pairs(features[k], wanted[k], head, f"{path}{k}/")
+        ]
+    try:
+        tf.nest.assert_same_structure(
+            features, tf.nest.map_structure(lambda _: 0, wanted), check_types=False
+        )
+    except (ValueError, TypeError):
+        raise InputError(f"{head}: another structure") from None
+    if path and not isinstance(wanted, list | tuple):
+        return [(path.rstrip("/"), features, wanted)]
+    return [
+        (f"{path}{i}", f, w)
+        for i, (f, w) in enumerate(
+            zip(tf.nest.flatten(features), tf.nest.flatten(wanted), strict=True)
+        )
+    ]
 
 
 def _describe_k(wanted: Any) -> str:

@@ -5,6 +5,8 @@ Importable by spawned services through PYTHONPATH (the tests directory).
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -219,3 +221,102 @@ def ten_million_embedding() -> ModelSpec:
         return Dataset(x[:20_480], y[:20_480], x[20_480:], y[20_480:])
 
     return ModelSpec(name="ten_million_embedding", build=build, load_data=data, batch_size=64)
+
+
+# The embedding classifier in every input form Keras accepts, with a dense side feature: the
+# row-sparse table must be found, served and pulled by row whatever the form.
+FORMS = ("tensor", "list", "dict", "nested")
+
+
+def _form_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 4, n).astype(np.int64)
+    tokens = (rng.integers(0, 50, (n, 6)) + 50 * y[:, None]).astype(np.int32)
+    side = rng.normal(size=(n, 2)).astype(np.float32)
+    return tokens, side, y
+
+
+def _arrange(form: str, tokens: Any, side: Any) -> Any:
+    """The features of ``form`` from the token ids and the side feature."""
+    if form == "tensor":
+        return tokens
+    if form == "list":
+        return (tokens, side)
+    if form == "dict":
+        return {"tokens": tokens, "side": side}
+    return {"ids": {"tokens": tokens}, "side": side}
+
+
+def _form_model(form: str) -> keras.Model:
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    side = keras.Input((2,), name="side")
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(
+        keras.layers.Embedding(EMBED_VOCAB, 8, name="embed")(tokens)
+    )
+    if form == "tensor":
+        return keras.Model(tokens, keras.layers.Dense(4, name="logits")(pooled), name=form)
+    h = keras.layers.Concatenate(name="join")([pooled, side])
+    out = keras.layers.Dense(4, name="logits")(h)
+    inputs = {"tokens": tokens, "side": side}
+    return keras.Model(_arrange(form, tokens, side) if form != "dict" else inputs, out, name=form)
+
+
+def embedding_form(form: str) -> ModelSpec:
+    """The embedding classifier taking its features as ``form`` (one of ``FORMS``)."""
+
+    def input_fn(ctx: Any) -> tf.data.Dataset:
+        tokens, side, y = _form_data(600, 3)
+        ds = tf.data.Dataset.from_tensor_slices((_arrange(form, tokens, side), y))
+        return ctx.shard(ds).batch(ctx.batch_size)
+
+    def held_out_fn(ctx: Any) -> tf.data.Dataset:
+        tokens, side, y = _form_data(200, 4)
+        return tf.data.Dataset.from_tensor_slices((_arrange(form, tokens, side), y)).batch(100)
+
+    return ModelSpec(
+        name=f"embedding_{form}",
+        build=lambda: _form_model(form),
+        input_fn=input_fn,
+        held_out_fn=held_out_fn,
+        batch_size=20,
+    )
+
+
+def embedding_tensor() -> ModelSpec:
+    return embedding_form("tensor")
+
+
+def embedding_list() -> ModelSpec:
+    return embedding_form("list")
+
+
+def embedding_dict() -> ModelSpec:
+    return embedding_form("dict")
+
+
+def embedding_nested() -> ModelSpec:
+    return embedding_form("nested")
+
+
+class _Bag(keras.Model):
+    """A subclassed bag-of-tokens model: no declared inputs, so nothing says how to call it."""
+
+    def __init__(self) -> None:
+        super().__init__(name="bag")
+        self.embed = keras.layers.Embedding(EMBED_VOCAB, 8, name="embed")
+        self.out = keras.layers.Dense(4, name="logits")
+
+    def call(self, x):  # noqa: ANN001, ANN201
+        return self.out(keras.ops.mean(self.embed(x), axis=1))
+
+
+def subclassed_embedding() -> ModelSpec:
+    """The bag-of-tokens classifier as a subclassed model (built by one call)."""
+
+    def build() -> keras.Model:
+        model = _Bag()
+        model(np.zeros((1, 6), np.int32))
+        return model
+
+    spec = embedding()
+    return ModelSpec(name="subclassed_embedding", build=build, load_data=spec.load_data)

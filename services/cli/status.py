@@ -96,7 +96,10 @@ def render(doc: dict[str, Any]) -> str:
         f"pulls {doc.get('pulls', 0)} ({doc.get('pulls_unchanged', 0)} unchanged)",
         "rejected: "
         + (", ".join(f"{k}={v}" for k, v in sorted(doc.get("rejected", {}).items())) or "none"),
+        "tables served by row: " + (", ".join(doc.get("row_tables") or ()) or "none"),
     ]
+    if doc.get("row_detection"):
+        lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")
     if (ev := _eval_line(doc)) is not None:
         lines.append(ev)
     lines += ["", WORKER_HEADER]

@@ -22,39 +22,65 @@ exactly what they were without the input.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from downpour.models import build_model, describe_variables, evaluate, fingerprint
+from downpour.models import (
+    build_model,
+    describe_variables,
+    embedding_tables,
+    evaluate,
+    fingerprint,
+    zero_inputs,
+)
 from downpour.partition import Partition, make_partition
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
 from downpour.tensors import aligned_empty
 from downpour.wire import Sparse, all_finite, dedupe_rows
 
+log = logging.getLogger("downpour.server")
+
 STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float32 stay in L2
 
 
-def sparse_gradients(spec: ModelSpec, model: keras.Model) -> list[bool]:
+@dataclass(frozen=True)
+class RowSparsity:
+    """Which trainable variables get row-sparse gradients, and why none could be found.
+
+    ``problem`` is None when the probe ran; otherwise it says why it could not, and every
+    variable is applied and served whole (``sparse`` all False)."""
+
+    sparse: list[bool]
+    problem: str | None = None
+
+
+def sparse_gradients(model: keras.Model) -> RowSparsity:
     """Which trainable variables get row-sparse gradients (``tf.IndexedSlices``, from an
-    Embedding), found with one forward and backward pass on a batch of zeros (no data needed).
-    A model whose inputs cannot be made that way is treated as all dense."""
+    Embedding), found with one forward and backward pass of the sum of the outputs on one
+    example of zeros in the model's own input structure (a tensor, a list, a dict, nested):
+    no data and no labels needed. A model that cannot be probed that way (no declared
+    inputs, a call that fails on zeros) is logged at warning level, naming its Embedding
+    tables, which are then applied and served whole."""
     n = len(model.trainable_variables)
     try:
-        xs = [
-            np.zeros((1, *(d or 1 for d in t.shape[1:])), dtype=np.dtype(t.dtype))
-            for t in model.inputs
-        ]
-        y = np.zeros((1,), tf.as_dtype(spec.label_dtype).as_numpy_dtype)
+        xs = zero_inputs(model)
         with tf.GradientTape() as tape:
-            loss = spec.loss(y, model(xs if len(xs) > 1 else xs[0], training=False))
-        grads = tape.gradient(loss, model.trainable_variables)
-    except Exception:  # noqa: BLE001 - any model we cannot probe is applied densely
-        return [False] * n
-    return [isinstance(g, tf.IndexedSlices) for g in grads]
+            out = model(xs, training=False)
+            total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
+        grads = tape.gradient(total, model.trainable_variables)
+    except Exception as exc:  # noqa: BLE001 - any failure is reported, and the model applied densely
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        tables = sorted(embedding_tables(model)) or ["(no Embedding tables)"]
+        problem = f"cannot probe model {model.name!r} for row-sparse gradients: {reason}"
+        log.warning("%s; applied and served whole: %s", problem, ", ".join(tables))
+        return RowSparsity([False] * n, problem)
+    return RowSparsity([isinstance(g, tf.IndexedSlices) for g in grads])
 
 
 def _slices(it: Iterator[tf.Tensor], shape: tuple[int, ...]) -> tf.IndexedSlices:
@@ -123,7 +149,9 @@ class ParameterState:
         self.shard = shard
         model = build_model(spec, seed)
         full = list(model.trainable_variables)
-        row_sparse = sparse_gradients(spec, model) if sparse_apply else [False] * len(full)
+        # None with --sparse-apply off: nothing served by row, by the operator's choice
+        self.row_sparsity = sparse_gradients(model) if sparse_apply else None
+        row_sparse = self.row_sparsity.sparse if self.row_sparsity else [False] * len(full)
         self.fingerprint = fingerprint(full)
         self.description = describe_variables(full)
         self.partition: Partition = make_partition(

@@ -45,6 +45,8 @@ def build_status(
         "loss": stats.loss.value,
         "staleness": stats.staleness.snapshot(),
         "policy": {**ctx.policy.describe(), "learning_rate": state.learning_rate},
+        "row_tables": [n for n, sparse in zip(state.names, state.sparse, strict=True) if sparse],
+        "row_detection": None if state.row_sparsity is None else state.row_sparsity.problem,
         "rejected": dict(stats.rejected),
         "rejected_total": stats.rejected.total(),
         **security.status_fields(auth),

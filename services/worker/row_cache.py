@@ -38,6 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour.models import model_inputs
 from downpour.wire import Sparse
 from downpour.worker.errors import WorkerError
 
@@ -249,6 +250,14 @@ def caches_of(model: keras.Model) -> dict[str, RowCache]:
     return {layer.embeddings.path: layer._row_cache for layer in _cached_layers(model)}
 
 
+def id_extractor(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> keras.Model:
+    """A model from ``model``'s inputs, in their own structure (a tensor, a list, a dict,
+    nested), to the inputs of ``layers``: run on a batch's features it gives the ids each
+    Embedding gathers, without the rest of the model. ValueError / TypeError /
+    AttributeError when the model has no graph of layers (subclassed)."""
+    return keras.Model(model_inputs(model), [layer.input for layer in layers])
+
+
 def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:
     """Per Embedding the extractor reaches (its outputs are their inputs), the unique int64
     ids a batch with ``features`` gathers."""
@@ -275,7 +284,7 @@ def check_batch(model: keras.Model, caches: dict[str, RowCache], features: Any) 
     if not layers:
         return
     try:
-        extractor = keras.Model(model.inputs, [layer.input for layer in layers])
+        extractor = id_extractor(model, layers)
     except (ValueError, AttributeError, TypeError):
         return
     for layer, ids in zip(layers, gathered_ids(extractor, features), strict=True):

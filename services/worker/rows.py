@@ -7,7 +7,8 @@ part in its hello's ``row_tables`` (the server found its gradients row-sparse), 
 extractor below can be built). Otherwise it is pulled whole, as every variable is without
 row pulls, and the worker logs why once.
 
-The id extractor. ``keras.Model(model.inputs, [layer.input for each such Embedding])``,
+The id extractor. ``keras.Model(<the model's inputs, in its own structure>, [layer.input for each
+such Embedding])``,
 built once and compiled as one ``tf.function`` over the batches' feature signature: run on a
 batch's features it returns, per table, the unique ids that batch's lookups gather, without
 running the rest of the model. No user code is needed. The worker reads its input pipeline
@@ -44,9 +45,10 @@ import numpy as np
 import tensorflow as tf
 
 from downpour import wire
+from downpour.models import embedding_tables
 from downpour.partition import Part, Partition
 from downpour.worker.errors import WorkerError
-from downpour.worker.row_cache import RowCache, gathered_ids
+from downpour.worker.row_cache import RowCache, gathered_ids, id_extractor
 
 log = logging.getLogger("downpour.worker")
 
@@ -79,15 +81,6 @@ class RowTable:
         return self.fetched[rows]
 
 
-def _embeddings(model: keras.Model) -> dict[str, keras.layers.Embedding]:
-    """The model's Embedding layers by their table's variable path (nested models too)."""
-    found: dict[str, keras.layers.Embedding] = {}
-    for layer in model._flatten_layers(include_self=False):  # Keras's own layer walk
-        if isinstance(layer, keras.layers.Embedding):
-            found[layer.embeddings.path] = layer
-    return found
-
-
 class RowPlan:
     """The row pulls of one worker: its tables, the id extractor, the staleness bound, and
     the figures (``stats``: rows_pulled, row_bytes_pulled, row_hits, row_misses)."""
@@ -104,7 +97,7 @@ class RowPlan:
         """``caches``: the row caches of the model (``row_cache.caches_of``) by variable
         path; each must be one of ``tables``."""
         variables = model.trainable_variables
-        by_path = _embeddings(model)
+        by_path = embedding_tables(model)
         layers = [by_path[variables[i].path] for i in tables]
         caches = caches or {}
         self.partition = partition
@@ -123,7 +116,7 @@ class RowPlan:
         self.cached = [t for t in self.tables if t.cache is not None]
         self.pending_until = 0  # the last batch the pull being requested serves
         self.by_wire = {p.wire_name: (t, p) for t in self.tables for _, p in t.parts}
-        extractor = keras.Model(model.inputs, [layer.input for layer in layers])
+        extractor = id_extractor(model, layers)
 
         @tf.function(input_signature=[features_spec])
         def batch_ids(x: Any) -> list[tf.Tensor]:
@@ -173,10 +166,17 @@ class RowPlan:
             parts = partition.parts_of(var)
             if parts and all(p.wire_name in serves[k] for k, p in parts):
                 candidates.append(var)
+        by_path = embedding_tables(model)
+        variables = model.trainable_variables
+        unserved = sorted(set(by_path) - {variables[i].path for i in candidates})
+        if unserved:
+            log.warning(
+                "tables %s are pulled whole: the servers do not serve them by row (their log "
+                "and `downpour status` say why)",
+                ", ".join(unserved),
+            )
         if not candidates:
             return None
-        by_path = _embeddings(model)
-        variables = model.trainable_variables
         tables = [i for i in candidates if variables[i].path in by_path]
         for i in sorted(set(candidates) - set(tables)):
             log.info("table %s is not a Keras Embedding's: pulled whole", variables[i].path)
