@@ -24,7 +24,7 @@ Tensor descriptor::
     dtype         str    numpy dtype name from ALLOWED_DTYPES: the logical dtype, the one
                          the decoded tensor has (bf16: one of BF16_DTYPES)
     shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
-    encoding      str    "dense" | "sparse" | "bf16" | "topk"
+    encoding      str    "dense" | "sparse" | "bf16" | "topk": a name in ``CODECS``
     nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize;
                          bf16: prod(shape) * 2; sparse, topk: see nnz
     nnz           int    sparse, topk only. sparse: rows present, values frame is
@@ -43,7 +43,9 @@ Encodings (compressed gradients, ``downpour worker --compress``)::
              a fresh array of the logical dtype (a float32 gradient stays float32)
     topk     the k largest-magnitude elements of a tensor: decodes to ``FlatSparse``, whose
              ``to_dense()`` scatters the values into zeros; repeated positions are summed
-    A peer that predates an encoding refuses it as "bad_header" (unknown encoding).
+    Each encoding is one codec in ``CODECS`` (``downpour.codecs``), the table encode and
+    decode both go through; a server's hello reply lists them as its "encodings". An
+    encoding the receiver has no codec for is refused as "bad_header".
 
 Message types (REQ/REP unless noted)::
 
@@ -81,8 +83,9 @@ Message types (REQ/REP unless noted)::
                            dispatch answers ERROR "dispatch_off"; another universe's digest,
                            ERROR "data_universe"
     any      -> error      body {"code": reason, "message": text}
-    Bodies are built and read by the typed classes below (``HelloRequest`` ... ``ErrorReply``);
-    a body field of the wrong type is refused as "bad_header".
+    Bodies are built and read by the typed classes of ``downpour.bodies`` (``HelloRequest``
+    ... ``SplitReply``, importable from here); a missing required field, a field of the wrong
+    type or out of range is refused as "bad_header"; keys a body does not declare are ignored.
 
 Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables" names them)::
 
@@ -103,14 +106,15 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              the sender's "have" is still current: "unchanged" then speaks of the whole
              variables only, and the requested rows are sent all the same. A request body
              {"rows_only": true} leaves out every variable but the requested rows (a worker
-             topping up rows between its regular pulls). Tensors keep the
-             server's variable order. A server that predates row requests ignores the ids
-             and replies with every variable whole, which a row-pulling worker takes as well.
+             topping up rows between its regular pulls). Tensors keep the server's variable
+             order.
 
-Decoding validates before it allocates: dtype in ``ALLOWED_DTYPES``, ``nbytes`` against the
-shape, frame lengths, tensor counts and totals against ``Limits`` before any array is made;
-msgpack's own limits with ``strict_map_key``; no ext types; never pickle. Dense payloads are
-sent ``copy=False`` and decoded as zero-copy ``np.frombuffer`` views: no copy on either side.
+Decoding validates before it allocates: a first pass checks every descriptor (dtype in
+``ALLOWED_DTYPES``, the encoding's own fields by its codec, ``nbytes`` against the shape,
+tensor counts and totals against ``Limits``) and the frame count; a second pass has each
+codec check its frames' lengths and build its tensor. msgpack's own limits apply with
+``strict_map_key``; no ext types; never pickle. Dense payloads are sent ``copy=False`` and
+decoded as zero-copy ``np.frombuffer`` views: no copy on either side.
 The server sizes its limits from the model (``Limits.for_payload``) and sets ZeroMQ's
 ``MAXMSGSIZE`` on its gradient socket to the same total, so an oversized message is dropped
 by ZeroMQ before it is buffered. ``PROTOCOL_VERSION`` is checked on every message.
