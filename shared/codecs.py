@@ -121,7 +121,8 @@ def wire_dtype(name: Any, allowed: frozenset[str]) -> np.dtype:
 
 
 def wire_count(desc: dict[str, Any], key: str) -> int:
-    """The descriptor's non-negative int ``key``; ProtocolError(R_HEADER) otherwise."""
+    """The non-negative int ``key`` of a header or descriptor map; ProtocolError(R_HEADER)
+    otherwise."""
     v = desc.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
         raise ProtocolError(R_HEADER, f"header field {key!r} must be a non-negative int")
