@@ -24,7 +24,7 @@ Tensor descriptor::
     dtype         str    numpy dtype name from ALLOWED_DTYPES: the logical dtype, the one
                          the decoded tensor has (bf16: one of BF16_DTYPES)
     shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
-    encoding      str    "dense" | "sparse" | "bf16" | "topk"
+    encoding      str    "dense" | "sparse" | "bf16" | "topk": a name in ``CODECS``
     nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize;
                          bf16: prod(shape) * 2; sparse, topk: see nnz
     nnz           int    sparse, topk only. sparse: rows present, values frame is
@@ -43,7 +43,9 @@ Encodings (compressed gradients, ``downpour worker --compress``)::
              a fresh array of the logical dtype (a float32 gradient stays float32)
     topk     the k largest-magnitude elements of a tensor: decodes to ``FlatSparse``, whose
              ``to_dense()`` scatters the values into zeros; repeated positions are summed
-    A peer that predates an encoding refuses it as "bad_header" (unknown encoding).
+    Each encoding is one codec in ``CODECS`` (``downpour.codecs``), the table encode and
+    decode both go through; a server's hello reply lists them as its "encodings". An
+    encoding the receiver has no codec for is refused as "bad_header".
 
 Message types (REQ/REP unless noted)::
 
@@ -81,8 +83,9 @@ Message types (REQ/REP unless noted)::
                            dispatch answers ERROR "dispatch_off"; another universe's digest,
                            ERROR "data_universe"
     any      -> error      body {"code": reason, "message": text}
-    Bodies are built and read by the typed classes below (``HelloRequest`` ... ``ErrorReply``);
-    a body field of the wrong type is refused as "bad_header".
+    Bodies are built and read by the typed classes of ``downpour.bodies`` (``HelloRequest``
+    ... ``SplitReply``, importable from here); a missing required field, a field of the wrong
+    type or out of range is refused as "bad_header"; keys a body does not declare are ignored.
 
 Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables" names them)::
 
@@ -103,14 +106,15 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              the sender's "have" is still current: "unchanged" then speaks of the whole
              variables only, and the requested rows are sent all the same. A request body
              {"rows_only": true} leaves out every variable but the requested rows (a worker
-             topping up rows between its regular pulls). Tensors keep the
-             server's variable order. A server that predates row requests ignores the ids
-             and replies with every variable whole, which a row-pulling worker takes as well.
+             topping up rows between its regular pulls). Tensors keep the server's variable
+             order.
 
-Decoding validates before it allocates: dtype in ``ALLOWED_DTYPES``, ``nbytes`` against the
-shape, frame lengths, tensor counts and totals against ``Limits`` before any array is made;
-msgpack's own limits with ``strict_map_key``; no ext types; never pickle. Dense payloads are
-sent ``copy=False`` and decoded as zero-copy ``np.frombuffer`` views: no copy on either side.
+Decoding validates before it allocates: a first pass checks every descriptor (dtype in
+``ALLOWED_DTYPES``, the encoding's own fields by its codec, ``nbytes`` against the shape,
+tensor counts and totals against ``Limits``) and the frame count; a second pass has each
+codec check its frames' lengths and build its tensor. msgpack's own limits apply with
+``strict_map_key``; no ext types; never pickle. Dense payloads are sent ``copy=False`` and
+decoded as zero-copy ``np.frombuffer`` views: no copy on either side.
 The server sizes its limits from the model (``Limits.for_payload``) and sets ZeroMQ's
 ``MAXMSGSIZE`` on its gradient socket to the same total, so an oversized message is dropped
 by ZeroMQ before it is buffered. ``PROTOCOL_VERSION`` is checked on every message.
@@ -118,16 +122,203 @@ by ZeroMQ before it is buffered. ``PROTOCOL_VERSION`` is checked on every messag
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
+
+from downpour.bodies import (
+    GRANTS,
+    MAX_ACKS,
+    MAX_FILES,
+    MAX_SPLITS,
+    MAX_WAIT_MS,
+    Body,
+    DataUniverse,
+    ErrorReply,
+    HeartbeatReply,
+    HeartbeatRequest,
+    HelloReply,
+    HelloRequest,
+    PullReply,
+    PullRequest,
+    PushBody,
+    SplitReply,
+    SplitRequest,
+    StatusReply,
+    wire_field,
+)
+from downpour.codecs import (
+    BF16,
+    CODECS,
+    DENSE,
+    ENCODINGS,
+    SPARSE,
+    TOPK,
+    Codec,
+    Slot,
+    codec_for,
+    wire_count,
+    wire_dtype,
+)
+from downpour.payloads import (
+    ALLOWED_DTYPES,
+    BF16_DTYPES,
+    INDEX_DTYPES,
+    BFloat16,
+    FlatSparse,
+    Sparse,
+    Tensor,
+    WireTensor,
+    all_finite,
+    as_bf16,
+    dedupe_rows,
+    densify,
+    logical_dtype,
+    logical_shape,
+)
+from downpour.protocol import (
+    DEFAULT_LIMITS,
+    MAX_STATUS_WORKERS,
+    R_COUNT,
+    R_DISPATCH_OFF,
+    R_DTYPE,
+    R_DUPLICATE,
+    R_FINGERPRINT,
+    R_FUTURE,
+    R_HEADER,
+    R_INTERNAL,
+    R_NAME,
+    R_NBYTES,
+    R_NONFINITE,
+    R_OVERSIZE,
+    R_PARTITION,
+    R_ROWS_DENSE,
+    R_ROWS_DTYPE,
+    R_ROWS_NEGATIVE,
+    R_ROWS_RANGE,
+    R_ROWS_TOO_MANY,
+    R_ROWS_UNKNOWN,
+    R_SHAPE,
+    R_TOO_LARGE,
+    R_TOO_MANY_WORKERS,
+    R_TRUNCATED,
+    R_TYPE,
+    R_UNIVERSE,
+    R_VERSION,
+    R_WRONG_SOCKET,
+    STATUS_LIMITS,
+    Limits,
+    ProtocolError,
+)
+
+# downpour.wire is the public import of the protocol: everything above is re-exported.
+__all__ = [
+    "ALLOWED_DTYPES",
+    "BF16",
+    "BF16_DTYPES",
+    "CODECS",
+    "DEFAULT_LIMITS",
+    "DENSE",
+    "ENCODINGS",
+    "ERROR",
+    "GRANTS",
+    "HEARTBEAT",
+    "HELLO",
+    "INDEX_DTYPES",
+    "MAX_ACKS",
+    "MAX_FILES",
+    "MAX_SPLITS",
+    "MAX_STATUS_WORKERS",
+    "MAX_WAIT_MS",
+    "MSG_TYPES",
+    "PROTOCOL_VERSION",
+    "PULL",
+    "PUSH",
+    "REQUEST_DROP_FACTOR",
+    "REQUEST_MAX_BYTES",
+    "R_COUNT",
+    "R_DISPATCH_OFF",
+    "R_DTYPE",
+    "R_DUPLICATE",
+    "R_FINGERPRINT",
+    "R_FUTURE",
+    "R_HEADER",
+    "R_INTERNAL",
+    "R_NAME",
+    "R_NBYTES",
+    "R_NONFINITE",
+    "R_OVERSIZE",
+    "R_PARTITION",
+    "R_ROWS_DENSE",
+    "R_ROWS_DTYPE",
+    "R_ROWS_NEGATIVE",
+    "R_ROWS_RANGE",
+    "R_ROWS_TOO_MANY",
+    "R_ROWS_UNKNOWN",
+    "R_SHAPE",
+    "R_TOO_LARGE",
+    "R_TOO_MANY_WORKERS",
+    "R_TRUNCATED",
+    "R_TYPE",
+    "R_UNIVERSE",
+    "R_VERSION",
+    "R_WRONG_SOCKET",
+    "SPARSE",
+    "SPLIT",
+    "STATUS",
+    "STATUS_LIMITS",
+    "TOPK",
+    "WEIGHTS",
+    "BFloat16",
+    "Body",
+    "Codec",
+    "DataUniverse",
+    "ErrorReply",
+    "FlatSparse",
+    "HeartbeatReply",
+    "HeartbeatRequest",
+    "HelloReply",
+    "HelloRequest",
+    "Limits",
+    "Message",
+    "ProtocolError",
+    "PullReply",
+    "PullRequest",
+    "PushBody",
+    "Sparse",
+    "SplitReply",
+    "SplitRequest",
+    "StatusReply",
+    "Tensor",
+    "WireTensor",
+    "all_finite",
+    "as_bf16",
+    "decode",
+    "dedupe_rows",
+    "densify",
+    "encode",
+    "error_message",
+    "expect",
+    "heartbeat_reply",
+    "heartbeat_request",
+    "hello_reply",
+    "hello_request",
+    "logical_dtype",
+    "logical_shape",
+    "pull_request",
+    "push_message",
+    "request_max_bytes",
+    "split_reply",
+    "split_request",
+    "status_reply",
+    "status_request",
+    "weights_reply",
+    "wire_field",
+]
 
 PROTOCOL_VERSION = 1
 
@@ -140,62 +331,6 @@ HEARTBEAT = "heartbeat"
 SPLIT = "split"
 ERROR = "error"
 MSG_TYPES = frozenset({HELLO, PULL, WEIGHTS, PUSH, STATUS, HEARTBEAT, SPLIT, ERROR})
-
-DENSE = "dense"
-SPARSE = "sparse"
-BF16 = "bf16"
-TOPK = "topk"
-ENCODINGS = frozenset({DENSE, SPARSE, BF16, TOPK})
-
-ALLOWED_DTYPES: frozenset[str] = frozenset(
-    {
-        "float16",
-        "float32",
-        "float64",
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-    }
-)
-INDEX_DTYPES = frozenset({"int32", "int64"})
-# logical dtypes a bf16-encoded tensor may decode to
-BF16_DTYPES = frozenset({"float16", "float32", "float64"})
-_BF16_WIRE = np.dtype("<u2")  # bfloat16 bits as they travel; viewed as ml_dtypes.bfloat16
-
-# Rejection reasons: the stable vocabulary used in ERROR replies and status counters.
-R_TRUNCATED = "truncated"  # fewer / more frames than the descriptors need
-R_HEADER = "bad_header"  # header is not a well-formed msgpack map of the schema
-R_VERSION = "version"  # protocol version differs
-R_TYPE = "unknown_type"
-R_DTYPE = "dtype"
-R_SHAPE = "shape"
-R_NBYTES = "nbytes"
-R_TOO_LARGE = "too_large"
-R_COUNT = "count"  # wrong number of tensors
-R_NAME = "name"  # tensor names do not match
-R_NONFINITE = "nonfinite"  # NaN or Inf in a gradient
-R_DUPLICATE = "duplicate"  # (sender, seq) already applied: a replay or a resend
-R_FUTURE = "future_version"  # base_version ahead of the server (e.g. after a restore)
-R_FINGERPRINT = "fingerprint"  # worker built another model
-R_PARTITION = "partition"  # worker splits the model over the shards differently
-R_WRONG_SOCKET = "wrong_socket"  # a valid type sent to the socket that does not serve it
-R_INTERNAL = "internal"  # the server failed handling a valid-looking message
-R_DISPATCH_OFF = "dispatch_off"  # a split request to a server that does not dispatch data
-R_UNIVERSE = "data_universe"  # a split request over other data than the dispatcher serves
-R_ROWS_DTYPE = "rows_dtype"  # row ids that are not int32 / int64
-R_ROWS_TOO_MANY = "rows_too_many"  # more row ids for one table than Limits.max_pull_rows
-R_ROWS_NEGATIVE = "rows_negative"  # a row id below 0
-R_ROWS_RANGE = "rows_range"  # a row id at or past the table's last row
-R_ROWS_DENSE = "rows_dense"  # a row request for a variable that is not row-sparse
-R_ROWS_UNKNOWN = "rows_unknown"  # a row request for a variable the server does not hold
-R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
-R_OVERSIZE = "oversize"  # a request larger than the server accepts
 
 # The most a request (hello, pull, heartbeat, split) may carry; hello replies announce it. A
 # client that knows it refuses a bigger request itself. The server refuses one it receives
@@ -210,184 +345,6 @@ def request_max_bytes(max_pull_rows: int, row_tables: int) -> int:
     """The request limit of a server whose pulls may name up to ``max_pull_rows`` int64 ids
     for each of ``row_tables`` tables: ``REQUEST_MAX_BYTES`` plus room for those ids."""
     return REQUEST_MAX_BYTES + 8 * max_pull_rows * row_tables
-
-
-class ProtocolError(Exception):
-    """A message broke the protocol. ``code`` is a stable reason for counters and replies.
-
-    Recovery: the receiver drops the message (answering ERROR where it has a reply) and
-    goes on serving; the sender has to fix what it sends, resending the same bytes fails again.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Upper bounds enforced by decode before any allocation."""
-
-    max_header_bytes: int = 1 << 20
-    max_tensors: int = 4096
-    max_ndim: int = 8
-    max_total_bytes: int = 1 << 31
-    max_str_len: int = 4096
-    max_pull_rows: int = 1 << 20  # row ids per table in one row request
-
-    def for_payload(self, payload_bytes: int) -> Limits:
-        """Limits sized for a model: total payload at most ``payload_bytes`` plus slack."""
-        return replace(self, max_total_bytes=int(payload_bytes * 1.05) + 4096)
-
-
-DEFAULT_LIMITS = Limits()
-# A status reply carries the server's whole status document in its header: one entry per
-# worker it tracks (--max-workers, at most MAX_STATUS_WORKERS), so it gets larger bounds.
-MAX_STATUS_WORKERS = 1 << 16
-STATUS_LIMITS = Limits(max_header_bytes=1 << 28, max_tensors=MAX_STATUS_WORKERS)
-
-
-def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique row indices (int64) and each row's summed values. Keras's Adagrad and Adam
-    square a sparse gradient's values row by row, so a repeated row must be summed first."""
-    rows, inverse = np.unique(indices, return_inverse=True)
-    if len(rows) == len(indices):
-        order = np.argsort(indices, kind="stable")
-        return indices[order].astype(np.int64), np.ascontiguousarray(values[order])
-    summed = np.zeros((len(rows), *values.shape[1:]), dtype=values.dtype)
-    np.add.at(summed, inverse, values)
-    return rows.astype(np.int64), summed
-
-
-@dataclass(frozen=True)
-class Sparse:
-    """Row-sparse tensor (``tf.IndexedSlices``): ``dense[indices[i]] += values[i]``."""
-
-    indices: np.ndarray
-    values: np.ndarray
-    dense_shape: tuple[int, ...]
-
-    def to_dense(self) -> np.ndarray:
-        """Materialise as a dense array; repeated indices are summed, as TF does."""
-        out = np.zeros(self.dense_shape, dtype=self.values.dtype)
-        np.add.at(out, self.indices, self.values)
-        return out
-
-
-@dataclass(frozen=True)
-class FlatSparse:
-    """Element-sparse tensor (a top-k gradient): ``dense.ravel()[indices[i]] += values[i]``.
-
-    ``indices`` (nnz,) int32/int64 positions in the C-order flattened tensor, ``values``
-    (nnz,) of the tensor's dtype. What a ``topk`` tensor encodes from and decodes to.
-    """
-
-    indices: np.ndarray
-    values: np.ndarray
-    dense_shape: tuple[int, ...]
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The dense tensor's dtype (that of the values)."""
-        return self.values.dtype
-
-    def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
-        """Scatter into zeros (``out``, C-contiguous, if given: reused, no allocation).
-
-        Repeated positions are summed.
-        """
-        shape = tuple(self.dense_shape)
-        if out is None:
-            out = np.zeros(shape, dtype=self.values.dtype)
-        else:
-            if out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
-                raise ValueError(f"out must be a writeable C-contiguous array of shape {shape}")
-            out.fill(0)
-        np.add.at(out.reshape(-1), self.indices, self.values)
-        return out
-
-
-@dataclass(frozen=True)
-class BFloat16:
-    """A float tensor to send as bfloat16 (2 bytes an element); decodes to ``dtype``.
-
-    ``values`` is an ``ml_dtypes.bfloat16`` array; build it with ``from_array`` (round to
-    nearest even). Only encode takes it: decode hands back the array converted to ``dtype``.
-    """
-
-    values: np.ndarray
-    dtype: np.dtype = np.dtype(np.float32)
-
-    @classmethod
-    def from_array(cls, a: np.ndarray) -> BFloat16:
-        """Round a float array to bfloat16 (nearest even; beyond about 3.39e38 is inf)."""
-        a = np.asarray(a)
-        if a.dtype.name not in BF16_DTYPES:
-            raise ValueError(f"bf16 takes {sorted(BF16_DTYPES)}, not {a.dtype}")
-        return cls(a.astype(ml_dtypes.bfloat16), np.dtype(a.dtype.name))
-
-    @property
-    def dense_shape(self) -> tuple[int, ...]:
-        """The tensor's shape."""
-        return tuple(self.values.shape)
-
-    def to_dense(self) -> np.ndarray:
-        """The values as a fresh array of ``dtype``."""
-        return self.values.astype(self.dtype)
-
-
-Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
-WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may carry
-
-
-def all_finite(a: np.ndarray) -> bool:
-    """True if no NaN/Inf. One read-only pass catches both: for float32/float64 the dot
-    product of the values with themselves (BLAS, about twice as fast as a sum; every term is
-    non-negative, so an Inf cannot cancel), else a sum; a finite result proves every value
-    finite, and an overflow falls back to a scan. The server checks every gradient with it;
-    a top-k worker keeps bad ones out of residuals."""
-    if a.dtype.kind not in "fc" or a.size == 0:
-        return True
-    with np.errstate(all="ignore"):
-        if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
-            flat = a.reshape(-1)
-            if np.isfinite(np.dot(flat, flat)):
-                return True
-        elif np.isfinite(a.sum()):
-            return True
-    return bool(np.isfinite(a).all())
-
-
-def as_bf16(a: np.ndarray) -> np.ndarray | BFloat16:
-    """``a`` to send in bfloat16 where that halves it (float32, float64); float16 (as many
-    bytes and more precise) and non-float arrays as they are. Gradients (``--compress bf16``)
-    and weights (``--pull-compress bf16``) follow this one rule."""
-    if a.dtype.name in BF16_DTYPES and a.dtype != np.float16:
-        return BFloat16.from_array(a)
-    return a
-
-
-def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:
-    """Any tensor a message carries as a dense ndarray (``out``: reused by FlatSparse only).
-
-    An ndarray comes back as it is (a decoded one is a read-only view on its frame).
-    """
-    if isinstance(t, FlatSparse):
-        return t.to_dense(out)
-    if isinstance(t, Sparse | BFloat16):
-        return t.to_dense()
-    return np.asarray(t)
-
-
-def logical_shape(t: WireTensor) -> tuple[int, ...]:
-    """The dense shape of any tensor a message carries."""
-    return tuple(t.shape if isinstance(t, np.ndarray) else t.dense_shape)
-
-
-def logical_dtype(t: WireTensor) -> np.dtype:
-    """The dense dtype of any tensor a message carries."""
-    return t.values.dtype if isinstance(t, Sparse) else np.dtype(t.dtype)
 
 
 @dataclass
@@ -405,30 +362,9 @@ class Message:
 # ---------------------------------------------------------------- encode
 
 
-def _dense_frame(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return a
-
-
-def _bf16_frame(values: np.ndarray) -> np.ndarray:
-    """bfloat16 values as little-endian uint16 (a buffer cannot export the bfloat16 dtype)."""
-    values = np.asarray(values, order="C")
-    if values.dtype != ml_dtypes.bfloat16:
-        raise ValueError(f"BFloat16.values must be ml_dtypes.bfloat16, not {values.dtype}")
-    return values.view(np.uint16).astype(_BF16_WIRE, copy=False)
-
-
-def _index_frame(indices: np.ndarray) -> np.ndarray:
-    indices = _dense_frame(indices)
-    if indices.dtype.name not in INDEX_DTYPES:
-        indices = indices.astype(np.int64)
-    return indices
-
-
 def encode(msg: Message) -> list[Any]:
-    """Message -> multipart frames. Tensor frames are the arrays themselves (send copy=False).
+    """Message -> multipart frames. Tensor frames are the arrays themselves (send copy=False):
+    each tensor's codec (``CODECS``, picked by its value type) gives its descriptor and frames.
 
     The caller must not mutate the arrays until ZeroMQ has sent them.
     """
@@ -437,66 +373,9 @@ def encode(msg: Message) -> list[Any]:
     descriptors: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
     for name, t in msg.tensors.items():
-        if isinstance(t, FlatSparse):
-            values = _dense_frame(t.values).reshape(-1)
-            indices = _index_frame(t.indices).reshape(-1)
-            if indices.shape != values.shape:
-                raise ValueError(f"{name!r}: {indices.size} indices for {values.size} values")
-            descriptors.append(
-                {
-                    "name": name,
-                    "dtype": values.dtype.name,
-                    "shape": [int(d) for d in t.dense_shape],
-                    "encoding": TOPK,
-                    "nbytes": values.nbytes,
-                    "nnz": int(indices.shape[0]),
-                    "index_dtype": indices.dtype.name,
-                }
-            )
-            frames.append(indices)
-            frames.append(values)
-        elif isinstance(t, BFloat16):
-            if np.dtype(t.dtype).name not in BF16_DTYPES:
-                raise ValueError(f"{name!r}: bf16 cannot stand for {np.dtype(t.dtype)}")
-            bits = _bf16_frame(t.values)
-            descriptors.append(
-                {
-                    "name": name,
-                    "dtype": np.dtype(t.dtype).name,
-                    "shape": list(bits.shape),
-                    "encoding": BF16,
-                    "nbytes": bits.nbytes,
-                }
-            )
-            frames.append(bits)
-        elif isinstance(t, Sparse):
-            values = _dense_frame(t.values)
-            indices = _index_frame(t.indices)
-            descriptors.append(
-                {
-                    "name": name,
-                    "dtype": values.dtype.name,
-                    "shape": [int(d) for d in t.dense_shape],
-                    "encoding": SPARSE,
-                    "nbytes": values.nbytes,
-                    "nnz": int(indices.shape[0]),
-                    "index_dtype": indices.dtype.name,
-                }
-            )
-            frames.append(indices)
-            frames.append(values)
-        else:
-            a = _dense_frame(np.asarray(t))
-            descriptors.append(
-                {
-                    "name": name,
-                    "dtype": a.dtype.name,
-                    "shape": list(a.shape),
-                    "encoding": DENSE,
-                    "nbytes": a.nbytes,
-                }
-            )
-            frames.append(a)
+        desc, tensor_frames = codec_for(t).encode(name, t)
+        descriptors.append(desc)
+        frames.extend(tensor_frames)
     header = {
         "version": PROTOCOL_VERSION,
         "type": msg.type,
@@ -570,13 +449,6 @@ def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
     return header
 
 
-def _int(header: Mapping[str, Any], key: str) -> int:
-    v = header.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
-        raise ProtocolError(R_HEADER, f"header field {key!r} must be a non-negative int")
-    return v
-
-
 def _str(header: Mapping[str, Any], key: str) -> str:
     v = header.get(key)
     if not isinstance(v, str):
@@ -597,18 +469,6 @@ def _shape(desc: Mapping[str, Any], limits: Limits) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _dtype(name: Any, allowed: frozenset[str]) -> np.dtype:
-    if not isinstance(name, str) or name not in allowed:
-        raise ProtocolError(R_DTYPE, f"dtype {name!r} is not allowed")
-    return np.dtype(name).newbyteorder("<")
-
-
-def _view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    a = np.frombuffer(buf, dtype=dtype).reshape(shape)
-    a.flags.writeable = False  # a view on the received frame: nobody may change it
-    return a
-
-
 def _check_row_count(name: str, shape: tuple[int, ...], limits: Limits) -> None:
     """A pull's tensors are row ids: at most ``limits.max_pull_rows`` elements each. Read
     from the descriptor alone, so a request claiming 10**9 ids is refused before its frames
@@ -618,6 +478,45 @@ def _check_row_count(name: str, shape: tuple[int, ...], limits: Limits) -> None:
         raise ProtocolError(
             R_ROWS_TOO_MANY, f"{n} row ids for {name[:80]!r}, at most {limits.max_pull_rows}"
         )
+
+
+def _plan(descs: list[Any], mtype: str, limits: Limits) -> tuple[list[Slot], int]:
+    """Pass 1: validate every descriptor against its codec and the limits, allocating
+    nothing. The slots to build, and how many frames the message must have."""
+    slots: list[Slot] = []
+    needed = 1
+    total = 0
+    names: set[str] = set()
+    for desc in descs:
+        if not isinstance(desc, dict):
+            raise ProtocolError(R_HEADER, "tensor descriptor must be a map")
+        name = _str(desc, "name")
+        if name in names:
+            raise ProtocolError(R_NAME, f"duplicate tensor name {name!r}")
+        names.add(name)
+        encoding = desc.get("encoding")
+        codec = CODECS.get(encoding) if isinstance(encoding, str) else None
+        if codec is None:
+            raise ProtocolError(R_HEADER, f"unknown encoding {encoding!r} for {name!r}")
+        dtype = wire_dtype(desc.get("dtype"), ALLOWED_DTYPES)
+        shape = _shape(desc, limits)
+        if mtype == PULL:
+            _check_row_count(name, shape, limits)
+        nbytes = wire_count(desc, "nbytes")
+        checked = codec.check(name, desc, dtype, shape)
+        if nbytes != checked.nbytes:
+            raise ProtocolError(
+                R_NBYTES,
+                f"{name!r}: nbytes {nbytes} != {checked.nbytes} implied by shape and dtype",
+            )
+        total += nbytes + checked.extra_bytes
+        if total > limits.max_total_bytes:
+            raise ProtocolError(
+                R_TOO_LARGE, f"payload exceeds the limit of {limits.max_total_bytes} bytes"
+            )
+        slots.append(checked.slot)
+        needed += codec.frames
+    return slots, needed
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -638,8 +537,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if mtype not in MSG_TYPES:
         raise ProtocolError(R_TYPE, f"unknown message type {mtype[:64]!r}")
     sender = _str(header, "sender")
-    seq = _int(header, "seq")
-    base_version = _int(header, "base_version")
+    seq = wire_count(header, "seq")
+    base_version = wire_count(header, "base_version")
     body = header.get("body", {})
     if not isinstance(body, dict):
         raise ProtocolError(R_HEADER, "body must be a map")
@@ -648,644 +547,20 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError(R_HEADER, "tensors must be a list")
     if len(descs) > limits.max_tensors:
         raise ProtocolError(R_COUNT, f"{len(descs)} tensors exceed the limit {limits.max_tensors}")
-
-    # Pass 1: validate every descriptor and the frame sizes, allocate nothing.
-    plan: list[tuple[str, str, np.dtype, tuple[int, ...], int, np.dtype | None]] = []
-    needed = 1
-    total = 0
-    names: set[str] = set()
-    for desc in descs:
-        if not isinstance(desc, dict):
-            raise ProtocolError(R_HEADER, "tensor descriptor must be a map")
-        name = _str(desc, "name")
-        if name in names:
-            raise ProtocolError(R_NAME, f"duplicate tensor name {name!r}")
-        names.add(name)
-        encoding = desc.get("encoding")
-        if not isinstance(encoding, str) or encoding not in ENCODINGS:
-            raise ProtocolError(R_HEADER, f"unknown encoding {encoding!r} for {name!r}")
-        dtype = _dtype(desc.get("dtype"), ALLOWED_DTYPES)
-        shape = _shape(desc, limits)
-        if mtype == PULL:
-            _check_row_count(name, shape, limits)
-        nbytes = _int(desc, "nbytes")
-        if encoding == DENSE:
-            expect = math.prod(shape) * dtype.itemsize
-            index_dtype = None
-            nnz = -1
-            needed += 1
-        elif encoding == BF16:
-            if dtype.name not in BF16_DTYPES:
-                raise ProtocolError(R_DTYPE, f"{name!r}: bf16 cannot decode to {dtype.name}")
-            expect = math.prod(shape) * _BF16_WIRE.itemsize
-            # decode allocates the logical dtype: that size counts against the limit too
-            total += math.prod(shape) * (dtype.itemsize - _BF16_WIRE.itemsize)
-            index_dtype = None
-            nnz = -1
-            needed += 1
-        elif encoding == TOPK:
-            nnz = _int(desc, "nnz")
-            if nnz > math.prod(shape):
-                raise ProtocolError(
-                    R_SHAPE, f"topk tensor {name!r}: nnz {nnz} > {math.prod(shape)} elements"
-                )
-            index_dtype = _dtype(desc.get("index_dtype"), INDEX_DTYPES)
-            expect = nnz * dtype.itemsize
-            total += nnz * index_dtype.itemsize
-            needed += 2
-        else:
-            if len(shape) < 1:
-                raise ProtocolError(R_SHAPE, f"sparse tensor {name!r} needs a rank >= 1 shape")
-            nnz = _int(desc, "nnz")
-            index_dtype = _dtype(desc.get("index_dtype"), INDEX_DTYPES)
-            expect = nnz * math.prod(shape[1:]) * dtype.itemsize
-            total += nnz * index_dtype.itemsize
-            needed += 2
-        if nbytes != expect:
-            raise ProtocolError(
-                R_NBYTES, f"{name!r}: nbytes {nbytes} != {expect} implied by shape and dtype"
-            )
-        total += nbytes
-        if total > limits.max_total_bytes:
-            raise ProtocolError(
-                R_TOO_LARGE, f"payload exceeds the limit of {limits.max_total_bytes} bytes"
-            )
-        plan.append((name, encoding, dtype, shape, nnz, index_dtype))
+    slots, needed = _plan(descs, mtype, limits)
     if len(frames) != needed:
         raise ProtocolError(R_TRUNCATED, f"{len(frames)} frames, the header describes {needed}")
-
-    # Pass 2: check each frame's length, then view it.
+    # Pass 2: each codec checks its frames' lengths, then views (or, bf16, converts) them.
     tensors: dict[str, WireTensor] = {}
     i = 1
-    for name, encoding, dtype, shape, nnz, index_dtype in plan:
-        if encoding == DENSE:
-            buf = _buffer(frames[i])
-            i += 1
-            if buf.nbytes != math.prod(shape) * dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: frame has {buf.nbytes} bytes")
-            tensors[name] = _view(buf, dtype, shape)
-        elif encoding == BF16:
-            buf = _buffer(frames[i])
-            i += 1
-            if buf.nbytes != math.prod(shape) * _BF16_WIRE.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: bf16 frame has {buf.nbytes} bytes")
-            bits = np.frombuffer(buf, dtype=_BF16_WIRE).astype(np.uint16, copy=False)
-            a = bits.view(ml_dtypes.bfloat16).reshape(shape).astype(dtype.newbyteorder("="))
-            a.flags.writeable = False  # like every decoded tensor
-            tensors[name] = a
-        elif encoding == TOPK:
-            assert index_dtype is not None
-            ibuf, vbuf = _buffer(frames[i]), _buffer(frames[i + 1])
-            i += 2
-            if ibuf.nbytes != nnz * index_dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: index frame has {ibuf.nbytes} bytes")
-            if vbuf.nbytes != nnz * dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: value frame has {vbuf.nbytes} bytes")
-            indices = _view(ibuf, index_dtype, (nnz,))
-            if nnz and (int(indices.min()) < 0 or int(indices.max()) >= math.prod(shape)):
-                raise ProtocolError(R_SHAPE, f"{name!r}: topk index out of range")
-            tensors[name] = FlatSparse(indices, _view(vbuf, dtype, (nnz,)), shape)
-        else:
-            assert index_dtype is not None
-            ibuf, vbuf = _buffer(frames[i]), _buffer(frames[i + 1])
-            i += 2
-            if ibuf.nbytes != nnz * index_dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: index frame has {ibuf.nbytes} bytes")
-            if vbuf.nbytes != nnz * math.prod(shape[1:]) * dtype.itemsize:
-                raise ProtocolError(R_TRUNCATED, f"{name!r}: value frame has {vbuf.nbytes} bytes")
-            indices = _view(ibuf, index_dtype, (nnz,))
-            if nnz and (int(indices.min()) < 0 or int(indices.max()) >= shape[0]):
-                raise ProtocolError(R_SHAPE, f"{name!r}: sparse index out of range")
-            values = _view(vbuf, dtype, (nnz, *shape[1:]))
-            tensors[name] = Sparse(indices, values, shape)
+    for slot in slots:
+        n = slot.codec.frames
+        tensors[slot.name] = slot.codec.decode(slot, [_buffer(f) for f in frames[i : i + n]])
+        i += n
     return Message(mtype, sender, seq, base_version, body, tensors)
 
 
-# ---------------------------------------------------------------- typed bodies
-#
-# One frozen dataclass per message body: ``to_body()`` builds the map a Message carries,
-# ``from_body()`` reads one back and refuses a field of the wrong type with ProtocolError
-# (R_HEADER). Absent optional fields read as their defaults; ``to_body()`` leaves out fields
-# that are None, so an older peer sees the map it always saw. Clients and the server build
-# and read bodies only through these.
-
-
-def _field(body: Mapping[str, Any], key: str, kind: str, default: Any = None) -> Any:
-    """``body[key]`` checked against ``kind`` ("int", "float", "str", "bool", "map",
-    "list"); ``default`` when absent or None."""
-    v = body.get(key)
-    if v is None:
-        return default
-    ok = {
-        "int": isinstance(v, int) and not isinstance(v, bool),
-        "float": isinstance(v, int | float) and not isinstance(v, bool),
-        "str": isinstance(v, str),
-        "bool": isinstance(v, bool),
-        "map": isinstance(v, dict),
-        "list": isinstance(v, list),
-    }[kind]
-    if not ok:
-        raise ProtocolError(R_HEADER, f"body field {key!r} must be {kind}, not {type(v).__name__}")
-    return v
-
-
-def _body_map(body: Any) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise ProtocolError(R_HEADER, f"body must be a map, not {type(body).__name__}")
-    return body
-
-
-def _without_none(fields: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-@dataclass(frozen=True)
-class HelloRequest:
-    """A worker's hello: its model and how it splits the model over the shards.
-
-    A hello without ``partition`` (a plain client) is accepted by an unsharded server.
-    ``process`` is a token of the sender's process: a hello from the same worker id with
-    another token is a restarted worker (a dispatching server takes back its splits).
-    """
-
-    fingerprint: str | None = None
-    model: str | None = None
-    variables: int | None = None
-    shard: int | None = None
-    num_shards: int | None = None
-    partition: str | None = None
-    process: str | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        """The hello body map."""
-        return _without_none(self.__dict__)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> HelloRequest:
-        """Read a hello body; ProtocolError(R_HEADER) on a field of the wrong type."""
-        b = _body_map(body)
-        return cls(
-            fingerprint=_field(b, "fingerprint", "str"),
-            model=_field(b, "model", "str"),
-            variables=_field(b, "variables", "int"),
-            shard=_field(b, "shard", "int"),
-            num_shards=_field(b, "num_shards", "int"),
-            partition=_field(b, "partition", "str"),
-            process=_field(b, "process", "str"),
-        )
-
-
-@dataclass(frozen=True)
-class HelloReply:
-    """The server's answer to hello (the message's base_version is its weight version).
-
-    ``encodings`` is None for a server that predates compression (it decodes dense and
-    sparse); ``policy`` is the server's staleness policy, e.g. ``sync:2/2``. ``row_tables``:
-    the wire names of the variables this server serves by row (None: a server that predates
-    row requests).
-    """
-
-    push_port: int
-    status_port: int | None = None
-    fingerprint: str | None = None
-    model: str | None = None
-    last_seq: int = 0
-    payload_bytes: int | None = None
-    incarnation: str | None = None
-    encodings: tuple[str, ...] | None = None
-    policy: str = ""
-    shard: int | None = None
-    num_shards: int | None = None
-    partition: str | None = None
-    max_request_bytes: int | None = None  # bigger requests get the connection dropped
-    row_tables: tuple[str, ...] | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        """The hello reply body map."""
-        body = _without_none(self.__dict__)
-        if self.encodings is not None:
-            body["encodings"] = list(self.encodings)
-        if self.row_tables is not None:
-            body["row_tables"] = list(self.row_tables)
-        return body
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> HelloReply:
-        """Read a hello reply body; ProtocolError(R_HEADER) when ``push_port`` is missing or
-        a field has the wrong type."""
-        b = _body_map(body)
-        push_port = _field(b, "push_port", "int")
-        if push_port is None or not 0 < push_port < 65536:
-            raise ProtocolError(R_HEADER, f"hello reply push_port {push_port!r} is not a port")
-        encodings = _field(b, "encodings", "list")
-        if encodings is not None and not all(isinstance(e, str) for e in encodings):
-            raise ProtocolError(R_HEADER, "hello reply encodings must be strings")
-        row_tables = _field(b, "row_tables", "list")
-        if row_tables is not None and not all(isinstance(e, str) for e in row_tables):
-            raise ProtocolError(R_HEADER, "hello reply row_tables must be strings")
-        return cls(
-            push_port=push_port,
-            status_port=_field(b, "status_port", "int"),
-            fingerprint=_field(b, "fingerprint", "str"),
-            model=_field(b, "model", "str"),
-            last_seq=_field(b, "last_seq", "int", 0),
-            payload_bytes=_field(b, "payload_bytes", "int"),
-            incarnation=_field(b, "incarnation", "str"),
-            encodings=None if encodings is None else tuple(encodings),
-            policy=_field(b, "policy", "str", ""),
-            shard=_field(b, "shard", "int"),
-            num_shards=_field(b, "num_shards", "int"),
-            partition=_field(b, "partition", "str"),
-            max_request_bytes=_field(b, "max_request_bytes", "int"),
-            row_tables=None if row_tables is None else tuple(row_tables),
-        )
-
-
-MAX_WAIT_MS = 60_000  # the longest "ask again after" a reply may ask for
-
-
-@dataclass(frozen=True)
-class PullRequest:
-    """A weight pull. ``have``: the version the sender holds from server ``incarnation``
-    (None: it holds none, send everything). ``encoding``: dense or bf16 weights.
-    ``pushed``: the seq of the sender's latest push (an ssp server counts the pushes it has
-    not received yet). ``rows_only``: with a row request, send the requested rows and
-    nothing else."""
-
-    have: int | None = None
-    incarnation: str | None = None
-    encoding: str = DENSE
-    pushed: int | None = None
-    rows_only: bool = False
-
-    def to_body(self) -> dict[str, Any]:
-        """The pull body map (``encoding`` only when not dense: an older server accepts it)."""
-        body: dict[str, Any] = {}
-        if self.have is not None:
-            body["have"] = self.have
-            body["incarnation"] = self.incarnation
-        if self.encoding != DENSE:
-            body["encoding"] = self.encoding
-        if self.pushed is not None:
-            body["pushed"] = self.pushed
-        if self.rows_only:
-            body["rows_only"] = True
-        return body
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> PullRequest:
-        """Read a pull body; ProtocolError(R_HEADER) on a field of the wrong type. Which
-        encodings a server serves is the server's check."""
-        b = _body_map(body)
-        return cls(
-            have=_field(b, "have", "int"),
-            incarnation=_field(b, "incarnation", "str"),
-            encoding=_field(b, "encoding", "str", DENSE),
-            pushed=_field(b, "pushed", "int"),
-            rows_only=_field(b, "rows_only", "bool", False),
-        )
-
-
-@dataclass(frozen=True)
-class PullReply:
-    """The body of a weights reply: the server's ``incarnation``; ``unchanged`` when the
-    sender's version is current (no tensors follow); ``dropped_stale``: how many of the
-    sender's gradients the policy dropped as too old since its last pull; ``wait_ms`` > 0:
-    the policy holds this pull (ssp: the sender is too far ahead), no tensors follow, ask
-    again after that many milliseconds."""
-
-    incarnation: str | None = None
-    unchanged: bool = False
-    dropped_stale: int = 0
-    wait_ms: int = 0
-
-    def to_body(self) -> dict[str, Any]:
-        """The weights body map."""
-        body: dict[str, Any] = _without_none({"incarnation": self.incarnation})
-        if self.unchanged:
-            body["unchanged"] = True
-        if self.dropped_stale:
-            body["dropped_stale"] = self.dropped_stale
-        if self.wait_ms:
-            body["wait_ms"] = self.wait_ms
-        return body
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> PullReply:
-        """Read a weights body; ProtocolError(R_HEADER) on a field of the wrong type."""
-        b = _body_map(body)
-        dropped = _field(b, "dropped_stale", "int", 0)
-        if dropped < 0:
-            raise ProtocolError(R_HEADER, f"dropped_stale {dropped} is negative")
-        wait_ms = _field(b, "wait_ms", "int", 0)
-        if not 0 <= wait_ms <= MAX_WAIT_MS:
-            raise ProtocolError(R_HEADER, f"wait_ms {wait_ms} is not in [0, {MAX_WAIT_MS}]")
-        return cls(
-            incarnation=_field(b, "incarnation", "str"),
-            unchanged=_field(b, "unchanged", "bool", False),
-            dropped_stale=dropped,
-            wait_ms=wait_ms,
-        )
-
-
-@dataclass(frozen=True)
-class PushBody:
-    """The scalars a gradient push carries: the last batch's loss, the batch size, the
-    worker's step count and its figures (``downpour.metrics.WORKER_REPORTED``)."""
-
-    loss: float | None = None
-    batch_size: int | None = None
-    steps: int | None = None
-    stats: Mapping[str, float] | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        """The push body map."""
-        return _without_none(self.__dict__)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> PushBody:
-        """Read a push body; ProtocolError(R_HEADER) on a field of the wrong type."""
-        b = _body_map(body)
-        return cls(
-            loss=_field(b, "loss", "float"),
-            batch_size=_field(b, "batch_size", "int"),
-            steps=_field(b, "steps", "int"),
-            stats=_field(b, "stats", "map"),
-        )
-
-
-@dataclass(frozen=True)
-class HeartbeatRequest:
-    """A silent worker's "still alive", with its figures."""
-
-    stats: Mapping[str, float] | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        """The heartbeat body map."""
-        return _without_none(self.__dict__)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> HeartbeatRequest:
-        """Read a heartbeat body; ProtocolError(R_HEADER) on a field of the wrong type."""
-        return cls(stats=_field(_body_map(body), "stats", "map"))
-
-
-@dataclass(frozen=True)
-class HeartbeatReply:
-    """The server's answer to a heartbeat (base_version: its weight version)."""
-
-    incarnation: str | None = None
-
-    def to_body(self) -> dict[str, Any]:
-        """The heartbeat reply body map."""
-        return _without_none(self.__dict__)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> HeartbeatReply:
-        """Read a heartbeat reply body; ProtocolError(R_HEADER) on a wrong type."""
-        return cls(incarnation=_field(_body_map(body), "incarnation", "str"))
-
-
-@dataclass(frozen=True)
-class StatusReply:
-    """A status reply: the server's status document (plain types, JSON-serialisable)."""
-
-    doc: Mapping[str, Any]
-
-    def to_body(self) -> dict[str, Any]:
-        """The status reply body map: the document itself."""
-        return dict(self.doc)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> StatusReply:
-        """Read a status body (any map is a document)."""
-        return cls(dict(_body_map(body)))
-
-
-@dataclass(frozen=True)
-class ErrorReply:
-    """An ERROR reply: a stable reason ``code`` (the R_* names) and a text for people."""
-
-    code: str
-    message: str = ""
-
-    def to_body(self) -> dict[str, Any]:
-        """The error body map."""
-        return {"code": self.code, "message": self.message}
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> ErrorReply:
-        """Read an error body; a missing or mistyped code reads as R_INTERNAL."""
-        b = _body_map(body)
-        code = b.get("code")
-        message = b.get("message")
-        return cls(
-            code if isinstance(code, str) else R_INTERNAL,
-            message if isinstance(message, str) else str(message or ""),
-        )
-
-
-MAX_FILES = 4096  # a header list holds at most Limits.max_tensors items
-MAX_SPLITS = 1 << 20  # splits of an element universe (bounds the dispatcher's memory)
-MAX_ACKS = 1024  # acks in one split request
-GRANTS = ("split", "wait", "end")
-
-
-@dataclass(frozen=True)
-class DataUniverse:
-    """What a dispatched ``input_fn`` shards over: ``files`` (one split each, at most
-    MAX_FILES), or ``elements`` divided into splits of ``split_size`` (at most MAX_SPLITS).
-    ValueError when it is neither, or out of bounds."""
-
-    files: tuple[str, ...] | None = None
-    elements: int | None = None
-    split_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.files is None) == (self.elements is None):
-            raise ValueError("a data universe is either files or elements (with split_size)")
-        if self.files is not None:
-            if not 1 <= len(self.files) <= MAX_FILES:
-                raise ValueError(f"{len(self.files)} files: between 1 and {MAX_FILES} please")
-            if not all(isinstance(f, str) and f for f in self.files):
-                raise ValueError("every file name must be a non-empty string")
-            if len(set(self.files)) != len(self.files):
-                raise ValueError("the file list names a file twice")
-            if self.split_size is not None:
-                raise ValueError("split_size applies to elements, not files")
-            return
-        assert self.elements is not None
-        if self.elements < 1 or self.split_size is None or self.split_size < 1:
-            raise ValueError(
-                f"elements ({self.elements}) and split_size ({self.split_size}) must be >= 1"
-            )
-        if self.num_splits > MAX_SPLITS:
-            raise ValueError(
-                f"{self.elements} elements in splits of {self.split_size} make "
-                f"{self.num_splits} splits, more than {MAX_SPLITS}: use a larger split_size"
-            )
-
-    @property
-    def num_splits(self) -> int:
-        """Splits per epoch: one per file, or ceil(elements / split_size)."""
-        if self.files is not None:
-            return len(self.files)
-        assert self.elements is not None and self.split_size is not None
-        return -(-self.elements // self.split_size)
-
-    def digest(self) -> str:
-        """SHA-256 (hex) of the canonical universe: equal for equal data descriptions."""
-        canon = json.dumps(self.to_body(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canon.encode()).hexdigest()
-
-    def describe(self) -> str:
-        """A short text for logs and status, e.g. ``12 files`` or ``60000 elements / 1000``."""
-        if self.files is not None:
-            return f"{len(self.files)} files"
-        return f"{self.elements} elements / {self.split_size}"
-
-    def to_body(self) -> dict[str, Any]:
-        """The universe map."""
-        if self.files is not None:
-            return {"files": list(self.files)}
-        return {"elements": self.elements, "split_size": self.split_size}
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> DataUniverse:
-        """Read a universe map; ProtocolError(R_HEADER) when malformed or out of bounds."""
-        b = _body_map(body)
-        files = _field(b, "files", "list")
-        if files is not None and not all(isinstance(f, str) for f in files):
-            raise ProtocolError(R_HEADER, "universe files must be strings")
-        try:
-            return cls(
-                files=None if files is None else tuple(files),
-                elements=_field(b, "elements", "int"),
-                split_size=_field(b, "split_size", "int"),
-            )
-        except ValueError as exc:
-            raise ProtocolError(R_HEADER, f"universe: {exc}") from None
-
-
-@dataclass(frozen=True)
-class SplitRequest:
-    """A worker asks the dispatcher for its next split and reports the ones it finished.
-
-    ``digest``: its universe's (always). ``acks``: (epoch, index, seq) of finished splits,
-    ``seq`` the sequence number of the push that carried the split's last gradients: the
-    dispatcher completes the ack only once that push has reached it, so an ack never
-    overtakes its gradients (0: wait for no push; an (epoch, index) pair means seq 0).
-    ``want``: False to only acknowledge. ``universe`` and ``epochs`` (0: unbounded) on the
-    first call; the first worker's universe and bound are the ones served. ``process``: a
-    token of the sender's process (a new one releases what the old process held).
-    """
-
-    digest: str
-    acks: tuple[tuple[int, ...], ...] = ()
-    want: bool = True
-    universe: DataUniverse | None = None
-    epochs: int | None = None
-    process: str | None = None
-
-    def __post_init__(self) -> None:
-        # every ack as (epoch, index, seq): a pair waits for no push
-        acks = tuple((int(a[0]), int(a[1]), int(a[2]) if len(a) > 2 else 0) for a in self.acks)
-        object.__setattr__(self, "acks", acks)
-
-    def to_body(self) -> dict[str, Any]:
-        """The split request body map (an ack with seq 0 goes as an [epoch, index] pair)."""
-        body: dict[str, Any] = {"digest": self.digest, "want": self.want}
-        if self.acks:
-            body["acks"] = [[e, i, s] if s else [e, i] for e, i, s in self.acks]
-        if self.universe is not None:
-            body["universe"] = self.universe.to_body()
-        return {**body, **_without_none({"epochs": self.epochs, "process": self.process})}
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> SplitRequest:
-        """Read a split request; ProtocolError(R_HEADER) on a missing digest, a malformed
-        ack, more than MAX_ACKS acks, a bad universe or a negative epoch bound."""
-        b = _body_map(body)
-        digest = _field(b, "digest", "str")
-        if digest is None or len(digest) != 64:
-            raise ProtocolError(R_HEADER, "split request needs the universe's 64-hex digest")
-        raw_acks = _field(b, "acks", "list", [])
-        if len(raw_acks) > MAX_ACKS:
-            raise ProtocolError(R_HEADER, f"{len(raw_acks)} acks in one request (max {MAX_ACKS})")
-        acks = []
-        for a in raw_acks:
-            ok = isinstance(a, list) and len(a) in (2, 3)
-            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in a)
-            if not ok:
-                raise ProtocolError(
-                    R_HEADER, f"ack {a!r} is not [epoch, index] or [epoch, index, seq] (ints >= 0)"
-                )
-            acks.append((a[0], a[1], a[2] if len(a) == 3 else 0))
-        universe = _field(b, "universe", "map")
-        epochs = _field(b, "epochs", "int")
-        if epochs is not None and epochs < 0:
-            raise ProtocolError(R_HEADER, f"epochs {epochs} is negative")
-        return cls(
-            digest=digest,
-            acks=tuple(acks),
-            want=_field(b, "want", "bool", True),
-            universe=None if universe is None else DataUniverse.from_body(universe),
-            epochs=epochs,
-            process=_field(b, "process", "str"),
-        )
-
-
-@dataclass(frozen=True)
-class SplitReply:
-    """The dispatcher's answer. ``grant``: "split" (``index`` and ``file`` or ``[start,
-    stop)`` of ``epoch``), "wait" (ask again after ``retry_ms``: the epoch's last splits are
-    in flight elsewhere) or "end" (the epoch bound is reached). ``acked`` / ``held`` /
-    ``stale``: how many of the request's acks completed a lease / are held until the push
-    they name arrives (then they complete, the worker need not send them again) / were
-    ignored (not leased to the sender).
-    """
-
-    grant: str
-    epoch: int
-    index: int | None = None
-    file: str | None = None
-    start: int | None = None
-    stop: int | None = None
-    retry_ms: int = 0
-    acked: int = 0
-    stale: int = 0
-    held: int = 0
-
-    def to_body(self) -> dict[str, Any]:
-        """The split reply body map."""
-        return _without_none(self.__dict__)
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> SplitReply:
-        """Read a split reply; ProtocolError(R_HEADER) on an unknown grant, a split without
-        its index or range, or a field of the wrong type."""
-        b = _body_map(body)
-        grant = _field(b, "grant", "str")
-        epoch = _field(b, "epoch", "int")
-        if grant not in GRANTS or epoch is None or epoch < 0:
-            raise ProtocolError(R_HEADER, f"split reply grant {grant!r} / epoch {epoch!r}")
-        r = cls(
-            grant=grant,
-            epoch=epoch,
-            index=_field(b, "index", "int"),
-            file=_field(b, "file", "str"),
-            start=_field(b, "start", "int"),
-            stop=_field(b, "stop", "int"),
-            retry_ms=_field(b, "retry_ms", "int", 0),
-            acked=_field(b, "acked", "int", 0),
-            stale=_field(b, "stale", "int", 0),
-            held=_field(b, "held", "int", 0),
-        )
-        if grant == "split":
-            ranged = r.start is not None and r.stop is not None and 0 <= r.start < r.stop
-            if r.index is None or r.index < 0 or (r.file is None and not ranged):
-                raise ProtocolError(R_HEADER, "a split reply needs an index and a file or range")
-        return r
+# ---------------------------------------------------------------- messages
 
 
 def hello_request(sender: str, body: HelloRequest) -> Message:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,50 @@ def test_a_pull_body_without_weights_held_says_nothing_of_versions() -> None:
     assert wire.PullRequest().to_body() == {}
     assert wire.PullRequest(encoding=wire.BF16).to_body() == {"encoding": "bf16"}
     assert wire.PullRequest(4, "inc").to_body() == {"have": 4, "incarnation": "inc"}
+
+
+def test_bodies_keep_their_wire_maps() -> None:
+    # fields declared ``always`` travel at their defaults; others are left out there
+    assert wire.HelloReply(5571).to_body() == {"push_port": 5571, "last_seq": 0, "policy": ""}
+    assert wire.HelloReply(5571, encodings=("dense",)).to_body()["encodings"] == ["dense"]
+    assert wire.PullReply().to_body() == {}
+    assert wire.PullReply("i", wait_ms=5).to_body() == {"incarnation": "i", "wait_ms": 5}
+    assert wire.ErrorReply(wire.R_NAME).to_body() == {"code": wire.R_NAME, "message": ""}
+    end = {"grant": "end", "epoch": 2, "retry_ms": 0, "acked": 0, "stale": 0, "held": 0}
+    assert wire.SplitReply("end", 2).to_body() == end
+    assert wire.SplitRequest("0" * 64).to_body() == {"digest": "0" * 64, "want": True}
+
+
+def test_a_body_ignores_keys_it_does_not_declare() -> None:
+    body = {"model": "m", "not_a_field": [1, 2]}
+    assert wire.HelloRequest.from_body(body) == wire.HelloRequest(model="m")
+
+
+@dataclass(frozen=True)
+class Probe(wire.Body):
+    """A body declared for this test only: what a new message body takes."""
+
+    level: int = wire.wire_field("int", lo=0, hi=9)
+    mode: str = wire.wire_field("str", "a", choices=("a", "b"))
+    tags: tuple[str, ...] = wire.wire_field("list", (), read=lambda k, v: tuple(v), write=list)
+
+
+def test_a_new_body_gets_its_wire_map_from_its_field_declarations() -> None:
+    probe = Probe(3, "b", ("x", "y"))
+    assert probe.to_body() == {"level": 3, "mode": "b", "tags": ["x", "y"]}
+    assert Probe.from_body(probe.to_body()) == probe
+    assert Probe(0).to_body() == {"level": 0}
+    for body, field in [
+        ({}, "level"),
+        ({"level": 10}, "level"),
+        ({"level": -1}, "level"),
+        ({"level": 1.0}, "level"),
+        ({"level": 1, "mode": "c"}, "mode"),
+        ({"level": 1, "tags": "x"}, "tags"),
+    ]:
+        with pytest.raises(ProtocolError) as err:
+            Probe.from_body(body)
+        assert err.value.code == wire.R_HEADER and field in err.value.message
 
 
 # ------------------------------------------------------------ requests on real sockets

@@ -127,6 +127,11 @@ def test_hello_with_the_servers_model_is_accepted_and_enrols_the_worker(
     assert not ctx.stats.rejected
 
 
+def test_hello_reply_offers_every_encoding_of_the_codec_table(ctx: HandlerContext) -> None:
+    reply = wire.HelloReply.from_body(hello(ctx).body)
+    assert reply.encodings == tuple(sorted(wire.CODECS))
+
+
 def test_hello_with_another_model_is_refused_and_counted(ctx: HandlerContext) -> None:
     reply = hello(ctx, fingerprint="not-this-model")
     assert reply.type == wire.ERROR and reply.body["code"] == wire.R_FINGERPRINT

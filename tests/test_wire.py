@@ -13,6 +13,7 @@ import os
 import time
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -23,9 +24,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from downpour.codecs import Checked, Slot
 from downpour.wire import (
     ALLOWED_DTYPES,
+    CODECS,
     DEFAULT_LIMITS,
+    ENCODINGS,
     ERROR,
     HELLO,
     INDEX_DTYPES,
@@ -51,6 +55,7 @@ from downpour.wire import (
     R_WRONG_SOCKET,
     STATUS,
     WEIGHTS,
+    Codec,
     Limits,
     Message,
     ProtocolError,
@@ -987,6 +992,65 @@ def test_tensor_name_must_be_a_string(name: Any) -> None:
 def test_unknown_encoding(encoding: Any) -> None:
     frames = mutate(valid_frames(), lambda h: h["tensors"][0].__setitem__("encoding", encoding))
     rejects(frames, R_HEADER)
+
+
+# ---------------------------------------------------------------- the codec table
+
+
+def test_the_codec_table_is_the_list_of_encodings() -> None:
+    assert ENCODINGS == frozenset(CODECS) == {"dense", "sparse", "bf16", "topk"}
+    for name, codec in CODECS.items():
+        assert codec.name == name
+
+
+@dataclass(frozen=True)
+class Half:
+    """A float32 tensor to send as float16: the value type of the test-only codec below."""
+
+    values: np.ndarray
+
+
+class HalfCodec(Codec):
+    """A test-only encoding: float32 values travel as float16, decode widens them back."""
+
+    name = "half"
+    carries = Half
+    frames = 1
+
+    def encode(self, name: str, t: Half) -> tuple[dict[str, Any], list[np.ndarray]]:
+        bits = t.values.astype("<f2")
+        return {
+            "name": name,
+            "dtype": "float32",
+            "shape": list(bits.shape),
+            "encoding": self.name,
+            "nbytes": bits.nbytes,
+        }, [bits]
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        return Checked(Slot(name, self, dtype, shape), math.prod(shape) * 2, math.prod(shape) * 2)
+
+    def decode(self, slot: Slot, bufs: list[memoryview]) -> np.ndarray:
+        return np.frombuffer(bufs[0], "<f2").reshape(slot.shape).astype(slot.dtype)
+
+
+def test_a_codec_added_to_the_table_is_encoded_and_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    values = np.array([[0.5, -2.0], [1e-3, 3.0]], np.float32)
+    msg = Message(PUSH, tensors={"w": Half(values), "b": np.ones(3, np.float32)})
+    monkeypatch.setitem(CODECS, "half", HalfCodec())
+    frames = wire(encode(msg))
+    assert [d["encoding"] for d in unpack(frames[0])["tensors"]] == ["half", "dense"]
+    out = decode(frames)
+    np.testing.assert_array_equal(out.tensors["w"], values.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(out.tensors["b"], np.ones(3, np.float32))
+    # the codec's check runs in the validating pass: a wrong nbytes is refused unread
+    rejects(mutate(frames, lambda h: h["tensors"][0].__setitem__("nbytes", 16)), R_NBYTES)
+    monkeypatch.delitem(CODECS, "half")
+    rejects(frames, R_HEADER)  # a peer without the codec does not know the encoding
 
 
 @pytest.mark.parametrize("encoding", [[], ["dense"], {}, {"a": 1}])

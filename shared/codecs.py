@@ -1,0 +1,315 @@
+"""The tensor encodings: one codec per encoding, all in one table, ``CODECS``.
+
+A codec turns one tensor into its descriptor fields and frames (``encode``), validates a
+received descriptor before anything is allocated (``check``: what the frames must hold and
+what decoding will allocate), and builds the tensor from its frames (``decode``).
+``downpour.wire`` encodes and decodes every tensor through ``CODECS``: adding an encoding is
+one ``Codec`` subclass and one entry there. The frame layouts are the wire spec's
+(``downpour.wire``'s docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from downpour.payloads import BF16_DTYPES, INDEX_DTYPES, BFloat16, FlatSparse, Sparse, WireTensor
+from downpour.protocol import R_DTYPE, R_HEADER, R_SHAPE, R_TRUNCATED, ProtocolError
+
+DENSE = "dense"
+SPARSE = "sparse"
+BF16 = "bf16"
+TOPK = "topk"
+
+_BF16_WIRE = np.dtype("<u2")  # bfloat16 bits as they travel; viewed as ml_dtypes.bfloat16
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's validated descriptor: what its codec needs to build it from its frames.
+    ``nnz`` and ``index_dtype`` belong to the indexed encodings (sparse, topk)."""
+
+    name: str
+    codec: Codec
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nnz: int = -1
+    index_dtype: np.dtype | None = None
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What ``Codec.check`` found: the slot, the ``nbytes`` the descriptor must state (the
+    values frame) and the other bytes decoding allocates (index frames, widened values)."""
+
+    slot: Slot
+    nbytes: int
+    extra_bytes: int
+
+
+class Codec(ABC):
+    """One tensor encoding. Subclasses set ``name`` (the descriptor's "encoding"),
+    ``carries`` (the value type ``encode`` takes) and ``frames`` (frames per tensor)."""
+
+    name: ClassVar[str]
+    carries: ClassVar[type]
+    frames: ClassVar[int]
+
+    @abstractmethod
+    def encode(self, name: str, t: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """The tensor's descriptor map and its frames (arrays to send ``copy=False``)."""
+
+    @abstractmethod
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        """Validate the encoding's own descriptor fields (``dtype`` and ``shape`` are
+        checked already); ProtocolError when they are wrong. Allocates nothing."""
+
+    @abstractmethod
+    def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
+        """The tensor from its frames; ProtocolError(R_TRUNCATED) on a frame of the wrong
+        length, before it is read."""
+
+
+def descriptor(
+    name: str, encoding: str, dtype: np.dtype, shape: Any, nbytes: int, **extra: Any
+) -> dict[str, Any]:
+    """A descriptor map, its keys in the spec's order."""
+    return {
+        "name": name,
+        "dtype": np.dtype(dtype).name,
+        "shape": [int(d) for d in shape],
+        "encoding": encoding,
+        "nbytes": int(nbytes),
+        **extra,
+    }
+
+
+def dense_frame(a: Any) -> np.ndarray:
+    """``a`` as a C-order little-endian array (no copy when it is one already)."""
+    a = np.asarray(a, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def _index_frame(indices: np.ndarray) -> np.ndarray:
+    indices = dense_frame(indices)
+    if indices.dtype.name not in INDEX_DTYPES:
+        indices = indices.astype(np.int64)
+    return indices
+
+
+def check_frame(slot: Slot, buf: memoryview, nbytes: int, what: str) -> None:
+    """ProtocolError(R_TRUNCATED) unless the frame ``buf`` holds ``nbytes`` bytes (``what``:
+    a word for the message, e.g. "index ")."""
+    if buf.nbytes != nbytes:
+        raise ProtocolError(R_TRUNCATED, f"{slot.name!r}: {what}frame has {buf.nbytes} bytes")
+
+
+def wire_dtype(name: Any, allowed: frozenset[str]) -> np.dtype:
+    """The little-endian dtype ``name`` if ``allowed``; ProtocolError(R_DTYPE) otherwise."""
+    if not isinstance(name, str) or name not in allowed:
+        raise ProtocolError(R_DTYPE, f"dtype {name!r} is not allowed")
+    return np.dtype(name).newbyteorder("<")
+
+
+def wire_count(desc: dict[str, Any], key: str) -> int:
+    """The non-negative int ``key`` of a header or descriptor map; ProtocolError(R_HEADER)
+    otherwise."""
+    v = desc.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
+        raise ProtocolError(R_HEADER, f"header field {key!r} must be a non-negative int")
+    return v
+
+
+def view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only array on the received frame (zero-copy)."""
+    a = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    a.flags.writeable = False  # a view on the received frame: nobody may change it
+    return a
+
+
+class DenseCodec(Codec):
+    """``dense``: the tensor's bytes as they are, one frame; decodes to a read-only view."""
+
+    name = DENSE
+    carries = np.ndarray
+    frames = 1
+
+    def encode(self, name: str, t: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
+        a = dense_frame(t)
+        return descriptor(name, DENSE, a.dtype, a.shape, a.nbytes), [a]
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        return Checked(Slot(name, self, dtype, shape), math.prod(shape) * dtype.itemsize, 0)
+
+    def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
+        check_frame(slot, bufs[0], math.prod(slot.shape) * slot.dtype.itemsize, "")
+        return view(bufs[0], slot.dtype, slot.shape)
+
+
+class BF16Codec(Codec):
+    """``bf16``: bfloat16 bits as little-endian uint16, one frame; decodes to a fresh array
+    of the logical dtype (its size counts against the limit too)."""
+
+    name = BF16
+    carries = BFloat16
+    frames = 1
+
+    def encode(self, name: str, t: BFloat16) -> tuple[dict[str, Any], list[np.ndarray]]:
+        if np.dtype(t.dtype).name not in BF16_DTYPES:
+            raise ValueError(f"{name!r}: bf16 cannot stand for {np.dtype(t.dtype)}")
+        values = np.asarray(t.values, order="C")
+        if values.dtype != ml_dtypes.bfloat16:
+            raise ValueError(f"BFloat16.values must be ml_dtypes.bfloat16, not {values.dtype}")
+        # a buffer cannot export the bfloat16 dtype: the bits travel as uint16
+        bits = values.view(np.uint16).astype(_BF16_WIRE, copy=False)
+        return descriptor(name, BF16, t.dtype, bits.shape, bits.nbytes), [bits]
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        if dtype.name not in BF16_DTYPES:
+            raise ProtocolError(R_DTYPE, f"{name!r}: bf16 cannot decode to {dtype.name}")
+        n = math.prod(shape)
+        widened = n * (dtype.itemsize - _BF16_WIRE.itemsize)
+        return Checked(Slot(name, self, dtype, shape), n * _BF16_WIRE.itemsize, widened)
+
+    def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
+        check_frame(slot, bufs[0], math.prod(slot.shape) * _BF16_WIRE.itemsize, "bf16 ")
+        bits = np.frombuffer(bufs[0], dtype=_BF16_WIRE).astype(np.uint16, copy=False)
+        a = bits.view(ml_dtypes.bfloat16).reshape(slot.shape).astype(slot.dtype.newbyteorder("="))
+        a.flags.writeable = False  # like every decoded tensor
+        return a
+
+
+class IndexedCodec(Codec):
+    """An encoding of ``nnz`` entries: an indices frame of ``index_dtype``, then a values
+    frame. Subclasses say how big an entry is and what the indices may address."""
+
+    frames = 2
+
+    @abstractmethod
+    def entry_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one entry's values."""
+
+    @abstractmethod
+    def index_bound(self, shape: tuple[int, ...]) -> int:
+        """Indices lie in ``[0, index_bound)``."""
+
+    def check_nnz(self, name: str, nnz: int, shape: tuple[int, ...]) -> None:
+        """Refuse an entry count the shape cannot hold (ProtocolError); any by default."""
+
+    def indexed(
+        self, name: str, indices: np.ndarray, values: np.ndarray, shape: Any
+    ) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """The descriptor and frames of ``indices`` and ``values`` (wire-ready arrays)."""
+        desc = descriptor(
+            name,
+            self.name,
+            values.dtype,
+            shape,
+            values.nbytes,
+            nnz=int(indices.shape[0]),
+            index_dtype=indices.dtype.name,
+        )
+        return desc, [indices, values]
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        nnz = wire_count(desc, "nnz")
+        self.check_nnz(name, nnz, shape)
+        index_dtype = wire_dtype(desc.get("index_dtype"), INDEX_DTYPES)
+        slot = Slot(name, self, dtype, shape, nnz, index_dtype)
+        values = nnz * math.prod(self.entry_shape(shape)) * dtype.itemsize
+        return Checked(slot, values, nnz * index_dtype.itemsize)
+
+    def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
+        assert slot.index_dtype is not None
+        ibuf, vbuf = bufs
+        entry = self.entry_shape(slot.shape)
+        check_frame(slot, ibuf, slot.nnz * slot.index_dtype.itemsize, "index ")
+        check_frame(slot, vbuf, slot.nnz * math.prod(entry) * slot.dtype.itemsize, "value ")
+        indices = view(ibuf, slot.index_dtype, (slot.nnz,))
+        if slot.nnz and (
+            int(indices.min()) < 0 or int(indices.max()) >= self.index_bound(slot.shape)
+        ):
+            raise ProtocolError(R_SHAPE, f"{slot.name!r}: {self.name} index out of range")
+        values = view(vbuf, slot.dtype, (slot.nnz, *entry))
+        return self.carries(indices, values, slot.shape)
+
+
+class SparseCodec(IndexedCodec):
+    """``sparse``: rows of a rank >= 1 tensor (``tf.IndexedSlices``); decodes to ``Sparse``."""
+
+    name = SPARSE
+    carries = Sparse
+
+    def entry_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[1:]
+
+    def index_bound(self, shape: tuple[int, ...]) -> int:
+        return shape[0]
+
+    def encode(self, name: str, t: Sparse) -> tuple[dict[str, Any], list[np.ndarray]]:
+        return self.indexed(name, _index_frame(t.indices), dense_frame(t.values), t.dense_shape)
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        if len(shape) < 1:
+            raise ProtocolError(R_SHAPE, f"sparse tensor {name!r} needs a rank >= 1 shape")
+        return super().check(name, desc, dtype, shape)
+
+
+class TopKCodec(IndexedCodec):
+    """``topk``: elements at positions of the C-order flattened tensor; decodes to
+    ``FlatSparse``."""
+
+    name = TOPK
+    carries = FlatSparse
+
+    def entry_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return ()
+
+    def index_bound(self, shape: tuple[int, ...]) -> int:
+        return math.prod(shape)
+
+    def encode(self, name: str, t: FlatSparse) -> tuple[dict[str, Any], list[np.ndarray]]:
+        values = dense_frame(t.values).reshape(-1)
+        indices = _index_frame(t.indices).reshape(-1)
+        if indices.shape != values.shape:
+            raise ValueError(f"{name!r}: {indices.size} indices for {values.size} values")
+        return self.indexed(name, indices, values, t.dense_shape)
+
+    def check_nnz(self, name: str, nnz: int, shape: tuple[int, ...]) -> None:
+        if nnz > math.prod(shape):
+            raise ProtocolError(
+                R_SHAPE, f"topk tensor {name!r}: nnz {nnz} > {math.prod(shape)} elements"
+            )
+
+
+# The encodings, by descriptor name: encode and decode go through this table only.
+CODECS: dict[str, Codec] = {
+    c.name: c for c in (DenseCodec(), SparseCodec(), BF16Codec(), TopKCodec())
+}
+ENCODINGS = frozenset(CODECS)
+
+
+def codec_for(t: Any) -> Codec:
+    """The codec of a tensor to send: the one whose ``carries`` it is; anything else is an
+    array-like, sent dense."""
+    for codec in CODECS.values():
+        if isinstance(t, codec.carries):
+            return codec
+    return CODECS[DENSE]

@@ -1,0 +1,173 @@
+"""The tensor values a message carries: plain arrays, ``Sparse`` rows, ``FlatSparse``
+elements and ``BFloat16`` tensors, the dtypes the wire allows, and helpers on them.
+``downpour.wire`` re-exports all of it; import it from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+ALLOWED_DTYPES: frozenset[str] = frozenset(
+    {
+        "float16",
+        "float32",
+        "float64",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+    }
+)
+INDEX_DTYPES = frozenset({"int32", "int64"})
+# logical dtypes a bf16-encoded tensor may decode to
+BF16_DTYPES = frozenset({"float16", "float32", "float64"})
+
+
+def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique row indices (int64) and each row's summed values. Keras's Adagrad and Adam
+    square a sparse gradient's values row by row, so a repeated row must be summed first."""
+    rows, inverse = np.unique(indices, return_inverse=True)
+    if len(rows) == len(indices):
+        order = np.argsort(indices, kind="stable")
+        return indices[order].astype(np.int64), np.ascontiguousarray(values[order])
+    summed = np.zeros((len(rows), *values.shape[1:]), dtype=values.dtype)
+    np.add.at(summed, inverse, values)
+    return rows.astype(np.int64), summed
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """Row-sparse tensor (``tf.IndexedSlices``): ``dense[indices[i]] += values[i]``."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple[int, ...]
+
+    def to_dense(self) -> np.ndarray:
+        """Materialise as a dense array; repeated indices are summed, as TF does."""
+        out = np.zeros(self.dense_shape, dtype=self.values.dtype)
+        np.add.at(out, self.indices, self.values)
+        return out
+
+
+@dataclass(frozen=True)
+class FlatSparse:
+    """Element-sparse tensor (a top-k gradient): ``dense.ravel()[indices[i]] += values[i]``.
+
+    ``indices`` (nnz,) int32/int64 positions in the C-order flattened tensor, ``values``
+    (nnz,) of the tensor's dtype. What a ``topk`` tensor encodes from and decodes to.
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dense tensor's dtype (that of the values)."""
+        return self.values.dtype
+
+    def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Scatter into zeros (``out``, C-contiguous, if given: reused, no allocation).
+
+        Repeated positions are summed.
+        """
+        shape = tuple(self.dense_shape)
+        if out is None:
+            out = np.zeros(shape, dtype=self.values.dtype)
+        else:
+            if out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError(f"out must be a writeable C-contiguous array of shape {shape}")
+            out.fill(0)
+        np.add.at(out.reshape(-1), self.indices, self.values)
+        return out
+
+
+@dataclass(frozen=True)
+class BFloat16:
+    """A float tensor to send as bfloat16 (2 bytes an element); decodes to ``dtype``.
+
+    ``values`` is an ``ml_dtypes.bfloat16`` array; build it with ``from_array`` (round to
+    nearest even). Only encode takes it: decode hands back the array converted to ``dtype``.
+    """
+
+    values: np.ndarray
+    dtype: np.dtype = np.dtype(np.float32)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> BFloat16:
+        """Round a float array to bfloat16 (nearest even; beyond about 3.39e38 is inf)."""
+        a = np.asarray(a)
+        if a.dtype.name not in BF16_DTYPES:
+            raise ValueError(f"bf16 takes {sorted(BF16_DTYPES)}, not {a.dtype}")
+        return cls(a.astype(ml_dtypes.bfloat16), np.dtype(a.dtype.name))
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return tuple(self.values.shape)
+
+    def to_dense(self) -> np.ndarray:
+        """The values as a fresh array of ``dtype``."""
+        return self.values.astype(self.dtype)
+
+
+Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
+WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may carry
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """True if no NaN/Inf. One read-only pass catches both: for float32/float64 the dot
+    product of the values with themselves (BLAS, about twice as fast as a sum; every term is
+    non-negative, so an Inf cannot cancel), else a sum; a finite result proves every value
+    finite, and an overflow falls back to a scan. The server checks every gradient with it;
+    a top-k worker keeps bad ones out of residuals."""
+    if a.dtype.kind not in "fc" or a.size == 0:
+        return True
+    with np.errstate(all="ignore"):
+        if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous:
+            flat = a.reshape(-1)
+            if np.isfinite(np.dot(flat, flat)):
+                return True
+        elif np.isfinite(a.sum()):
+            return True
+    return bool(np.isfinite(a).all())
+
+
+def as_bf16(a: np.ndarray) -> np.ndarray | BFloat16:
+    """``a`` to send in bfloat16 where that halves it (float32, float64); float16 (as many
+    bytes and more precise) and non-float arrays as they are. Gradients (``--compress bf16``)
+    and weights (``--pull-compress bf16``) follow this one rule."""
+    if a.dtype.name in BF16_DTYPES and a.dtype != np.float16:
+        return BFloat16.from_array(a)
+    return a
+
+
+def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:
+    """Any tensor a message carries as a dense ndarray (``out``: reused by FlatSparse only).
+
+    An ndarray comes back as it is (a decoded one is a read-only view on its frame).
+    """
+    if isinstance(t, FlatSparse):
+        return t.to_dense(out)
+    if isinstance(t, Sparse | BFloat16):
+        return t.to_dense()
+    return np.asarray(t)
+
+
+def logical_shape(t: WireTensor) -> tuple[int, ...]:
+    """The dense shape of any tensor a message carries."""
+    return tuple(t.shape if isinstance(t, np.ndarray) else t.dense_shape)
+
+
+def logical_dtype(t: WireTensor) -> np.dtype:
+    """The dense dtype of any tensor a message carries."""
+    return t.values.dtype if isinstance(t, Sparse) else np.dtype(t.dtype)
