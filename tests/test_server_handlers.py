@@ -501,6 +501,24 @@ def test_each_check_alone_refuses_and_a_clean_stale_push_reaches_the_policy(spec
         assert ctx.state.version == 1
 
 
+@pytest.mark.parametrize("policy", ["async", "bounded:0", "ssp:1", "sync:1/1", "dc:0.5"])
+def test_a_push_from_a_future_version_is_refused_before_the_policy_sees_it(
+    spec: Any, policy: str
+) -> None:
+    """The handler's check is the only one: the policy is never offered a gradient whose
+    base_version is ahead of the server, whatever the policy."""
+    ctx = make_ctx(spec, policy=policy)
+    assert offer(ctx, push(ctx, 1)).decision is not None
+    before, offered = weights(ctx), ctx.policy.counters["offered"]
+    out = offer(ctx, push(ctx, 2, base_version=ctx.state.version + 1))
+    assert out.decision is None and out.rejection is not None
+    assert out.rejection.code == wire.R_FUTURE and "base_version 2 > server version 1" in (
+        out.rejection.message
+    )
+    assert ctx.policy.counters["offered"] == offered and weights(ctx) == before
+    assert ctx.stats.rejected == {wire.R_FUTURE: 1}
+
+
 # ---------------------------------------------------------------- weight-aware policies
 
 
