@@ -18,7 +18,6 @@ from downpour import security, wire
 from downpour.server.handlers import (
     GradientOutcome,
     HandlerContext,
-    apply_decision,
     check_status_request,
     handle_gradients,
     handle_request,
@@ -105,11 +104,8 @@ def weights(ctx: HandlerContext) -> list[bytes]:
 
 
 def offer(ctx: HandlerContext, msg: Message, peer_key: str | None = None) -> GradientOutcome:
-    """Handle a push as the loop does: apply what the policy says to apply."""
-    out = handle_gradients(frames(msg), ctx, peer_key)
-    if out.decision is not None and out.decision.action == APPLY:
-        apply_decision(out.decision, ctx)
-    return out
+    """Handle a push as the loop does (the handler applies what the policy says to apply)."""
+    return handle_gradients(frames(msg), ctx, peer_key)
 
 
 # ---------------------------------------------------------------- hello / heartbeat
