@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-Parser = Callable[[str], "dict[str, Any] | None"]
+Parser = Callable[[str], dict[str, Any] | None]  # text -> keyword arguments, or None
 
 _PARAMETERS = re.compile(r"\[?:[^+]*")  # ":K", "[:B]", ":0.5/3": a form's parameters
 
