@@ -14,7 +14,7 @@ from downpour.server.compensation import (
     MomentumAwarePolicy,
     WeightRing,
 )
-from downpour.server.policies import APPLY, DROP, REASON_FUTURE, parse_policy
+from downpour.server.policies import APPLY, parse_policy
 from downpour.wire import Sparse
 
 
@@ -62,7 +62,6 @@ def test_dc_fresh_or_out_of_ring_gradients_are_applied_as_async() -> None:
     old = p.offer(g, 0, 3, "w1")  # version 0 has left a ring of 2
     assert old.action == APPLY and old.grads is not None and old.grads[0] is g[0]
     assert p.counters["uncompensated"] == 1 and p.counters["compensated"] == 0
-    assert p.offer(g, 4, 3, "w0").reason == REASON_FUTURE
 
 
 def test_dc_compensates_only_the_touched_rows_of_a_sparse_gradient() -> None:
@@ -127,7 +126,6 @@ def test_momentum_aware_lowers_beta_1_with_the_mean_staleness() -> None:
         d = p.offer(g, 7, 10, "w0")
     assert p.mean_staleness == pytest.approx(3.0, abs=0.01)
     assert d.momentum == pytest.approx(0.15, abs=0.002)
-    assert p.offer(g, 11, 10, "w0").action == DROP
 
 
 def test_momentum_aware_parameter_and_parse_forms() -> None:

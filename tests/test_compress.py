@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -38,6 +39,8 @@ from downpour.wire import (
     encode,
 )
 from downpour.worker.compress import (
+    COMPRESSION_FORMS,
+    COMPRESSIONS,
     BF16Compression,
     NoCompression,
     TopKCompression,
@@ -361,13 +364,34 @@ def test_parse_compression(text: str, cls: type, spec: str) -> None:
         ("topk:nan", r"\(0, 1\]"),
         ("topk:inf", r"\(0, 1\]"),
         ("topk:abc", r"number"),
-        ("topk", r"unknown compression"),
+        ("topk", r"compression 'topk': expected topk:RATIO with a number RATIO in \(0, 1\]"),
         ("gzip", r"unknown compression 'gzip'.*none, bf16, topk:RATIO"),
     ],
 )
 def test_parse_compression_errors(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_compression(text)
+
+
+def test_a_topk_range_error_is_the_constructors_prefixed_with_the_text() -> None:
+    with pytest.raises(ValueError, match=r"\(0, 1\]") as direct:
+        TopKCompression(1.5)
+    with pytest.raises(ValueError) as parsed:
+        parse_compression("topk:1.5")
+    assert str(parsed.value) == f"compression 'topk:1.5': {direct.value}"
+
+
+def test_every_compression_form_parses_is_listed_and_is_the_docs_table() -> None:
+    examples = {"none": "none", "bf16": "bf16", "topk:RATIO": "topk:0.01"}
+    assert list(COMPRESSIONS.forms) == list(examples)
+    for form, text in examples.items():
+        assert parse_compression(text).spec == text
+        assert form in COMPRESSION_FORMS
+    assert parse_compression("").spec == "none"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "policies.md").read_text()
+    assert COMPRESSIONS.table() in docs, (
+        "docs/policies.md's table of compressions differs from:\n" + COMPRESSIONS.table()
+    )
 
 
 def test_none_passes_everything_through() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,6 @@ from downpour.server.policies import (
     REASON_DUPLICATE,
     REASON_FLUSH,
     REASON_FRESH,
-    REASON_FUTURE,
     REASON_LATE,
     REASON_STALE,
     REASON_STALE_APPLIED,
@@ -25,8 +26,8 @@ from downpour.server.policies import (
     StalenessAwarePolicy,
     SyncPolicy,
     parse_policy,
-    scaled_learning_rate,
 )
+from downpour.server.policy_forms import POLICIES, POLICY_FORMS
 
 SHAPES = [(2, 3), (3,)]
 
@@ -61,14 +62,6 @@ def test_async_applies_every_gradient_with_scale_one() -> None:
     assert p.counters["dropped_stale"] == 0
 
 
-def test_future_base_version_is_dropped_by_every_policy() -> None:
-    for p in [AsyncPolicy(), StalenessAwarePolicy(), BoundedPolicy(3), SyncPolicy(1, 1)]:
-        d = p.offer(grads(1.0), 8, 7, "w0")
-        assert (d.action, d.reason, d.grads) == (DROP, REASON_FUTURE, None), p
-        assert p.counters["future"] == 1
-        assert p.counters["applied"] == 0
-
-
 # ---------------------------------------------------------------- staleness-aware
 
 
@@ -89,12 +82,6 @@ def test_staleness_aware_counters_over_a_sequence() -> None:
     assert scales == [1.0, 1.0, 0.2, 0.25, 1.0]
     assert p.counters["applied"] == 5
     assert p.counters["scaled"] == 2
-
-
-def test_scaled_learning_rate() -> None:
-    assert scaled_learning_rate(1e-3, 1.0) == 1e-3
-    assert scaled_learning_rate(1e-3, 0.2) == pytest.approx(2e-4, rel=1e-12)
-    assert scaled_learning_rate(0.5, StalenessAwarePolicy.scale(4)) == 0.125
 
 
 # ---------------------------------------------------------------- bounded
@@ -120,7 +107,7 @@ def test_bounded_applies_at_k_and_drops_at_k_plus_one(k: int) -> None:
 
 
 def test_bounded_rejects_negative_k() -> None:
-    with pytest.raises(ValueError, match="K must be >= 0"):
+    with pytest.raises(ValueError, match=r"bounded:K needs K >= 0 .*got K=-1"):
         BoundedPolicy(-1)
 
 
@@ -333,6 +320,52 @@ def test_parse_policy_not_a_string() -> None:
         parse_policy(3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("text", "cls", "match"),
+    [
+        ("bounded:-1", BoundedPolicy, "bounded:K needs K >= 0"),
+        ("ssp:-2", SSPPolicy, "ssp:K needs K >= 0"),
+        ("sync:3/2", SyncPolicy, "sync:K/N needs 1 <= K <= N"),
+    ],
+)
+def test_a_range_error_is_the_constructors_prefixed_with_the_text(
+    text: str, cls: type, match: str
+) -> None:
+    """One place per check: parse_policy raises what the constructor raises, naming the text."""
+    with pytest.raises(ValueError, match=match) as direct:
+        cls(*[int(x) for x in text.split(":")[1].split("/")])
+    with pytest.raises(ValueError, match=match) as parsed:
+        parse_policy(text)
+    assert str(parsed.value) == f"policy {text!r}: {direct.value}"
+
+
+def test_every_form_in_the_registry_parses_and_is_listed() -> None:
+    examples = {
+        "async": "async",
+        "staleness-aware": "staleness-aware",
+        "bounded:K": "bounded:3",
+        "ssp:K": "ssp:2",
+        "sync:K/N": "sync:3/4",
+        "dc:L": "dc:0.04",
+        "dc-a:L": "dc-a:0.1",
+        "gap-aware": "gap-aware",
+        "momentum-aware[:B]": "momentum-aware:0.8",
+        "lookahead[:A]": "lookahead:0.5",
+        "momentum-aware[:B]+lookahead[:A]": "momentum-aware:0.8+lookahead:0.5",
+    }
+    assert list(POLICIES.forms) == list(examples)
+    for form, text in examples.items():
+        assert parse_policy(text).spec == text
+        assert form in POLICY_FORMS
+
+
+def test_the_docs_table_of_policies_is_the_registry() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "policies.md").read_text()
+    assert POLICIES.table() in docs, (
+        "docs/policies.md's table of forms differs from:\n" + POLICIES.table()
+    )
+
+
 # ---------------------------------------------------------------- ssp:K
 
 
@@ -402,10 +435,3 @@ def test_ssp_a_newcomer_starts_at_the_slowest_clock_and_a_lone_worker_never_wait
     _push(p, "c")  # joins at the slowest (10)
     assert p.clocks["c"] == 11
     assert p.lead("b") == 1 and p.pull_wait_ms("b", 0, {"a", "b", "c"}) == 0
-
-
-def test_ssp_refuses_future_versions_like_every_policy() -> None:
-    p = SSPPolicy(1)
-    d = p.offer(grads(1.0), 9, 3, "w")
-    assert d.action == DROP and d.reason == REASON_FUTURE
-    assert p.clocks == {}  # a refused gradient is no clock tick

@@ -18,7 +18,6 @@ from downpour import security, wire
 from downpour.server.handlers import (
     GradientOutcome,
     HandlerContext,
-    apply_decision,
     check_status_request,
     handle_gradients,
     handle_request,
@@ -105,11 +104,8 @@ def weights(ctx: HandlerContext) -> list[bytes]:
 
 
 def offer(ctx: HandlerContext, msg: Message, peer_key: str | None = None) -> GradientOutcome:
-    """Handle a push as the loop does: apply what the policy says to apply."""
-    out = handle_gradients(frames(msg), ctx, peer_key)
-    if out.decision is not None and out.decision.action == APPLY:
-        apply_decision(out.decision, ctx)
-    return out
+    """Handle a push as the loop does (the handler applies what the policy says to apply)."""
+    return handle_gradients(frames(msg), ctx, peer_key)
 
 
 # ---------------------------------------------------------------- hello / heartbeat
@@ -504,6 +500,24 @@ def test_each_check_alone_refuses_and_a_clean_stale_push_reaches_the_policy(spec
         else:
             assert out.rejection is not None and out.rejection.code == REASON[fault]
         assert ctx.state.version == 1
+
+
+@pytest.mark.parametrize("policy", ["async", "bounded:0", "ssp:1", "sync:1/1", "dc:0.5"])
+def test_a_push_from_a_future_version_is_refused_before_the_policy_sees_it(
+    spec: Any, policy: str
+) -> None:
+    """The handler's check is the only one: the policy is never offered a gradient whose
+    base_version is ahead of the server, whatever the policy."""
+    ctx = make_ctx(spec, policy=policy)
+    assert offer(ctx, push(ctx, 1)).decision is not None
+    before, offered = weights(ctx), ctx.policy.counters["offered"]
+    out = offer(ctx, push(ctx, 2, base_version=ctx.state.version + 1))
+    assert out.decision is None and out.rejection is not None
+    assert out.rejection.code == wire.R_FUTURE and "base_version 2 > server version 1" in (
+        out.rejection.message
+    )
+    assert ctx.policy.counters["offered"] == offered and weights(ctx) == before
+    assert ctx.stats.rejected == {wire.R_FUTURE: 1}
 
 
 # ---------------------------------------------------------------- weight-aware policies

@@ -60,7 +60,6 @@ Pure Python and NumPy, as the policies module.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -74,6 +73,7 @@ DEFAULT_RING = 32  # versions of weights kept for dc / gap-aware / lookahead
 MOMENTUM_WINDOW = 100  # gradients in the running mean of staleness (momentum-aware)
 DC_DECAY = 0.95  # dc-a: decay of the running mean square of the gradient
 DC_EPS = 1e-7
+DEFAULT_BETA_1 = 0.9  # momentum-aware's B when the text gives none: Adam's own beta_1
 
 
 class WeightRing:
@@ -173,7 +173,8 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
     def __init__(self, lam: float, adaptive: bool = False, ring: int = DEFAULT_RING) -> None:
         super().__init__(ring)
         if not (np.isfinite(lam) and lam >= 0):
-            raise ValueError(f"dc: lambda must be a finite number >= 0, got {lam}")
+            form = "dc-a" if adaptive else "dc"
+            raise ValueError(f"{form}:L needs a finite number L >= 0 (lambda), got L={lam:g}")
         self.lam = float(lam)
         self.adaptive = adaptive
         self.counters["compensated"] = 0
@@ -196,14 +197,9 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
                 m += (1.0 - DC_DECAY) * np.square(g, dtype=np.float32)
         return [self.lam / (np.sqrt(m) + DC_EPS) for m in self._meansq]
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         lams = self._lams(grads)
-        pair = self._pair(base_version, version) if tau > 0 else None
+        pair = self._pair(version - tau, version) if tau > 0 else None
         if pair is None:
             return self._apply(grads, tau, worker)
         now, base = pair
@@ -246,13 +242,8 @@ class GapAwarePolicy(WeightAwarePolicy):
             return 1.0
         return 1.0 / max(1.0, gap / self.step_mean)
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
-        pair = self._pair(base_version, version) if tau > 0 else None
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
+        pair = self._pair(version - tau, version) if tau > 0 else None
         scale = self.scale(_gap(*pair)) if pair is not None else 1.0
         if scale < 1.0:
             self.counters["scaled"] += 1
@@ -283,16 +274,18 @@ class MomentumAwarePolicy(Policy):
     kind = "momentum-aware"
     sets_momentum = True
 
-    def __init__(self, beta_1: float = 0.9, window: int = MOMENTUM_WINDOW) -> None:
+    def __init__(self, beta_1: float = DEFAULT_BETA_1, window: int = MOMENTUM_WINDOW) -> None:
         super().__init__()
         if not 0.0 <= beta_1 < 1.0:
-            raise ValueError(f"momentum-aware: B must be in [0, 1), got {beta_1}")
+            raise ValueError(f"momentum-aware:B needs 0 <= B < 1 (Adam's beta_1), got B={beta_1:g}")
         self.beta_1 = float(beta_1)
         self.staleness = StalenessMean(window)
 
     @property
     def spec(self) -> str:
-        return "momentum-aware" if self.beta_1 == 0.9 else f"momentum-aware:{self.beta_1:g}"
+        if self.beta_1 == DEFAULT_BETA_1:
+            return "momentum-aware"
+        return f"momentum-aware:{self.beta_1:g}"
 
     @property
     def mean_staleness(self) -> float:
@@ -303,12 +296,7 @@ class MomentumAwarePolicy(Policy):
         s = max(0.0, mean_staleness)
         return round(max(0.0, self.beta_1 - s / (s + 1.0)), 3)
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         return self._apply(grads, tau, worker, momentum=self.momentum(self.staleness.add(tau)))
 
     def describe(self) -> dict[str, Any]:
@@ -339,9 +327,11 @@ class LookaheadPolicy(WeightAwarePolicy):
     ) -> None:
         super().__init__(ring)
         if not (np.isfinite(scale) and scale >= 0):
-            raise ValueError(f"lookahead: A must be a finite number >= 0, got {scale}")
+            raise ValueError(f"lookahead:A needs a finite number A >= 0, got A={scale:g}")
         if beta_1 is not None and not 0.0 <= beta_1 < 1.0:
-            raise ValueError(f"momentum-aware+lookahead: B must be in [0, 1), got {beta_1}")
+            raise ValueError(
+                f"momentum-aware:B+lookahead needs 0 <= B < 1 (Adam's beta_1), got B={beta_1:g}"
+            )
         self.scale = float(scale)
         self.momentum_policy = None if beta_1 is None else MomentumAwarePolicy(beta_1, window)
         self.staleness = StalenessMean(window)
@@ -370,12 +360,7 @@ class LookaheadPolicy(WeightAwarePolicy):
         computed now is in flight (0: nothing to extrapolate)."""
         return min(int(round(self.mean_staleness)), self.ring.size - 1)
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         s = self.staleness.add(tau)
         momentum = None if self.momentum_policy is None else self.momentum_policy.momentum(s)
         return self._apply(grads, tau, worker, momentum=momentum)
@@ -420,37 +405,3 @@ class LookaheadPolicy(WeightAwarePolicy):
         if self.momentum_policy is not None:
             out["beta_1"] = self.momentum_policy.momentum(self.mean_staleness)
         return out
-
-
-_NUM = r"([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)"
-_DC = re.compile(rf"(dc|dc-a|dc-asgd):{_NUM}")
-_MOMENTUM = re.compile(rf"momentum-aware(?::{_NUM})?")
-_LOOKAHEAD = re.compile(rf"(?:momentum-aware(?::{_NUM})?(\+))?lookahead(?::{_NUM})?")
-FORMS = (
-    "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1), lookahead[:A] "
-    "(A >= 0), momentum-aware[:B]+lookahead[:A]"
-)
-
-
-def parse_compensation(t: str) -> Policy | None:
-    """The policy for lower-cased text ``t`` if it is one of this module's, else None;
-    ValueError for one of its forms with a bad parameter."""
-    if m := _DC.fullmatch(t):
-        return DelayCompensatedPolicy(float(m.group(2)), adaptive=m.group(1) == "dc-a")
-    if t.startswith("dc"):
-        raise ValueError(f"policy {t!r}: expected dc:L or dc-a:L with a number L >= 0")
-    if t == "gap-aware":
-        return GapAwarePolicy()
-    if m := _LOOKAHEAD.fullmatch(t):
-        scale = float(m.group(3)) if m.group(3) else 1.0
-        beta_1 = (float(m.group(1)) if m.group(1) else 0.9) if m.group(2) else None
-        return LookaheadPolicy(scale, beta_1)
-    if "lookahead" in t:
-        raise ValueError(
-            f"policy {t!r}: expected lookahead[:A] or momentum-aware[:B]+lookahead[:A], A >= 0"
-        )
-    if m := _MOMENTUM.fullmatch(t):
-        return MomentumAwarePolicy(float(m.group(1)) if m.group(1) else 0.9)
-    if t.startswith("momentum-aware"):
-        raise ValueError(f"policy {t!r}: expected momentum-aware or momentum-aware:B, 0 <= B < 1")
-    return None

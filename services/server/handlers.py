@@ -1,5 +1,5 @@
 """Request and gradient handling: plain functions of (frames or message, context) -> a reply
-or a decision.
+or the fate of a push.
 
 Under ``--data-dispatch server`` the REP socket also serves split requests
 (``handle_split``, over ``downpour.server.dispatch.Dispatcher``), and the loop calls
@@ -10,8 +10,8 @@ split's gradients.
 
 Nothing here touches a socket or starts a thread. The service's loop receives frames, calls
 ``handle_request`` (REP socket: hello, weight pulls, heartbeats) or ``handle_gradients``
-(the gradient socket), sends the reply, and hands an ``apply`` decision to
-``apply_decision``. Every refusal is counted here (``ServerStats.rejected`` by reason, and
+(the gradient socket, which also applies what the policy decides to apply) and sends the
+reply. Every refusal is counted here (``ServerStats.rejected`` by reason, and
 against the worker's record where one is known) and returned as a ``Rejection`` for the
 service to log; a refused message never changes a parameter.
 
@@ -109,7 +109,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class GradientOutcome:
-    """A push's fate: exactly one of ``decision`` (it passed every check) or ``rejection``."""
+    """A push's fate: exactly one of ``decision`` (it passed every check; an ``apply`` decision
+    has been applied) or ``rejection``."""
 
     decision: Decision | None = None
     rejection: Rejection | None = None
@@ -519,7 +520,8 @@ def release_gone(ctx: HandlerContext) -> list[str]:
 def handle_gradients(
     frames: Sequence[Any], ctx: HandlerContext, peer_key: str | None = None
 ) -> GradientOutcome:
-    """A message from the gradient socket -> the policy's decision, or a rejection.
+    """A message from the gradient socket -> the policy's decision (applied when it says
+    ``apply``), or a rejection.
 
     The checks run in this order, and a message is refused for the first one it fails
     (nothing after it runs). The order is the security contract:
@@ -538,11 +540,11 @@ def handle_gradients(
     8. finite: no NaN or Inf unless ``allow_nonfinite`` (``nonfinite``);
     9. registry: a sender without a record gets one if the registry has room
        (``too_many_workers``): only a push that passed every check creates a record;
-    10. policy: the staleness policy decides apply, drop or hold.
+    10. policy: the staleness policy decides apply, drop or hold; an ``apply`` is applied
+        here (``apply_decision``) before the function returns.
 
     Checks 4 to 6 read only the header, so a replay is refused before any sparse gradient
     is densified. A refused push from an enrolled sender still counts as hearing from it.
-    An ``apply`` decision is for the caller to pass to ``apply_decision``.
 
     Under ``--data-dispatch server`` a push that passed check 4 (accepted, or refused after:
     it will not come again) completes the sender's split acks held for its seq
@@ -610,6 +612,8 @@ def handle_gradients(
         ctx.stats.loss.update(float(body.loss))
     if body.stats is not None:
         rec.reported = clean_reported(body.stats)
+    if decision.action == APPLY:
+        apply_decision(decision, ctx)
     return GradientOutcome(decision=decision)
 
 

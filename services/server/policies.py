@@ -2,15 +2,16 @@
 
 A gradient pushed with ``base_version`` arrives when the server is at ``version``; its
 staleness is ``tau = version - base_version`` (0: computed from the current weights). The
-server's loop hands every valid, deduplicated push to ``policy.offer(...)`` and acts on the
-``Decision``::
+gradient handler (``downpour.server.handlers``) hands every valid, deduplicated push to
+``policy.offer(...)`` and acts on the ``Decision``::
 
     apply   apply decision.grads once (one version step) with the learning rate
             multiplied by decision.lr_scale
     drop    the push was well-formed but is not applied (reason: why); not an error
     hold    the policy kept a copy of the gradient (sync aggregation); nothing to apply yet
 
-Policies (``parse_policy`` text, ``downpour server --policy``), each rule exactly:
+Policies (``parse_policy`` text, ``downpour server --policy``; the forms and their parameters
+are ``downpour.server.policy_forms``'s table), each rule exactly:
 
 - ``async`` (the default): apply every gradient as it arrives with learning rate ``lr``.
   Downpour SGD: Dean et al., "Large Scale Distributed Deep Networks", NIPS 2012.
@@ -58,7 +59,7 @@ their accumulators. The server therefore scales the *learning rate*:
 ``keras.Variable`` backed by a ``tf.ResourceVariable``) that the traced apply step reads on
 every call, so
 
-    opt.learning_rate.assign(scaled_learning_rate(base_lr, decision.lr_scale))   # eager
+    opt.learning_rate.assign(base_lr * decision.lr_scale)   # eager
 
 before ``state.apply(grads)`` takes effect on the next call of the already-traced,
 ``jit_compile=True`` step, without retracing: for a constant gradient Adam's step is
@@ -71,7 +72,6 @@ as one more input, ``tf.TensorSpec((), tf.float32)``, and assigns it inside the 
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -89,7 +89,6 @@ REASON_STALE_APPLIED = "stale_applied"  # applied although tau > 0
 REASON_STALE = "stale"  # bounded: tau > K, dropped
 REASON_LATE = "late"  # sync: computed from an older version than the one being aggregated
 REASON_DUPLICATE = "duplicate_worker"  # sync: this worker already gave to this round
-REASON_FUTURE = "future_version"  # base_version > version (the server refuses these first)
 REASON_BUFFERED = "buffered"  # sync: held in the aggregation buffer
 REASON_AGGREGATED = "aggregated"  # sync: the K-th gradient completed the round
 REASON_FLUSH = "flush"  # sync: a partial round applied at shutdown
@@ -102,7 +101,6 @@ COUNTER_KEYS = (
     "dropped_stale",  # bounded: tau > K
     "late",  # sync: base_version older than the round's version
     "duplicate",  # sync: a second gradient from one worker in one round
-    "future",  # base_version ahead of the server
     "aggregated",  # sync: gradients added to the aggregation buffer
     "discarded",  # sync: held gradients thrown away because the version moved under them
     "held_pulls",  # ssp: pulls answered "wait" (the puller was more than K clocks ahead)
@@ -130,13 +128,11 @@ class Decision:
     momentum: float | None = None  # momentum-aware: Adam's beta_1 for this update (None: keep)
 
 
-def scaled_learning_rate(base_lr: float, scale: float) -> float:
-    """The learning rate for one update: ``base_lr * scale`` (see the module docstring)."""
-    return float(base_lr) * float(scale)
-
-
 class Policy(ABC):
-    """A staleness policy. ``offer`` decides per gradient; ``counters`` count the decisions."""
+    """A staleness policy. ``offer`` decides per gradient; ``counters`` count the decisions.
+
+    ``offer`` is the one entry: it counts the offer and hands the gradient's staleness to the
+    policy's own rule, ``decide``."""
 
     kind: str = ""
     gates_pulls = False  # True: the server asks pull_wait_ms before serving a worker's pull
@@ -152,13 +148,20 @@ class Policy(ABC):
     def spec(self) -> str:
         """The canonical text: ``parse_policy(p.spec)`` builds an equal policy."""
 
-    @abstractmethod
     def offer(
         self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
     ) -> Decision:
         """Decide about one push: dense gradients in variable order (read-only views are fine:
         a policy that keeps them copies them), the version they were computed from, the
-        server's current version and the sender."""
+        server's current version and the sender. ``base_version <= version``: the gradient
+        handler refuses a push from a future version before any policy sees it."""
+        self.counters["offered"] += 1
+        return self.decide(grads, version - base_version, version, worker)
+
+    @abstractmethod
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
+        """The policy's rule for one offered push of staleness ``tau >= 0`` (``offer``'s
+        arguments otherwise; the push's base version is ``version - tau``)."""
 
     def observe(self, version: int, weights: Sequence[np.ndarray]) -> None:
         """The server's current weights (an immutable snapshot) before an offer; only
@@ -194,13 +197,6 @@ class Policy(ABC):
     def __str__(self) -> str:
         return self.spec
 
-    def _future(self, base_version: int, version: int) -> Decision | None:
-        self.counters["offered"] += 1
-        if base_version > version:
-            self.counters["future"] += 1
-            return Decision(DROP, reason=REASON_FUTURE, staleness=version - base_version)
-        return None
-
     def _apply(
         self,
         grads: Sequence[np.ndarray],
@@ -234,12 +230,8 @@ class AsyncPolicy(Policy):
     def spec(self) -> str:
         return "async"
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        return self._apply(grads, version - base_version, worker)
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
+        return self._apply(grads, tau, worker)
 
 
 class StalenessAwarePolicy(Policy):
@@ -263,12 +255,7 @@ class StalenessAwarePolicy(Policy):
         """``1 / max(1, tau)``."""
         return 1.0 / max(1, tau)
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         scale = self.scale(tau)
         if scale < 1.0:
             self.counters["scaled"] += 1
@@ -291,19 +278,16 @@ class BoundedPolicy(Policy):
     def __init__(self, max_staleness: int) -> None:
         super().__init__()
         if max_staleness < 0:
-            raise ValueError(f"bounded: K must be >= 0, got {max_staleness}")
+            raise ValueError(
+                f"bounded:K needs K >= 0 (the largest staleness applied), got K={max_staleness}"
+            )
         self.max_staleness = max_staleness
 
     @property
     def spec(self) -> str:
         return f"bounded:{self.max_staleness}"
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         if tau > self.max_staleness:
             self.counters["dropped_stale"] += 1
             return Decision(DROP, reason=REASON_STALE, staleness=tau, workers=(worker,))
@@ -337,7 +321,7 @@ class SSPPolicy(Policy):
     def __init__(self, max_lead: int, retry_ms: int = SSP_RETRY_MS) -> None:
         super().__init__()
         if max_lead < 0:
-            raise ValueError(f"ssp: K must be >= 0, got {max_lead}")
+            raise ValueError(f"ssp:K needs K >= 0 (max clocks ahead), got K={max_lead}")
         self.max_lead = max_lead
         self.retry_ms = retry_ms
         self.clocks: dict[str, int] = {}
@@ -353,13 +337,9 @@ class SSPPolicy(Policy):
             clock = self.clocks[worker] = min(self.clocks.values(), default=0)
         return clock
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         self.clocks[worker] = self._join(worker) + 1
-        return self._apply(grads, version - base_version, worker)
+        return self._apply(grads, tau, worker)
 
     def lead(self, worker: str, in_flight: int = 0) -> int:
         """How many clocks ``worker`` (with ``in_flight`` pushes still travelling) is ahead
@@ -416,7 +396,10 @@ class SyncPolicy(Policy):
         if workers < 1:
             raise ValueError(f"sync:K/N needs N >= 1 workers, got N={workers}")
         if not 1 <= aggregate <= workers:
-            raise ValueError(f"sync:K/N needs 1 <= K <= N, got K={aggregate}, N={workers}")
+            raise ValueError(
+                f"sync:K/N needs 1 <= K <= N (K gradients averaged out of N workers), "
+                f"got K={aggregate}, N={workers}"
+            )
         self.aggregate = aggregate
         self.expected_workers = workers
         self._round = _Round()
@@ -442,12 +425,7 @@ class SyncPolicy(Policy):
             raise ValueError("sync: gradient shapes differ from the first offer's")
         return r.sums
 
-    def offer(
-        self, grads: Sequence[np.ndarray], base_version: int, version: int, worker: str
-    ) -> Decision:
-        if (d := self._future(base_version, version)) is not None:
-            return d
-        tau = version - base_version
+    def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         r = self._round
         if r.version != version:  # a new round: what is held was for a version now gone
             self.counters["discarded"] += len(r.workers)
@@ -507,58 +485,10 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
-_BOUNDED = re.compile(r"bounded:(-?\d+)")
-_SSP = re.compile(r"ssp:(-?\d+)")
-_SYNC = re.compile(r"sync:(-?\d+)/(-?\d+)")
-POLICY_FORMS = (
-    "async, staleness-aware, bounded:K (K >= 0), ssp:K (K >= 0), sync:K/N (1 <= K <= N), "
-    "dc:L, dc-a:L (L >= 0), gap-aware, momentum-aware[:B] (0 <= B < 1), lookahead[:A] "
-    "(A >= 0), momentum-aware[:B]+lookahead[:A]"
-)
-
-
 def parse_policy(text: str) -> Policy:
-    """``async`` | ``staleness-aware`` | ``bounded:K`` | ``ssp:K`` | ``sync:K/N`` | ``dc:L`` |
-    ``dc-a:L`` | ``gap-aware`` | ``momentum-aware[:B]`` | ``[momentum-aware[:B]+]lookahead[:A]``
-    -> a fresh Policy (the last five are ``downpour.server.compensation``'s).
+    """A fresh Policy from its text, one of ``downpour.server.policy_forms.POLICIES``'s forms
+    (``async``, ``bounded:K``, ``sync:K/N``, ``lookahead[:A]`` ...; case and surrounding
+    spaces ignored). Raises ValueError saying what was expected for anything else."""
+    from downpour.server.policy_forms import POLICIES  # the table imports this module
 
-    Raises ValueError naming the accepted forms for anything else.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"policy must be a string, got {type(text).__name__}")
-    t = text.strip().lower()
-    if t == "async":
-        return AsyncPolicy()
-    if t == "staleness-aware":
-        return StalenessAwarePolicy()
-    if m := _BOUNDED.fullmatch(t):
-        k = int(m.group(1))
-        if k < 0:
-            raise ValueError(f"policy {text!r}: bounded:K needs K >= 0 (max staleness), got {k}")
-        return BoundedPolicy(k)
-    if t.startswith("bounded"):
-        raise ValueError(f"policy {text!r}: expected bounded:K with an integer K >= 0")
-    if m := _SSP.fullmatch(t):
-        k = int(m.group(1))
-        if k < 0:
-            raise ValueError(f"policy {text!r}: ssp:K needs K >= 0 (max clocks ahead), got {k}")
-        return SSPPolicy(k)
-    if t.startswith("ssp"):
-        raise ValueError(f"policy {text!r}: expected ssp:K with an integer K >= 0")
-    if m := _SYNC.fullmatch(t):
-        k, n = int(m.group(1)), int(m.group(2))
-        if n < 1:
-            raise ValueError(f"policy {text!r}: sync:K/N needs N >= 1 workers, got N={n}")
-        if not 1 <= k <= n:
-            raise ValueError(
-                f"policy {text!r}: sync:K/N needs 1 <= K <= N (K gradients averaged out of "
-                f"N workers), got K={k}, N={n}"
-            )
-        return SyncPolicy(k, n)
-    if t.startswith("sync"):
-        raise ValueError(f"policy {text!r}: expected sync:K/N with integers 1 <= K <= N")
-    from downpour.server.compensation import parse_compensation  # it builds on this module
-
-    if (p := parse_compensation(t)) is not None:
-        return p
-    raise ValueError(f"unknown policy {text!r}: expected one of {POLICY_FORMS}")
+    return POLICIES.parse(text)

@@ -1,11 +1,12 @@
 """The parameter-server service: the loop that ties sockets, handlers and state together.
 
 One thread owns the parameters: it polls the REP socket (hello, weight pulls, heartbeats)
-and the gradient socket, passes each message to ``downpour.server.handlers``, sends the
-replies and applies the policy's decisions, so a weight reply is always a whole version and
-never races an apply. Between messages it writes checkpoints, feeds the observers and
-publishes the status document. The status socket has its own thread and answers from the
-published document, so a slow or flooding status client never stalls training.
+and the gradient socket, passes each message to ``downpour.server.handlers`` (whose gradient
+handler also applies the policy's decisions) and sends the replies, so a weight reply is
+always a whole version and never races an apply. Between messages it writes checkpoints,
+feeds the observers and publishes the status document. The status socket has its own
+thread and answers from the published document, so a slow or flooding status client never
+stalls training.
 
 Where the parts live: sockets and CURVE in ``sockets``, the worker registry in ``registry``,
 request and gradient handling in ``handlers``, the status document in ``status_doc``, the
@@ -46,7 +47,6 @@ from downpour.server.handlers import (
     HandlerContext,
     Rejection,
     Reply,
-    apply_decision,
     check_status_request,
     flush_policy,
     handle_gradients,
@@ -54,8 +54,8 @@ from downpour.server.handlers import (
     release_gone,
 )
 from downpour.server.observe import Observers
-from downpour.server.policies import APPLY, parse_policy
-from downpour.server.registry import WorkerRecord, WorkerRegistry
+from downpour.server.policies import parse_policy
+from downpour.server.registry import WorkerRegistry
 from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import ServerSockets
 from downpour.server.state import ParameterState
@@ -338,8 +338,6 @@ class Server:
             outcome = handle_gradients(frames, self.handler_ctx, self.sockets.peer_key(frames))
             if outcome.rejection is not None:
                 self._report(outcome.rejection)
-            elif outcome.decision is not None and outcome.decision.action == APPLY:
-                apply_decision(outcome.decision, self.handler_ctx)
             if rep.poll(0, zmq.POLLIN):
                 self._serve_request_once()
 
@@ -376,10 +374,6 @@ class Server:
         )
 
     # ------------------------------------------------------------ status
-
-    def worker_state(self, rec: WorkerRecord, now: float) -> str:
-        """alive / missing / gone from the time since the worker was last heard."""
-        return self.registry.liveness(rec, now)
 
     def snapshot(self) -> dict[str, Any]:
         """The status document (fields: docs/cli.md): plain types, JSON-serialisable."""

@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 
 from downpour import security, wire
+from downpour.server.policies import parse_policy
+from downpour.server.policy_forms import POLICY_HELP
 from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 from downpour.settings import (
     DATA_DIR,
@@ -38,8 +40,6 @@ MAX_PULL_ROWS = 1 << 20
 
 def policy_text(text: str) -> str:
     """argparse type of --policy: the canonical text of a valid policy, or a clear error."""
-    from downpour.server.policies import parse_policy  # pure Python: no TensorFlow import
-
     try:
         return parse_policy(text).spec
     except ValueError as exc:
@@ -87,15 +87,7 @@ SERVER_OPTIONS: tuple[Option, ...] = (
     Option(
         "policy",
         "async",
-        "what to do with stale gradients: async (apply each as it arrives), "
-        "staleness-aware (learning rate / max(1, staleness)), bounded:K (drop staleness > K), "
-        "ssp:K (a worker more than K pushes ahead of the slowest live one waits in its pull), "
-        "sync:K/N (average the first K fresh gradients of N workers, apply once), "
-        "dc:L / dc-a:L (delay compensation), gap-aware (learning rate / parameter gap), "
-        "momentum-aware[:B] (Adam's beta_1 lowered as staleness grows), lookahead[:A] "
-        "(pulls get the weights extrapolated over the mean staleness), "
-        "momentum-aware[:B]+lookahead[:A]; see docs: "
-        "policies.md",
+        POLICY_HELP,
         _TRAIN,
         type=policy_text,
         metavar="POLICY",

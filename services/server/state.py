@@ -276,26 +276,28 @@ class ParameterState:
         return out, bad
 
     def _feed(self, grads: Sequence[np.ndarray | Sparse]) -> list[tf.Tensor]:
-        """Copy the gradients into the staging buffers; tensors that alias those buffers.
-        A sparse variable's gradient goes in as (unique rows, their values)."""
-        if len(grads) != len(self._staging):
-            raise ValueError(f"{len(grads)} gradients for {len(self._staging)} variables")
+        """Tensors for the apply step: aliases of the staging buffers (a gradient not staged
+        yet is copied in), and a sparse variable's gradient as (unique rows, their values).
+
+        The gradients are the model's, in variable order: the gradient handler's
+        ``check_gradients`` has checked count, names, shapes and dtypes, and only a row-sparse
+        variable's gradient may be ``Sparse``; that is asserted here, not checked again. A
+        dense array that was not staged is still compared with its buffer's shape, as
+        ``np.copyto`` would broadcast a wrong one silently (no pass over the data)."""
         tensors = []
         for name, buf, g, sparse in zip(self.names, self._staging, grads, self.sparse, strict=True):
             if sparse:
                 if isinstance(g, Sparse):
-                    if tuple(g.dense_shape) != buf.shape:
-                        raise ValueError(f"{name}: gradient shape {g.dense_shape} != {buf.shape}")
+                    assert tuple(g.dense_shape) == buf.shape, (name, g.dense_shape)
                     rows, values = dedupe_rows(np.asarray(g.indices), np.asarray(g.values))
                 else:  # dense (e.g. after top-k or a sync average): every row
                     rows, values = np.arange(buf.shape[0], dtype=np.int64), np.asarray(g)
                 tensors += [tf.constant(rows), tf.constant(values.astype(buf.dtype, copy=False))]
                 continue
-            if isinstance(g, Sparse):
-                g = g.to_dense()
-            if tuple(np.shape(g)) != buf.shape:
-                raise ValueError(f"{name}: gradient shape {np.shape(g)} != {buf.shape}")
-            if g is not buf:  # staged already (``stage``) or not
+            assert not isinstance(g, Sparse), name
+            if g is not buf:  # not staged (``stage``): copied in
+                if np.shape(g) != buf.shape:
+                    raise ValueError(f"{name}: gradient shape {np.shape(g)} != {buf.shape}")
                 np.copyto(buf, g, casting="same_kind")  # received frames sit at any address
             tensors.append(tf.experimental.dlpack.from_dlpack(buf.__dlpack__()))
         return tensors

@@ -1,5 +1,10 @@
 """Gradient compression for pushes (``downpour worker --compress none|bf16|topk:RATIO``).
 
+``COMPRESSIONS`` is the one table of ``--compress`` forms: ``parse_compression``,
+``COMPRESSION_FORMS`` (the forms in error messages), ``COMPRESSION_HELP`` (the option's help)
+and the table in docs/policies.md (compared with it by ``tests/test_compress.py``) derive
+from it.
+
 A compressor turns the gradient list of one push into the tensors of its ``Message``
 (``downpour.wire`` encodes them: ``bf16`` and ``topk`` encodings) and counts the payload
 bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulatively.
@@ -38,7 +43,6 @@ ZeroMQ (``send copy=False``) while the next step runs.
 from __future__ import annotations
 
 import math
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -46,9 +50,8 @@ from typing import Any
 import numpy as np
 
 from downpour import wire
+from downpour.forms import Form, Forms, literal, pattern
 from downpour.wire import BFloat16, FlatSparse, Sparse, Tensor, WireTensor
-
-COMPRESSION_FORMS = "none, bf16, topk:RATIO (0 < RATIO <= 1)"
 
 
 def payload_bytes(t: WireTensor) -> int:
@@ -152,7 +155,7 @@ class TopKCompression(Compressor):
     def __init__(self, ratio: float) -> None:
         super().__init__()
         if not (isinstance(ratio, float | int) and 0 < ratio <= 1):
-            raise ValueError(f"topk ratio must be in (0, 1], got {ratio!r}")
+            raise ValueError(f"topk:RATIO needs RATIO in (0, 1], got RATIO={ratio!r}")
         self.ratio_kept = float(ratio)
         self._residuals: dict[int, np.ndarray] = {}  # flat float32 (float64 for float64)
         self._scratch: dict[int, np.ndarray] = {}  # |v|, reused
@@ -201,24 +204,25 @@ class TopKCompression(Compressor):
         return FlatSparse(idx.astype(index_dtype), values, tuple(g.shape))
 
 
-_TOPK = re.compile(r"topk:(.+)")
+COMPRESSIONS: Forms[Compressor] = Forms(
+    "compression",
+    {
+        "none": Form(pattern(r"(?:none)?"), NoCompression, "the gradients as they are"),
+        "bf16": Form(literal("bf16"), BF16Compression, "rounded to bfloat16: half the bytes"),
+        "topk:RATIO": Form(
+            pattern(r"topk:(?P<ratio>.+)", ratio=float),
+            TopKCompression,
+            "the largest RATIO of each gradient's entries, the rest carried to the next push: "
+            "error feedback",
+            "a number RATIO in (0, 1]",
+        ),
+    },
+)
+COMPRESSION_FORMS = COMPRESSIONS.summary
+COMPRESSION_HELP = COMPRESSIONS.help("gradient compression")
 
 
 def parse_compression(text: str) -> Compressor:
-    """``none`` | ``bf16`` | ``topk:RATIO`` -> a fresh Compressor; ValueError otherwise."""
-    if not isinstance(text, str):
-        raise ValueError(f"compression must be a string, got {type(text).__name__}")
-    t = text.strip().lower()
-    if t in ("none", ""):
-        return NoCompression()
-    if t == "bf16":
-        return BF16Compression()
-    if m := _TOPK.fullmatch(t):
-        try:
-            ratio = float(m.group(1))
-        except ValueError:
-            raise ValueError(f"compression {text!r}: RATIO must be a number in (0, 1]") from None
-        if not (math.isfinite(ratio) and 0 < ratio <= 1):
-            raise ValueError(f"compression {text!r}: RATIO must be in (0, 1], got {ratio:g}")
-        return TopKCompression(ratio)
-    raise ValueError(f"unknown compression {text!r}: expected one of {COMPRESSION_FORMS}")
+    """A fresh Compressor from its text, one of ``COMPRESSIONS``'s forms (``none`` or empty,
+    ``bf16``, ``topk:RATIO``; case and surrounding spaces ignored); ValueError otherwise."""
+    return COMPRESSIONS.parse(text)

@@ -31,6 +31,7 @@ from downpour.settings import (
     positive,
     refuse,
 )
+from downpour.worker.compress import COMPRESSION_HELP, parse_compression
 
 PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress
 ROW_PULL_MODES = ("auto", "off")  # --row-pulls
@@ -39,8 +40,6 @@ GRAPHS = ("tf2", "tf1")  # --graph
 
 def compression_text(text: str) -> str:
     """argparse type of --compress: the canonical text of a valid mode, or a clear error."""
-    from downpour.worker.compress import parse_compression  # NumPy only: no TensorFlow
-
     try:
         return parse_compression(text).spec
     except ValueError as exc:
@@ -130,8 +129,7 @@ GRAPH = Option(
 COMPRESS = Option(
     "compress",
     "none",
-    "gradient compression: none, bf16 (half the bytes) or topk:RATIO (the largest "
-    "RATIO of each gradient's entries, the rest carried to the next push: error feedback)",
+    COMPRESSION_HELP,
     _TRAIN,
     type=compression_text,
     metavar="MODE",
