@@ -130,7 +130,7 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(services: Services) -> None
 
 @pytest.fixture
 def old_server() -> Iterator[int]:
-    """A REP socket answering hello like a server from before compression (no encodings)."""
+    """A REP socket answering hello like a server that decodes dense and sparse tensors only."""
     ctx = zmq.Context()
     rep = ctx.socket(zmq.REP)
     rep.setsockopt(zmq.LINGER, 0)
@@ -142,7 +142,12 @@ def old_server() -> Iterator[int]:
             if not rep.poll(100):
                 continue
             msg = wire.decode(rep.recv_multipart())
-            body = {"push_port": 1, "incarnation": "old", "last_seq": 0}
+            body = {
+                "push_port": 1,
+                "incarnation": "old",
+                "last_seq": 0,
+                "encodings": ["dense", "sparse"],
+            }
             rep.send_multipart(wire.encode(Message(msg.type, "server", body=body)))
 
     t = threading.Thread(target=serve, daemon=True)
