@@ -157,7 +157,8 @@ class HelloReply(Body):
     ``encodings``: the tensor encodings the server decodes (``downpour.wire.ENCODINGS``);
     ``policy``: its staleness policy, e.g. ``sync:2/2``; ``row_tables``: the wire names of
     the variables it serves by row. A reply without ``encodings`` or ``row_tables`` reads as
-    None: the reply does not say.
+    None: the reply does not say. ``worker_index``: the sender's index in the order this
+    server first heard of each worker id; ``workers``: how many ids it knows now.
     """
 
     push_port: int = wire_field("int", lo=1, hi=65535)
@@ -175,6 +176,8 @@ class HelloReply(Body):
     # bigger requests get the connection dropped
     max_request_bytes: int | None = wire_field("int", None)
     row_tables: tuple[str, ...] | None = wire_field("list", None, read=_strings, write=list)
+    worker_index: int | None = wire_field("int", None, lo=0)
+    workers: int | None = wire_field("int", None, lo=0)
 
 
 MAX_WAIT_MS = 60_000  # the longest "ask again after" a reply may ask for
@@ -209,15 +212,26 @@ class PullReply(Body):
     wait_ms: int = wire_field("int", 0, lo=0, hi=MAX_WAIT_MS)
 
 
+def _read_position(key: str, v: list[Any]) -> tuple[int, int, int]:
+    ok = len(v) == 3 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    if not ok:
+        raise ProtocolError(R_HEADER, f"{key} {v!r} is not [epoch, index, batches] (ints >= 0)")
+    return (v[0], v[1], v[2])
+
+
 @dataclass(frozen=True)
 class PushBody(Body):
     """The scalars a gradient push carries: the last batch's loss, the batch size, the
-    worker's step count and its figures (``downpour.metrics.WORKER_REPORTED``)."""
+    worker's step count and its figures (``downpour.metrics.WORKER_REPORTED``). Under
+    ``--data-dispatch server``, ``split`` is ``[epoch, index, batches]``: with this push the
+    worker has sent the gradients of the first ``batches`` batches of that split, so a
+    split taken back from a worker that died resumes after them."""
 
     loss: float | None = wire_field("float", None)
     batch_size: int | None = wire_field("int", None)
     steps: int | None = wire_field("int", None)
     stats: Mapping[str, float] | None = wire_field("map", None)
+    split: tuple[int, int, int] | None = wire_field("list", None, read=_read_position, write=list)
 
 
 @dataclass(frozen=True)
@@ -392,7 +406,9 @@ class SplitRequest(Body):
 class SplitReply(Body):
     """The dispatcher's answer. ``grant``: "split" (``index`` and ``file`` or ``[start,
     stop)`` of ``epoch``), "wait" (ask again after ``retry_ms``: the epoch's last splits are
-    in flight elsewhere) or "end" (the epoch bound is reached). ``acked`` / ``held`` /
+    in flight elsewhere) or "end" (the epoch bound is reached). ``skip``: batches of the split
+    whose gradients an earlier holder sent (a worker that died in it): read after them.
+    ``acked`` / ``held`` /
     ``stale``: how many of the request's acks completed a lease / are held until the push
     they name arrives (then they complete, the worker need not send them again) / were
     ignored (not leased to the sender).
@@ -408,6 +424,7 @@ class SplitReply(Body):
     acked: int = wire_field("int", 0, always=True)
     stale: int = wire_field("int", 0, always=True)
     held: int = wire_field("int", 0, always=True)
+    skip: int = wire_field("int", 0, lo=0)
 
     def validate(self) -> None:
         """A split names its index and a file or a non-empty range."""

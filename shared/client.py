@@ -251,10 +251,10 @@ class ShardClient:
         if r.grant == "split":
             assert r.index is not None
             if r.file is not None:
-                split = Split(r.index, file=r.file)
+                split = Split(r.index, file=r.file, skip=r.skip)
             else:
                 assert r.start is not None and r.stop is not None
-                split = Split(r.index, start=r.start, stop=r.stop)
+                split = Split(r.index, start=r.start, stop=r.stop, skip=r.skip)
         return SplitGrant(r.grant, r.epoch, split, r.retry_ms / 1e3, r)
 
     def _split_request(

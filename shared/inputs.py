@@ -43,12 +43,15 @@ ELEMENTS: Literal["elements"] = "elements"
 @dataclass(frozen=True)
 class Split:
     """One unit of work the server's dispatcher hands out: a file, or ``[start, stop)`` of the
-    elements, identified by ``index`` within its epoch."""
+    elements, identified by ``index`` within its epoch. ``skip``: batches of it already
+    trained by a worker that died while reading it; the worker reading it now starts after
+    them (the split's batches come in the same order on every read)."""
 
     index: int
     file: str | None = None
     start: int = 0
     stop: int = 0
+    skip: int = 0
 
     @property
     def kind(self) -> str:
@@ -59,6 +62,11 @@ class Split:
 class InputContext:
     """What ``input_fn`` gets: which worker it runs in, the epoch, and where the data is.
 
+    ``worker_id`` is the worker's ``--worker-id``. Statically ``worker_index`` of
+    ``num_workers`` chooses the share; under server dispatch (which chooses the share itself)
+    ``worker_index`` is the worker's index in the order the dispatching server first heard of
+    each worker id, stable while the server knows the id, and ``num_workers`` the number of
+    ids it knew when this worker said hello (at least ``worker_index + 1``).
     ``seed`` is the same on every worker (``--seed``); ``epoch`` counts passes from 0;
     ``data_dir`` is ``--data-dir``; ``batch_size`` is the spec's. ``split`` is set only under
     server dispatch. ``used`` records which sharding helper the function called (``files``,
@@ -74,6 +82,7 @@ class InputContext:
     batch_size: int = 50
     split: Split | None = None
     probe: bool = False
+    worker_id: str = ""
     used: list[str] = field(default_factory=list, compare=False, repr=False)
     found: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -6,7 +6,8 @@
   to ``ids-<worker index>-<epoch>-<pid>.txt`` there (a test hook of this plugin, not of
   downpour; by epoch, because a worker reads the next epoch's first batches ahead).
   With ``DOWNPOUR_TEST_GATE`` naming a file too, each batch, once recorded, waits (at most
-  ``GATE_S``) while that file exists: a test holds the workers mid-split with it. With
+  ``GATE_S``) while that file exists: a test holds the workers mid-split with it; with
+  ``DOWNPOUR_TEST_GATE_FROM=N`` only from the N-th batch a process reads on. With
   ``DOWNPOUR_TEST_BATCH_S`` set, each batch takes at least that many seconds (pacing, so
   an epoch lasts long enough for a test to act in the middle of it).
 - ``two_inputs``: a dict of two named inputs, four classes.
@@ -36,6 +37,8 @@ N_IDS = 600  # training examples of ``ids`` (120 more are held out)
 IDS_DIR_ENV = "DOWNPOUR_TEST_IDS_DIR"
 GATE_ENV = "DOWNPOUR_TEST_GATE"
 GATE_S = 120.0
+GATE_FROM_ENV = "DOWNPOUR_TEST_GATE_FROM"
+_read = 0  # batches this process has read through _record
 PACE_ENV = "DOWNPOUR_TEST_BATCH_S"
 
 
@@ -51,6 +54,8 @@ _X, _Y = _blobs(N_IDS + 120)
 
 
 def _record(ids: tf.Tensor, worker_index: int, epoch: int) -> None:
+    global _read
+    _read += 1
     directory = os.environ.get(IDS_DIR_ENV)
     if directory:
         path = Path(directory) / f"ids-{worker_index}-{epoch}-{os.getpid()}.txt"
@@ -58,6 +63,8 @@ def _record(ids: tf.Tensor, worker_index: int, epoch: int) -> None:
             f.write("".join(f"{i}\n" for i in ids.numpy().tolist()))
     time.sleep(float(os.environ.get(PACE_ENV) or 0))
     gate = os.environ.get(GATE_ENV)
+    if _read < int(os.environ.get(GATE_FROM_ENV) or 1):
+        gate = None
     deadline = time.monotonic() + GATE_S
     while gate and os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -82,6 +82,42 @@ def test_a_released_split_goes_to_the_next_worker_and_the_old_holders_ack_is_sta
     assert d.progress()["splits_done"] == 1
 
 
+def test_a_released_split_resumes_after_the_batches_its_pushes_brought() -> None:
+    d = dispatcher()
+    lost = take(d, "w0")
+    assert d.advance("w0", 0, lost, 2) and d.advance("w0", 0, lost, 1)  # never backwards
+    assert not d.advance("w1", 0, lost, 5)  # not leased to w1: ignored
+    assert d.release("w0") == [lost]
+    assert not d.advance("w0", 0, lost, 3)  # a late push of the released lease
+    grant = d.next_split("w1", 0.0)
+    assert grant.split is not None and (grant.split.index, grant.split.skip) == (lost, 2)
+    assert d.counters["resumed"] == 1
+    assert d.ack("w1", 0, lost)
+    assert d.state()["progress"] == {}  # a done split keeps none
+    assert d.next_split("w2", 0.0).split.skip == 0  # a fresh split reads from its start
+
+
+def test_split_progress_survives_a_checkpoint_round_trip() -> None:
+    d = dispatcher()
+    held = take(d, "w0")
+    d.advance("w0", 0, held, 1)
+    restored = Dispatcher.from_state(json.loads(json.dumps(d.state())))
+    grant = restored.next_split("w9", 0.0)
+    assert grant.split is not None and (grant.split.index, grant.split.skip) == (held, 1)
+
+
+def test_a_new_epoch_starts_every_split_from_its_first_batch() -> None:
+    d = dispatcher(wire.DataUniverse(files=("a", "b")))
+    first = take(d, "w0")
+    d.advance("w0", 0, first, 1)
+    d.release("w0")
+    again = d.next_split("w1", 0.0).split
+    assert again is not None and again.skip == 1
+    d.ack("w1", 0, again.index)
+    d.ack("w1", 0, take(d, "w1"))
+    assert d.epoch == 1 and all(d.next_split(w, 0.0).split.skip == 0 for w in ("a", "b"))
+
+
 def test_the_epoch_ends_only_when_every_split_is_acknowledged() -> None:
     d = dispatcher(wire.DataUniverse(elements=30, split_size=10))
     held = {w: take(d, w) for w in ("a", "b", "c")}

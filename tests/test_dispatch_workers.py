@@ -66,6 +66,11 @@ def test_three_dispatched_workers_see_each_example_once_in_an_epoch(
             "the status document after the epoch",
         )
     assert sorted(recorded_ids(tmp_path)) == list(range(input_models.N_IDS))
+    # under dispatch each worker's context carries its id and its own index
+    contexts = [w.input_ctx for w in workers]
+    assert sorted(c.worker_index for c in contexts) == [0, 1, 2]
+    assert [c.worker_id for c in contexts] == ["w0", "w1", "w2"]
+    assert all(c.num_workers > c.worker_index for c in contexts)
     assert sum(s["steps"] for s in sums) == 9 * 2 + 1  # the last split has 24 examples
     assert sum(s["dispatch"]["acked"] for s in sums) == N_SPLITS
     assert all(s["dispatch"]["acks_stale"] == 0 and not s["stopped_early"] for s in sums)
@@ -196,7 +201,7 @@ def test_a_killed_worker_split_is_reread_and_a_joiner_takes_work(
         return cluster.worker(server.port, *args, model="input_models:ids", worker_id=name)
 
     def holding(w) -> bool:  # the worker read its split's first batch and waits at the gate
-        return any(ids_dir.glob(f"ids-0-0-{w.proc.pid}.txt"))
+        return any(ids_dir.glob(f"ids-*-0-{w.proc.pid}.txt"))
 
     workers = [start(f"w{i}") for i in range(3)]
     for w in workers:
@@ -226,6 +231,78 @@ def test_a_killed_worker_split_is_reread_and_a_joiner_takes_work(
     d = doc["dispatch"]
     assert (d["epochs_done"], d["splits_done"], d["acked"]) == (1, N_SPLITS, N_SPLITS)
     assert (d["released"], d["handed_out"], d["acks_stale"]) == (1, N_SPLITS + 1, 0)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_inside_a_split_after_pushing_part_of_it_trains_nothing_twice(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splits of three batches. Every worker pushes its split's first batch, then its input
+    blocks on the split's third batch (the feed reads one batch ahead, so the second is read
+    but not trained). One worker is SIGKILLed there: its split goes back to the queue and
+    the worker that takes it next skips the batch already trained. The plugin records the
+    ids a worker *reads*; a skipped batch is read and dropped (``Dataset.skip``), so the
+    resuming worker reads the killed worker's split again, in the same order, and trains
+    all of it but its first batch. Every training id is trained exactly once: the server
+    applies one update per batch of the epoch (not one more for the split read twice), one
+    batch is skipped, and every split is acknowledged once."""
+    size = 96  # 6 splits of 3 batches and one of 24 elements: 19 batches
+    n_splits = -(-input_models.N_IDS // size)
+    n_batches = sum(-(-min(size, input_models.N_IDS - i * size) // 32) for i in range(n_splits))
+    ids_dir = tmp_path / "ids"
+    ids_dir.mkdir()
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setenv(input_models.IDS_DIR_ENV, str(ids_dir))
+    monkeypatch.setenv(input_models.GATE_ENV, str(gate))
+    monkeypatch.setenv(input_models.GATE_FROM_ENV, "3")
+    server = cluster.server(
+        "--data-dispatch", "server", "--missing-after", "0.5", "--gone-after", "2",
+        "--optimizer", "sgd", model="input_models:ids",
+    )  # fmt: skip
+    args = ("--data-dispatch", "server", "--split-size", str(size), "--heartbeat", "0.2")
+    workers = [
+        cluster.worker(server.port, *args, model="input_models:ids", worker_id=f"w{i}")
+        for i in range(3)
+    ]
+
+    def pushed(name: str) -> bool:
+        w = fetch_status(server.status)["workers"].get(name)
+        return w is not None and w["applied"] >= 1
+
+    for i in range(3):
+        wait_until(lambda i=i: pushed(f"w{i}"), 180, f"w{i} pushing its split's first batch")
+    killed = workers.pop(1)
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.wait(30)
+    wait_until(
+        lambda: "w1" not in fetch_status(server.status)["dispatch"]["in_flight"],
+        60,
+        "the killed worker's split back in the queue",
+    )
+    gate.unlink()
+    for w in workers:
+        assert w.wait(timeout=300) == 0, w.log_text()
+
+    read = [recorded_ids(ids_dir, {w.proc.pid}) for w in workers]
+    survivors = Counter(i for ids in read for i in ids)
+    assert sorted(survivors) == list(range(input_models.N_IDS))
+    assert set(survivors.values()) == {1}, "a survivor read an id twice"
+    lost = recorded_ids(ids_dir, {killed.proc.pid})  # its split's three batches, as it read them
+    assert len(lost) == 96
+    runs = [ids[i : i + 96] for ids in read for i in range(len(ids) - 95)]
+    assert lost in runs, "the split was not read again in the same order"
+    doc = wait_until(
+        lambda: (doc := fetch_status(server.status))["dispatch"]["finished"] and doc,
+        30,
+        "the status document after the epoch",
+    )
+    d = doc["dispatch"]
+    assert doc["updates_applied"] == n_batches  # one update per batch of the epoch
+    assert (d["splits_done"], d["acked"], d["acks_stale"]) == (n_splits, n_splits, 0)
+    assert (d["released"], d["resumed"]) == (1, 1)
+    sums = [summary(w) for w in workers]
+    assert sum(s["dispatch"]["batches_skipped"] for s in sums) == 1
 
 
 GRANT = re.compile(r"split request of .*: split (\d+)$", re.MULTILINE)  # the server's debug line

@@ -15,7 +15,10 @@ the next one starts at once (until ``max_epochs``, when set, have ended). A work
 leases are released (it is gone by liveness, or a restarted process of it asks again) has
 its in-flight splits put back at the front of the queue for another worker; its later ack
 of such a split is ignored and counted as stale, so each split is acknowledged exactly
-once. While the queue is empty but splits are still in flight a worker is told to wait:
+once. Each push of a split's gradients names how many of the split's batches it and the
+earlier pushes carried (``advance``); a split taken back resumes after those batches for
+the worker it goes to next (``Split.skip``), so a batch whose gradients reached the server is
+not trained again. While the queue is empty but splits are still in flight a worker is told to wait:
 the epoch is not over until those are acknowledged or released.
 
 An ack must not overtake the split's gradients: acks come over REQ/REP, gradients over
@@ -53,6 +56,7 @@ COUNTER_NAMES = (
     "acks_held",  # acks that arrived before their split's last push (completed on its arrival)
     "released",  # leases taken back (liveness gone, restarted worker, expiry)
     "resent",  # a request at the in-flight limit: the newest lease sent again
+    "resumed",  # splits handed out again after a worker's death, from where its pushes ended
     "refused_universe",  # requests with another universe's digest
 )
 
@@ -110,6 +114,8 @@ class Dispatcher:
     _leases: dict[int, _Lease] = field(default_factory=dict, init=False, repr=False)
     _held: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
     _acked: set[int] = field(default_factory=set, init=False, repr=False)
+    # batches of each unfinished split of the epoch whose gradients reached the server
+    _progress: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _processes: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     # ------------------------------------------------------------ the universe
@@ -164,15 +170,17 @@ class Dispatcher:
         self.epoch = epoch
         self._queue = deque(order)
         self._acked = set()
+        self._progress = {}
 
     def _split(self, index: int) -> Split:
         assert self.universe is not None
         u = self.universe
         if u.files is not None:
-            return Split(index, file=u.files[index])
+            return Split(index, file=u.files[index], skip=self._progress.get(index, 0))
         assert u.split_size is not None and u.elements is not None
         start = index * u.split_size
-        return Split(index, start=start, stop=min(u.elements, start + u.split_size))
+        stop = min(u.elements, start + u.split_size)
+        return Split(index, start=start, stop=stop, skip=self._progress.get(index, 0))
 
     # ------------------------------------------------------------ leases
 
@@ -193,6 +201,8 @@ class Dispatcher:
         self._leases[index] = _Lease(worker_id, now)
         self._held.setdefault(worker_id, []).append(index)
         self.counters["handed_out"] += 1
+        if self._progress.get(index):
+            self.counters["resumed"] += 1
         return Grant(GRANT_SPLIT, self.epoch, self._split(index))
 
     def valid_index(self, index: int) -> bool:
@@ -235,6 +245,16 @@ class Dispatcher:
             self._complete(worker_id, index)
         return done
 
+    def advance(self, worker_id: str, epoch: int, index: int, batches: int) -> bool:
+        """A push of ``worker_id`` carried gradients of split ``index`` of ``epoch`` up to its
+        first ``batches`` batches. True when recorded; False when the split is not leased to
+        it in this epoch (a late push of a released lease: the split's next reader already
+        starts from what was recorded before)."""
+        if not self._leased_to(worker_id, epoch, index):
+            return False
+        self._progress[index] = max(self._progress.get(index, 0), batches)
+        return True
+
     def _leased_to(self, worker_id: str, epoch: int, index: int) -> bool:
         lease = self._leases.get(index)
         return epoch == self.epoch and lease is not None and lease.worker == worker_id
@@ -245,6 +265,7 @@ class Dispatcher:
         self._held[worker_id].remove(index)
         if not self._held[worker_id]:
             del self._held[worker_id]
+        self._progress.pop(index, None)
         self._acked.add(index)
         self.counters["acked"] += 1
         if len(self._acked) == self.num_splits:
@@ -328,6 +349,7 @@ class Dispatcher:
             "queue": list(self._queue),
             "in_flight": sorted(self._leases),
             "acked": sorted(self._acked),
+            "progress": {str(i): n for i, n in sorted(self._progress.items())},
             "counters": dict(self.counters),
         }
 
@@ -335,7 +357,8 @@ class Dispatcher:
     def from_state(cls, doc: dict[str, Any], lease: LeasePolicy | None = None) -> Dispatcher:
         """A dispatcher resuming ``state()``: same universe and epoch, the acknowledged
         splits stay done, the splits in flight go back to the front of the queue (their
-        workers' later acks are stale). ValueError when the document is inconsistent."""
+        workers' later acks are stale), each resuming after the batches its pushes had
+        brought. ValueError when the document is inconsistent."""
         if doc.get("format") != STATE_FORMAT:
             raise ValueError(f"dispatcher state format {doc.get('format')} is not {STATE_FORMAT}")
         d = cls(seed=int(doc["seed"]), lease=lease or LeasePolicy())
@@ -358,6 +381,7 @@ class Dispatcher:
             )
         d._queue = deque(queue)
         d._acked = acked
+        d._progress = {int(i): int(n) for i, n in (doc.get("progress") or {}).items()}
         for k, v in (doc.get("counters") or {}).items():
             if k in d.counters:
                 d.counters[k] = int(v)

@@ -228,6 +228,8 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
         partition=mine["partition"],
         max_request_bytes=ctx.max_request_bytes,
         row_tables=tuple(n for n, s in zip(ctx.state.names, ctx.state.sparse, strict=True) if s),
+        worker_index=rec.index,
+        workers=len(ctx.registry),
     )
     return Reply(wire.hello_reply(ctx.state.version, body))
 
@@ -472,6 +474,7 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
             file=None if s is None else s.file,
             start=None if s is None or s.file is not None else s.start,
             stop=None if s is None or s.file is not None else s.stop,
+            skip=0 if s is None else s.skip,
             retry_ms=WAIT_RETRY_MS if grant.kind == GRANT_WAIT else 0,
             acked=done,
             stale=stale,
@@ -598,6 +601,8 @@ def handle_gradients(
     rec.last_seq = msg.seq
     if ctx.dispatcher is not None:
         ctx.dispatcher.pushed(msg.sender, msg.seq)
+        if body.split is not None:  # the split's batches up to here are trained: not again
+            ctx.dispatcher.advance(msg.sender, *body.split)
     rec.observe_staleness(version - msg.base_version)
     if decision.action == DROP:
         rec.dropped += 1

@@ -6,6 +6,11 @@ id beyond the bound takes the place of the least recently heard record if that o
 ``gone``; otherwise it is refused (the handlers count ``too_many_workers``). A record that
 has been silent for ``forget_after_s`` is forgotten (0: only when its place is needed).
 
+Each id gets an index when the server first hears of it (0, 1, 2, ... in that order, the
+restored ids first): kept while its record or its seq is remembered, so a worker that
+restarts under its id keeps its index. Under ``--data-dispatch server`` a worker learns its
+index from shard 0's hello reply (``InputContext.worker_index``).
+
 Liveness is derived from the time since a worker was last heard: ``alive`` up to
 ``missing_after_s``, ``missing`` up to ``gone_after_s``, ``gone`` after that.
 
@@ -58,6 +63,7 @@ class WorkerRecord:
     pulls: int = 0
     steps: int = 0
     loss: float | None = None
+    index: int = 0  # the order in which the server first heard of this id
     staleness: int | None = None
     reported: dict[str, Any] = field(default_factory=dict)
     staleness_hist: Histogram = field(default_factory=lambda: Histogram(WORKER_STALENESS_BOUNDS))
@@ -108,8 +114,11 @@ class WorkerRegistry:
         self.forgotten = 0  # records forgotten (silent too long, or a gone one replaced)
         self.seqs_dropped = 0  # ids dropped from the seq memory
         self._seqs: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self._indices: OrderedDict[str, int] = OrderedDict()  # oldest first
+        self._next_index = 0
         for wid, seq in (restored_seqs or {}).items():
             self._remember(wid, seq)
+            self._index(wid)
         self._workers: OrderedDict[str, WorkerRecord] = OrderedDict()  # least recently heard first
 
     def _remember(self, worker_id: str, seq: int) -> None:
@@ -118,6 +127,17 @@ class WorkerRegistry:
         while len(self._seqs) > self.seq_memory:
             self._seqs.popitem(last=False)
             self.seqs_dropped += 1
+
+    def _index(self, worker_id: str) -> int:
+        """The id's index, a new one for an id not known (the oldest dropped past the bound
+        of the seq memory plus the records)."""
+        index = self._indices.get(worker_id)
+        if index is None:
+            index = self._indices[worker_id] = self._next_index
+            self._next_index += 1
+            while len(self._indices) > self.seq_memory + self.max_workers:
+                self._indices.popitem(last=False)
+        return index
 
     def admit(self, worker_id: str, now: float) -> WorkerRecord | None:
         """The record of ``worker_id``, created if new and there is room (a gone record makes
@@ -133,7 +153,10 @@ class WorkerRegistry:
                 return None
             self._forget(oldest_id, "its place is needed")
         rec = self._workers[worker_id] = WorkerRecord(
-            first_seen=now, last_seen=now, last_seq=self._seqs.pop(worker_id, 0)
+            first_seen=now,
+            last_seen=now,
+            last_seq=self._seqs.pop(worker_id, 0),
+            index=self._index(worker_id),
         )
         log.info("worker %s joined", worker_id, extra={"worker": worker_id})
         return rec

@@ -17,6 +17,7 @@ from downpour.cluster import ShardSet
 from downpour.transport import Stopped
 from downpour.worker.compress import Compressor, parse_compression, payload_bytes
 from downpour.worker.errors import translated
+from downpour.worker.splits import SplitMark
 from downpour.worker.step import Accumulator
 
 
@@ -59,18 +60,19 @@ class Pusher:
         loss: float,
         steps: int,
         batch_size: int,
-        flush: bool = False,
+        mark: SplitMark | None = None,
     ) -> bool:
         """Fold in one step's gradients (computed from the weights held now); push the mean
-        when ``n_push`` are accumulated, or at once with ``flush`` (a split's last batch).
-        True when a push was sent."""
+        when ``n_push`` are accumulated, or at once at a split's last batch (``mark``: where
+        the batch stands in its split, sent with the push). True when a push was sent."""
         if self.acc.count == 0:
             self.base_versions = self.shards.versions
         self.acc.add(grads)
-        if self.acc.count < self.n_push and not flush:
+        if self.acc.count < self.n_push and not (mark and mark.last):
             return False
         self.pushed_from = self.base_versions
-        return self.push(self.acc.take(), self.base_versions, loss, steps, batch_size)
+        split = None if mark is None else (mark.epoch, mark.index, mark.done)
+        return self.push(self.acc.take(), self.base_versions, loss, steps, batch_size, split)
 
     def push(
         self,
@@ -79,11 +81,14 @@ class Pusher:
         loss: float,
         steps: int,
         batch_size: int,
+        split: tuple[int, int, int] | None = None,
     ) -> bool:
         """Send one gradient message per shard; waits out back-pressure within the server
         timeout. False when a planned stop dropped the gradient."""
         self._seq = self.seq + 1
-        body = wire.PushBody(loss=loss, batch_size=batch_size, steps=steps, stats=self.stats)
+        body = wire.PushBody(
+            loss=loss, batch_size=batch_size, steps=steps, stats=self.stats, split=split
+        )
         t0 = time.perf_counter()
         saved = 0  # payload bytes compression saved in this push
 

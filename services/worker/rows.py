@@ -362,15 +362,15 @@ class RowPlan:
 class Lookahead:
     """The training batches, read ahead on demand: ``items[i]`` is batch ``i`` of the run.
 
-    Each item is ``(x, y, split_end)``: ``split_end`` is captured when the batch is read, so
-    a split feed's "last batch of a split" stays with its batch.
+    Each item is ``(x, y, mark)``: ``mark`` (a split feed's ``SplitMark``, or None) is
+    captured when the batch is read, so where a batch stands in its split stays with it.
     """
 
-    def __init__(self, it: Iterator[tuple[Any, Any, bool]]) -> None:
+    def __init__(self, it: Iterator[tuple[Any, Any, Any]]) -> None:
         self._it = it
-        self._buf: deque[tuple[Any, Any, bool]] = deque()
+        self._buf: deque[tuple[Any, Any, Any]] = deque()
         self.taken = 0  # batches handed out by next()
-        self.current: tuple[Any, Any, bool] | None = None
+        self.current: tuple[Any, Any, Any] | None = None
         self._done = False
 
     def _fill(self, n: int) -> None:
@@ -381,7 +381,7 @@ class Lookahead:
             else:
                 self._buf.append(item)
 
-    def next(self) -> tuple[Any, Any, bool] | None:
+    def next(self) -> tuple[Any, Any, Any] | None:
         """The next batch, or None at the end."""
         self._fill(1)
         if not self._buf:

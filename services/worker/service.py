@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,7 @@ class Worker:
             seed=config.seed if config.seed is not None else 0,
             data_dir=config.data_dir,
             batch_size=spec.batch_size,
+            worker_id=self.id,
         )
         with row_cache_scope(config.row_cache_rows):  # big Embeddings as row caches
             self.model = build_model(spec)
@@ -245,6 +247,11 @@ class Worker:
         sequence resumes. The row puller for the tables every shard serves by row, if any."""
         with translated():
             hellos = self.shards.hello_all(self.spec.name)
+        if self.feed is not None and hellos[0].reply.worker_index is not None:
+            index = hellos[0].reply.worker_index  # shard 0 dispatches: its order of workers
+            known = max(hellos[0].reply.workers or 0, index + 1)
+            self.input_ctx = replace(self.input_ctx, worker_index=index, num_workers=known)
+            self.feed.ctx = self.input_ctx
         for shard, hello in zip(self.shards.shards, hellos, strict=True):
             log.info(
                 "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
@@ -370,7 +377,7 @@ class Worker:
         feed = self.feed
         set_log_context(worker=self.id, version=lambda: self.version)
         log.info("computing on %s", self.device)
-        self._stream = Lookahead((x, y, feed is not None and feed.last) for x, y in self.batches())
+        self._stream = Lookahead((x, y, feed and feed.mark) for x, y in self.batches())
         self.puller.start(self.hello())
         finished = False  # the input ran out: --epochs done (or --steps)
         while not self._stop.is_set():
@@ -379,7 +386,7 @@ class Worker:
             if batch is None:  # a split feed also ends when stopped while it waits
                 finished = not self._stop.is_set()
                 break
-            x, y, split_end = batch
+            x, y, mark = batch
             if not self.puller.before_step(step, x, self.pusher.empty, self.pusher.pushed_from):
                 break
             t0 = time.perf_counter()
@@ -391,8 +398,7 @@ class Worker:
             if math.isfinite(loss):
                 self.stats["loss"] = loss
                 recent.append(loss)
-            pushed = self.pusher.add(grads, loss, step, batch_rows(y), flush=split_end)
-            if pushed and split_end:
+            if self.pusher.add(grads, loss, step, batch_rows(y), mark) and mark and mark.last:
                 feed.split_done(self.pusher.seq)  # acknowledged with the next request
             if cfg.log_every and step % cfg.log_every == 0:
                 log.info(

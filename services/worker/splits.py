@@ -8,11 +8,13 @@ dataset has an unknown or infinite number of elements, cannot be divided and is 
 (InputError) before anything is sent.
 
 ``SplitFeed.batches`` then asks shard 0 for a split, reads ``input_fn(ctx.for_epoch(epoch,
-split))`` and yields its batches, one split after another. The worker calls ``split_done``
-with the seq of the push that carried a split's last gradients (``last`` says when the batch
-yielded is a split's last); the acknowledgement goes with the next request, or with
-``close``, and names that seq: the server completes it once that push has arrived (the
-gradients travel on another socket and may arrive after the ack). When
+split))`` and yields its batches, one split after another, after the ``split.skip`` batches a
+worker that died in it had already pushed (a split's batches come in the same order on every
+read). ``mark`` says where the batch yielded last stands in its split (``SplitMark``): pushes
+carry it, so the dispatcher knows how far a split is trained. The worker calls ``split_done``
+with the seq of the push that carried a split's last gradients; the acknowledgement goes with
+the next request, or with ``close``, and names that seq: the server completes it once that
+push has arrived (the gradients travel on another socket and may arrive after the ack). When
 the dispatcher says wait (the epoch's last splits are in flight elsewhere) the feed waits the
 server's retry hint, bounded and cut short by the worker's stop; "end" ends the batches.
 The worker's fetcher threads keep heartbeating shard 0 while a split is read.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
@@ -74,6 +77,17 @@ def probe_universe(
     )
 
 
+@dataclass(frozen=True)
+class SplitMark:
+    """Where a batch stands in its split: ``done`` batches of split ``index`` of ``epoch``
+    through this one (those skipped included); ``last``: the split's last batch."""
+
+    epoch: int
+    index: int
+    done: int
+    last: bool
+
+
 class SplitFeed:
     """Batches of the splits shard 0 hands this worker; see the module docstring."""
 
@@ -95,9 +109,16 @@ class SplitFeed:
         self.stop = stop
         self.current: tuple[int, int] | None = None  # (epoch, index) being read
         self.pending: list[tuple[int, int, int]] = []  # (epoch, index, seq), not yet sent
-        self.last = False  # the batch yielded last is its split's last
+        self.mark: SplitMark | None = None  # of the batch yielded last
         # acked: acks the server took (acks_held of them completed once their push arrived)
-        self.counts = {"splits": 0, "acked": 0, "acks_held": 0, "acks_stale": 0, "waits": 0}
+        self.counts = {
+            "splits": 0,
+            "acked": 0,
+            "acks_held": 0,
+            "acks_stale": 0,
+            "waits": 0,
+            "batches_skipped": 0,
+        }
 
     def batches(self) -> Iterator[tuple[int, Any]]:
         """``(epoch, batch)`` of split after split until the dispatcher says end (or stop)."""
@@ -112,16 +133,29 @@ class SplitFeed:
             self.current = (grant.epoch, grant.split.index)
             log.debug("reading split %d of epoch %d", grant.split.index, grant.epoch)
             self.counts["splits"] += 1
-            ds = build_dataset(self.fn, self.ctx.for_epoch(grant.epoch, grant.split))
+            split = grant.split
+            ds = build_dataset(self.fn, self.ctx.for_epoch(grant.epoch, split))
+            if split.skip:
+                log.info(
+                    "split %d of epoch %d: resuming after its first %d batches (trained by a "
+                    "worker that left)",
+                    split.index,
+                    grant.epoch,
+                    split.skip,
+                )
+                self.counts["batches_skipped"] += split.skip
+                ds = ds.skip(split.skip)
             it = iter(ds)
+            done = split.skip
             try:
                 batch = self._next(it)
                 if batch is None:
-                    log.warning("split %d of epoch %d has no batch", grant.split.index, grant.epoch)
+                    log.info("split %d of epoch %d has no batch left", split.index, grant.epoch)
                     self.split_done()
                 while batch is not None:
                     following = self._next(it)
-                    self.last = following is None
+                    done += 1
+                    self.mark = SplitMark(grant.epoch, split.index, done, following is None)
                     yield grant.epoch, batch
                     batch = following
             finally:  # tf.data deletes an autotuned iterator slowly: not on this thread
@@ -140,7 +174,6 @@ class SplitFeed:
         if self.current is not None:
             self.pending.append((*self.current, seq))
             self.current = None
-        self.last = False
 
     def _ask(self, want: bool) -> SplitGrant | None:
         """One split request carrying the pending acks; None when the worker is stopping."""
