@@ -18,6 +18,7 @@ from downpour import cli, config
 from downpour.cli import local
 from downpour.cli.local_options import (
     LOCAL_OPTIONS,
+    OVERRIDES,
     RUN_OPTIONS,
     SERVER_DECIDES,
     SERVER_RENAMED,
@@ -147,6 +148,7 @@ def test_offered_options_are_the_services_tables_less_what_run_local_decides() -
     server = {SERVER_RENAMED.get(n, n) for n in SERVER_NAMES - set(SERVER_DECIDES)}
     worker = WORKER_NAMES - set(WORKER_DECIDES)
     assert {o.name for o in PASSED_ON} == server | worker
+    assert set(OVERRIDES) <= server | worker  # an override names an option run-local offers
     own = {o.name for o in RUN_OPTIONS}
     assert not own & (server | worker)  # run-local's own names shadow no service option
     by_name = {o.name: o for o in (*SERVER_OPTIONS, *WORKER_OPTIONS)}

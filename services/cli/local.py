@@ -8,6 +8,11 @@ writes ``history.csv``, ``workers.csv``, ``status.json``, TensorBoard events and
 (``downpour plot``) into a run directory, and prints
 ``held-out accuracy: 0.xxxx`` as its last line (``held-out <name>: ...`` for a model whose
 ``metric_name`` is another: ``auc``). Ctrl-C stops every process it started.
+
+Its options are the server's and the workers' (``downpour.cli.local_options``): each
+process's command line is built from them, checked first by the services' own checks. With
+``--state-dir`` the servers stop after training (their last checkpoint), and the lines before
+the held-out one say where each checkpoint is and the ``downpour export`` command for them.
 """
 
 from __future__ import annotations
@@ -310,21 +315,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     for bar in bars.values():
         bar.close()
     failed = [w.returncode for w in workers if w.returncode != 0]
-    for i, w in enumerate(workers):
-        out = w.stdout.read().decode() if w.stdout else ""
-        for line in out.splitlines():
-            if line.startswith("{"):
-                s = json.loads(line)["summary"]
-                cache = (
-                    f", row cache of {s['row_cache_rows']} rows: "
-                    f"{s['row_cache_evictions']} evictions"
-                    if s.get("row_cache_rows")
-                    else ""
-                )
-                print(
-                    f"worker-{i}: {s['steps']} steps, {s['steps_per_s']:.2f} steps/s, "
-                    f"last loss {s['loss']:.4f}{cache}"
-                )
+    _print_worker_summaries(workers)
     doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
     version, acc = evaluator.score(host, port, eval_keys)
     history.append(
@@ -346,20 +337,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
 
     for png in plot_run(run_dir):
         print(f"plot: {png}")
-    for i, e in enumerate(eps):
-        d = doc if i == 0 else fetch_status(tcp(host, e["status_port"]), 10.0, status_keys)
-        st = d["staleness"]
-        print(
-            f"{'server' if shards == 1 else f'shard {i}/{shards}'}: version {d['version']}, "
-            f"{d['updates_applied']} updates, staleness mean {st['mean']:.2f} max "
-            f"{st['max']:.0f}, rejected {d['rejected_total']}"
-        )
-    if (d := doc.get("dispatch")) is not None:
-        print(
-            f"dispatch: {d['epochs_done']} epoch(s) done of {d['max_epochs'] or 'unbounded'}, "
-            f"{d['acked']} splits acknowledged ({d['splits_total']} per epoch), "
-            f"{d['released']} released"
-        )
+    docs = [doc] + [fetch_status(tcp(host, e["status_port"]), 10.0, status_keys) for e in eps[1:]]
+    _print_server_lines(docs)
     if failed:
         print(
             f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
@@ -369,6 +348,43 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         _report_checkpoints(args, children, run_dir, version)
     print(f"held-out {metric}: {acc:.4f}", flush=True)
     return 1 if failed else 0
+
+
+def _print_worker_summaries(workers: list[subprocess.Popen]) -> None:
+    """One line per finished worker from the JSON summary it printed on stdout."""
+    for i, w in enumerate(workers):
+        out = w.stdout.read().decode() if w.stdout else ""
+        for line in out.splitlines():
+            if line.startswith("{"):
+                s = json.loads(line)["summary"]
+                cache = (
+                    f", row cache of {s['row_cache_rows']} rows: "
+                    f"{s['row_cache_evictions']} evictions"
+                    if s.get("row_cache_rows")
+                    else ""
+                )
+                print(
+                    f"worker-{i}: {s['steps']} steps, {s['steps_per_s']:.2f} steps/s, "
+                    f"last loss {s['loss']:.4f}{cache}"
+                )
+
+
+def _print_server_lines(docs: list[dict[str, Any]]) -> None:
+    """One line per server shard from its final status (shard order), and shard 0's
+    dispatcher's if it dispatched."""
+    for i, d in enumerate(docs):
+        st = d["staleness"]
+        print(
+            f"{'server' if len(docs) == 1 else f'shard {i}/{len(docs)}'}: version {d['version']}, "
+            f"{d['updates_applied']} updates, staleness mean {st['mean']:.2f} max "
+            f"{st['max']:.0f}, rejected {d['rejected_total']}"
+        )
+    if (d := docs[0].get("dispatch")) is not None:
+        print(
+            f"dispatch: {d['epochs_done']} epoch(s) done of {d['max_epochs'] or 'unbounded'}, "
+            f"{d['acked']} splits acknowledged ({d['splits_total']} per epoch), "
+            f"{d['released']} released"
+        )
 
 
 def _report_checkpoints(
