@@ -15,6 +15,10 @@ declares ``attr``: the services' code reads a few settings under a name with the
 An option with ``to_config`` hands the config object a parsed value (the worker's ``--server``
 text becomes a tuple of endpoints).
 
+A program that starts a service writes its command line with ``to_argv(options, values)``: the
+flag of every setting whose value is not the default, which the service's parser reads back as
+the same values.
+
 Allowed ranges are part of the type (``PORT``, ``at_least(1)``, ``positive()``...): argparse
 applies it to flags, ``downpour.config`` to file and environment values. Checks across
 settings are one function per service (``validate_server``, ``validate_worker``) that raises
@@ -222,6 +226,50 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
         if option.section not in groups:
             groups[option.section] = parser.add_argument_group(option.section)
         option.add_to(groups[option.section])
+
+
+def to_argv(options: Iterable[Option], values: Mapping[str, Any]) -> list[str]:
+    """The command line that gives a service the settings ``values`` (name -> value).
+
+    ``values`` are settings' values as the service's parser makes them (argparse, or
+    ``downpour.config.Settings.values()``); an option missing from them keeps its default.
+    Each value that differs from its option's default becomes ``--name=TEXT`` (the ``=``
+    keeps a value starting with ``-`` a value), a switch its bare flag (``--name``, or
+    ``--no-name`` when on by default). Raises ValueError for a name no option has, and for a
+    value the parser would not read back as the same value (None where the default is not,
+    a list, a choice not allowed).
+    """
+    by_name = {o.name: o for o in options}
+    unknown = sorted(set(values) - set(by_name))
+    if unknown:
+        raise ValueError(f"not settings of these options: {', '.join(unknown)}")
+    argv: list[str] = []
+    for name, option in by_name.items():
+        if name not in values or values[name] == option.default_value():
+            continue
+        value = values[name]
+        if option.is_switch:
+            if not isinstance(value, bool):
+                raise ValueError(f"{option.flag}: {value!r} is not true or false")
+            argv.append(option.flag)  # the flag that turns the default over
+            continue
+        argv.append(f"--{name.replace('_', '-')}={_flag_text(option, value)}")
+    return argv
+
+
+def _flag_text(option: Option, value: Any) -> str:
+    """``value`` as the text ``option``'s parser reads back as ``value``; ValueError if none."""
+    dashed = "--" + option.name.replace("_", "-")
+    if not isinstance(value, str | int | float) or isinstance(value, bool):
+        raise ValueError(f"{dashed}: {value!r} cannot be given as a flag's value")
+    text = str(value)
+    try:
+        back = text if option.type is str else option.type(text)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{dashed}: {value!r} is not allowed: {exc}") from None
+    if back != value or (option.choices is not None and back not in option.choices):
+        raise ValueError(f"{dashed}: {value!r} does not read back as itself ({back!r})")
+    return text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,10 @@ from typing import Any
 
 import pytest
 
+from downpour.server.settings import SERVER_OPTIONS
+from downpour.settings import to_argv
+from downpour.worker.settings import WORKER_OPTIONS
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -119,21 +123,9 @@ class Cluster:
         if early and not port:
             port = free_ports(1)[0]
         ready = self.tmp / f"ready-{self.n + 1}.json"
+        settings = {"model": model, "port": port, "push_port": 0, "status_port": 0}
         proc, log = self._spawn(
-            [
-                "server",
-                "--model",
-                model,
-                "--port",
-                str(port),
-                "--push-port",
-                "0",
-                "--status-port",
-                "0",
-                "--ready-file",
-                str(ready),
-                *args,
-            ],
+            ["server", *to_argv(SERVER_OPTIONS, settings | {"ready_file": str(ready)}), *args],
             "server",
             prefix=prefix,
         )
@@ -156,19 +148,10 @@ class Cluster:
         """Start ``downpour worker`` against host:server_port, or every shard's port in shard
         order when given a list (``prefix`` as for server)."""
         ports = server_port if isinstance(server_port, list) else [server_port]
+        settings = {"server": ",".join(f"{host}:{p}" for p in ports), "model": model}
+        settings |= {"id": worker_id, "log_every": 0}
         proc, log = self._spawn(
-            [
-                "worker",
-                "--server",
-                ",".join(f"{host}:{p}" for p in ports),
-                "--model",
-                model,
-                "--id",
-                worker_id,
-                "--log-every",
-                "0",
-                *args,
-            ],
+            ["worker", *to_argv(WORKER_OPTIONS, settings), *args],
             f"worker-{worker_id}",
             stdout=subprocess.PIPE,
             prefix=prefix,

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from downpour.server.service import Server
-from downpour.server.settings import ServerConfig
+from downpour.server.settings import SERVER_OPTIONS, ServerConfig
+from downpour.settings import Option, to_argv
 from downpour.spec import ModelSpec, load_spec
 from downpour.worker.service import Worker
-from downpour.worker.settings import WorkerConfig
+from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig
 
 JOIN_S = 60.0  # bound on a stopped service's thread finishing (drain, final checkpoint)
 
@@ -166,44 +167,17 @@ class LogCapture(logging.Handler):
         return "\n".join(self.lines)
 
 
-# The settings the two-mode tests use, as ``downpour server`` / ``downpour worker`` flags.
-SERVER_FLAGS = {
-    "policy": "--policy",
-    "optimizer": "--optimizer",
-    "learning_rate": "--lr",
-    "num_shards": "--num-shards",
-    "shard": "--shard",
-    "state_dir": "--state-dir",
-    "checkpoint_every": "--checkpoint-every",
-    "checkpoint_secs": "--checkpoint-secs",
-    "eval_every": "--eval-every",
-    "missing_after_s": "--missing-after",
-    "gone_after_s": "--gone-after",
-    "max_pull_rows": "--max-pull-rows",
-}
-WORKER_FLAGS = {
-    "steps": "--steps",
-    "sync_wait_s": "--sync-wait",
-    "compress": "--compress",
-    "pull_compress": "--pull-compress",
-    "n_push": "--n-push",
-    "n_fetch": "--n-fetch",
-    "epochs": "--epochs",
-    "graph": "--graph",
-    "row_pulls": "--row-pulls",
-    "row_staleness": "--row-staleness",
-    "row_cache_rows": "--row-cache-rows",
-}
-
-
-def _flags(table: dict[str, str], config: dict[str, Any]) -> list[str]:
-    return [item for k, v in config.items() for item in (table[k], str(v))]
+def _flags(options: tuple[Option, ...], config: dict[str, Any]) -> list[str]:
+    """``config`` (config attribute -> value, as the in-process services take it) as the
+    service's flags, from its option declarations; a key no option has is a KeyError."""
+    name_of = {o.field: o.name for o in options}
+    return to_argv(options, {name_of[k]: v for k, v in config.items()})
 
 
 class Services:
     """Servers and workers for a test that runs in both tiers: in this process (``inproc``,
     the fast tier) or as ``downpour`` processes (``process``, the slow tier), with the same
-    settings (the keys of SERVER_FLAGS / WORKER_FLAGS)."""
+    settings (config attributes, as ``ServerConfig`` / ``WorkerConfig`` name them)."""
 
     def __init__(self, mode: str, tmp: Path) -> None:
         from conftest import Cluster
@@ -219,7 +193,7 @@ class Services:
         """A started server with ``rep``, ``status``, ``info`` and ``port`` (``keys``: the
         key directory of ``downpour server --keys``)."""
         if self.cluster is not None:
-            flags = _flags(SERVER_FLAGS, config) + (["--keys", str(keys)] if keys else [])
+            flags = _flags(SERVER_OPTIONS, config) + (["--keys", str(keys)] if keys else [])
             return self.cluster.server(*flags, model=model)
         if keys is not None:
             from downpour.security import load_server_keys
@@ -249,7 +223,7 @@ class Services:
         if self.cluster is not None:
             from conftest import summary
 
-            flags = _flags(WORKER_FLAGS, config)
+            flags = _flags(WORKER_OPTIONS, config)
             if key is not None:
                 flags += ["--key", str(key[0]), "--server-key", str(key[1])]
             procs = [  # --id last: ids may hold "/", which a log file name may not

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,39 @@ def test_run_local_refuses_a_fraction_of_an_epoch_with_data_dispatch(tmp_path: P
     )  # fmt: skip
     assert out.returncode == 2 and "counts whole epochs: --epochs 1.5" in out.stderr
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_run_local_checkpoints_into_state_dir_and_its_export_scores_what_it_printed(
+    tmp_path: Path,
+) -> None:
+    """``--state-dir``: the server's last checkpoint is where run-local says, and the
+    ``downpour export`` command it prints turns it into a model that scores on the held-out set
+    exactly what run-local printed last. The workers' ``--row-cache-rows`` and the server's
+    optimizer pass through: a 100,000-row table kept as a cache of 150 rows, rows evicted."""
+    run_dir, state = tmp_path / "run", tmp_path / "state"
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "downpour", "run-local", "--model", "tiny_models:big_embedding",
+            "--workers", "1", "--steps", "40", "--row-cache-rows", "150",
+            "--optimizer", "adagrad", "--lr", "0.5", "--state-dir", str(state),
+            "--no-progress", "--run-dir", str(run_dir),
+        ],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=360,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr + (run_dir / "server.log").read_text()
+    lines = out.stdout.splitlines()
+    worker = next(line for line in lines if line.startswith("worker-0: 40 steps"))
+    assert "row cache of 150 rows" in worker
+    assert int(worker.rsplit(": ", 1)[1].removesuffix(" evictions")) > 0
+    assert lines[-1].startswith("held-out accuracy: ")
+    checkpoint = next(line for line in lines if line.startswith("checkpoint: "))
+    assert checkpoint == f"checkpoint: {state / 'ckpt-000000000040.npz'} (version 40)"
+    command = shlex.split(next(line for line in lines if line.startswith("export: "))[8:])
+    assert command[:2] == ["downpour", "export"] and f"--state-dir={state}" in command
+    exported = subprocess.run(
+        [sys.executable, "-m", "downpour", *command[1:]],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert exported.stdout.splitlines()[-1] == lines[-1]  # the same held-out score
+    assert (run_dir / "model" / "saved_model.pb").is_file()

@@ -19,21 +19,28 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, env
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from downpour import cli, config
 from downpour.cli import local
+from downpour.device import parse_device
 from downpour.server.settings import (
     OPTIMIZERS,
     SERVER_INTERNAL,
     SERVER_OPTIONS,
     ServerConfig,
+    policy_text,
     validate_server,
 )
-from downpour.settings import ConfigError, Option
+from downpour.settings import ConfigError, Option, Range, to_argv
 from downpour.worker.settings import (
     WORKER_INTERNAL,
     WORKER_OPTIONS,
     WorkerConfig,
+    compression_text,
+    endpoint,
+    endpoint_list,
     validate_worker,
 )
 
@@ -243,3 +250,84 @@ def test_refusals_happen_before_tensorflow_is_imported() -> None:
         assert code == 2, (argv, err)
         assert needle in err, (argv, err)
         assert not tf_loaded, argv
+
+
+# ------------------------------------------------------------------ command lines from values
+
+# Types whose values follow a grammar: a few texts of each, made canonical by the type itself.
+GRAMMAR_SAMPLES: dict[Any, list[str]] = {
+    policy_text: ["async", "staleness-aware", "bounded:3", "ssp:2", "sync:2/3", "dc:0.5"],
+    compression_text: ["none", "bf16", "topk:0.01", "topk:0.5"],
+    endpoint_list: ["127.0.0.1:1", "h:6000,h:6001", "[::1]:5570"],
+    endpoint: ["10.0.0.1:6000", "tcp://example.org:1"],
+    parse_device: ["auto", "cpu", "gpu", "gpu:3"],
+}
+
+
+def valid_values(option: Option) -> st.SearchStrategy[Any]:
+    """Every value ``option``'s parser can produce (for a grammar, a sample of them)."""
+    if option.is_switch:
+        return st.booleans()
+    if option.choices is not None:
+        return st.sampled_from(option.choices)
+    if isinstance(option.type, Range):
+        r = option.type
+        if r.kind is int:
+            return st.integers(min_value=r.low, max_value=r.high)
+        return st.floats(
+            min_value=r.low, max_value=r.high, exclude_min=r.low_open, allow_nan=False,
+            allow_infinity=False,
+        )  # fmt: skip
+    if option.type is int:
+        return st.integers()
+    if option.type is str:
+        return st.text()  # "-x", "", spaces, "=": a value whatever it looks like
+    return st.sampled_from(GRAMMAR_SAMPLES[option.type]).map(option.type)
+
+
+def some_settings(options: tuple[Option, ...]) -> st.SearchStrategy[dict[str, Any]]:
+    """Any subset of ``options`` with valid values."""
+    return st.fixed_dictionaries({}, optional={o.name: valid_values(o) for o in options})
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_to_argv_reads_back_as_the_same_settings(service: str, data: st.DataObject) -> None:
+    """parse(to_argv(values)) == values, for any values of every option of the service."""
+    options = SERVICES[service][0]
+    given_values = data.draw(some_settings(options))
+    values = {o.name: o.default_value() for o in options} | given_values
+    argv = to_argv(options, given_values)
+    assert config.load(service, options, argv, {}, SERVICES).values() == values
+    assert vars(subparser(service).parse_args(argv)) == values | {"config": None}
+
+
+def test_to_argv_gives_only_what_differs_from_the_default_switches_as_their_flag() -> None:
+    values = {"epochs": 1.0, "row_staleness": 3, "prefetch": False, "model": "-m"}
+    assert to_argv(WORKER_OPTIONS, values) == [
+        "--model=-m",
+        "--row-staleness=3",
+        "--no-prefetch",
+    ]
+    assert to_argv(SERVER_OPTIONS, {"allow_nonfinite": True}) == ["--allow-nonfinite"]
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        ({"row_stalenes": 3}, "not settings of these options: row_stalenes"),
+        ({"epochs": None}, "--epochs: None cannot be given"),
+        ({"epochs": [1.0]}, "--epochs: [1.0] cannot be given"),
+        ({"epochs": -1.0}, "--epochs: -1.0 is not allowed"),
+        ({"row_pulls": "sometimes"}, "--row-pulls: 'sometimes' does not read back"),
+        ({"device": "GPU"}, "--device: 'GPU' does not read back as itself ('gpu')"),
+        ({"prefetch": "no"}, "--no-prefetch: 'no' is not true or false"),
+    ],
+)
+def test_to_argv_refuses_values_a_command_line_cannot_carry(
+    values: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        to_argv(WORKER_OPTIONS, values)
+    assert error in str(info.value)

@@ -8,6 +8,11 @@ writes ``history.csv``, ``workers.csv``, ``status.json``, TensorBoard events and
 (``downpour plot``) into a run directory, and prints
 ``held-out accuracy: 0.xxxx`` as its last line (``held-out <name>: ...`` for a model whose
 ``metric_name`` is another: ``auc``). Ctrl-C stops every process it started.
+
+Its options are the server's and the workers' (``downpour.cli.local_options``): each
+process's command line is built from them, checked first by the services' own checks. With
+``--state-dir`` the servers stop after training (their last checkpoint), and the lines before
+the held-out one say where each checkpoint is and the ``downpour export`` command for them.
 """
 
 from __future__ import annotations
@@ -17,110 +22,40 @@ import contextlib
 import csv
 import ctypes
 import json
+import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from downpour import security
+from downpour.cli.local_options import (
+    LOCAL_OPTIONS,
+    Children,
+    client_secret,
+    keys_dir,
+    plan_children,
+)
 from downpour.cli.status import fetch_status
-from downpour.server.settings import LR, METRICS_PORT, OPTIMIZER
-from downpour.settings import DATA_DIR, DEVICE, MODEL, Option, add_options, at_least
+from downpour.config import CONFIG_ENV
+from downpour.server.settings import SERVER_OPTIONS
+from downpour.settings import ConfigError, add_options
 from downpour.transport import Deadline, tcp
-from downpour.worker.settings import (
-    COMPRESS,
-    DATA_DISPATCH,
-    EPOCHS,
-    GRAPH,
-    N_FETCH,
-    N_PUSH,
-    PULL_COMPRESS,
-    ROW_PULLS,
-    ROW_STALENESS,
-    SPLIT_SIZE,
-    STEPS,
-)
+from downpour.worker.settings import WORKER_OPTIONS
 
-_RUN = "run-local"
-_WORKERS = "the workers (as their options)"
-_SERVER = "the server (as its options)"
+log = logging.getLogger("downpour.run_local")
 
-# Options of `downpour run-local`: its own, and the server's and workers' declarations it passes
-# on (same name, type and range; the help says whose option it is).
-LOCAL_OPTIONS: tuple[Option, ...] = (
-    Option("workers", 2, "worker processes to start", _RUN, type=int),
-    Option(
-        "shards",
-        1,
-        "server shards the model is partitioned over (one process each)",
-        _RUN,
-        type=int,
-    ),
-    Option("run_dir", None, "where logs, history and plots go (default runs/<time>)", _RUN),
-    Option("eval_every", 10.0, "seconds between held-out evaluations", _RUN, type=float),
-    Option("no_progress", False, "plain log lines instead of bars", _RUN, bool),
-    Option(
-        "secure",
-        False,
-        "generate CURVE keys into RUN_DIR/keys and encrypt + authenticate every socket",
-        _RUN,
-        bool,
-    ),
-    replace(MODEL, section=_RUN),
-    replace(DATA_DIR, help="standard MNIST IDX files (default: embedded MNIST-5k)", section=_RUN),
-    replace(
-        DEVICE,
-        help="where the server, the workers and the evaluator compute: auto, cpu, gpu or "
-        "gpu:N (GPU memory grows as needed, so they share one GPU)",
-        section=_RUN,
-    ),
-    replace(
-        EPOCHS,
-        default=6.0,
-        help="passes over the training set: each worker reads its shard this often (with "
-        "MNIST-5k and 2 workers, 6 passes are 480 updates of batch 50)",
-        section=_WORKERS,
-    ),
-    replace(STEPS, help="steps per worker (overrides --epochs)", section=_WORKERS),
-    replace(N_FETCH, section=_WORKERS),
-    replace(N_PUSH, section=_WORKERS),
-    replace(COMPRESS, help="the workers' --compress (none, bf16, topk:RATIO)", section=_WORKERS),
-    replace(PULL_COMPRESS, help="the workers' pulls", section=_WORKERS),
-    replace(GRAPH, help="the workers' --graph", section=_WORKERS),
-    replace(
-        DATA_DISPATCH,
-        help="server: the server hands out splits of the training data and the workers take "
-        "them (exactly-once epochs, --epochs counted by the server, whole epochs only); "
-        "none: worker i reads static shard i of --workers",
-        section=_RUN,
-    ),
-    replace(SPLIT_SIZE, section=_WORKERS),
-    replace(ROW_PULLS, help="the workers' --row-pulls (auto, off)", section=_WORKERS),
-    replace(ROW_STALENESS, help="the workers' --row-staleness", section=_WORKERS),
-    replace(OPTIMIZER, section=_SERVER),
-    replace(LR, section=_SERVER),
-    Option(
-        "server_eval_every",
-        100,
-        "the server also evaluates the held-out set every N updates (0 = off; a shard "
-        "holds part of the model, so with --shards > 1 only run-local evaluates)",
-        _SERVER,
-        type=at_least(0),
-        metavar="N",
-    ),
-    replace(
-        METRICS_PORT, default=0, help="the server's Prometheus port (0 = any)", section=_SERVER
-    ),
-)
+__all__ = ["LOCAL_OPTIONS", "Evaluator", "add_arguments", "run", "spawn", "wait_ready"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``downpour run-local``."""
+    """Options of ``downpour run-local``: its own, and the server's and workers' it passes on."""
     add_options(p, LOCAL_OPTIONS)
 
 
@@ -130,9 +65,22 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def settings_variables(environ: Mapping[str, str]) -> list[str]:
+    """The ``DOWNPOUR_*`` variables in ``environ`` that would set a server or worker setting
+    (and ``DOWNPOUR_CONFIG``): run-local's children start without them."""
+    names = {o.env_var for o in (*SERVER_OPTIONS, *WORKER_OPTIONS)} | {CONFIG_ENV}
+    return sorted(k for k in environ if k in names)
+
+
 def spawn(args: list[str], log_path: Path, stdout: int | None = None) -> subprocess.Popen:
-    """Start ``downpour ARGS`` with this interpreter, stderr to a log file."""
+    """Start ``downpour ARGS`` with this interpreter, stderr to a log file.
+
+    The child's settings are exactly ``args``: a setting left at its default is not on the
+    command line, so a ``DOWNPOUR_*`` variable of this environment would otherwise set it.
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    for name in settings_variables(env):
+        del env[name]
     with open(log_path, "wb") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "downpour", *args],
@@ -217,22 +165,20 @@ class Evaluator:
         return versions[0], evaluate(self.spec, self.model, self.held_out)
 
 
-def dispatch_problem(args: argparse.Namespace) -> str | None:
-    """Why ``--data-dispatch``/``--split-size`` cannot run as given (None: they can): the
-    workers would refuse the same, each with exit 2, after the servers started."""
-    if args.data_dispatch != "server":
-        return "--split-size goes with --data-dispatch server" if args.split_size else None
-    if not args.steps and args.epochs != int(args.epochs):
-        return f"--data-dispatch server counts whole epochs: --epochs {args.epochs} is not one"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     """The whole demo; returns the exit code."""
-    if (problem := dispatch_problem(args)) is not None:
-        print(f"downpour run-local: error: {problem}", file=sys.stderr)
-        return 2
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    try:  # the children's settings, checked as each service checks its own, before any starts
+        plan_children(args, run_dir)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"downpour run-local: error: {problem}", file=sys.stderr)
+        return 2
+    if ignored := settings_variables(os.environ):
+        log.warning(
+            "run-local gives its processes every setting as a flag: %s not passed on to them",
+            ", ".join(ignored),
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     try:
@@ -241,44 +187,42 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted: stopping every process", file=sys.stderr)
         return 130
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, then wait for each (killed after 15 s)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
     from tqdm import tqdm
 
-    shards = max(1, args.shards)
+    shards = args.shards
     dispatched = args.data_dispatch == "server"
-    key_dir = run_dir / "keys"
+    key_dir = keys_dir(run_dir)
     status_keys = eval_keys = None
-    server_extra: list[str] = []
     if args.secure:  # a worker key each, one for the evaluator, a reader key for status
         names = [f"worker-{i}" for i in range(args.workers)]
         security.generate_keys(key_dir, [*names, "run-local-eval"], ["run-local"])
-        server_extra = ["--keys", str(key_dir)]
         server_pub = key_dir / security.SERVER_PUBLIC
-        status_keys = security.load_client_keys(_secret(key_dir, "run-local"), server_pub)
-        eval_keys = security.load_client_keys(_secret(key_dir, "run-local-eval"), server_pub)
-    servers, ready_files, server_logs = [], [], []
-    for i in range(shards):
-        name = "server" if shards == 1 else f"server-{i}"
-        ready_files.append(run_dir / f"{name}.json")
-        ready_files[-1].unlink(missing_ok=True)
-        server_logs.append(run_dir / f"{name}.log")
-        shard_args = ["--shard", str(i), "--num-shards", str(shards)] if shards > 1 else []
-        servers.append(
-            _spawn_server(
-                args, run_dir, ready_files[-1], server_logs[-1], i, shard_args + server_extra
-            )
-        )
+        status_keys = security.load_client_keys(client_secret(key_dir, "run-local"), server_pub)
+        eval_keys = security.load_client_keys(client_secret(key_dir, "run-local-eval"), server_pub)
+    children = plan_children(args, run_dir)
+    ready_files = [Path(c.values["ready_file"]) for c in children.servers]
+    server_logs = [run_dir / f"{c.name}.log" for c in children.servers]
+    servers = []
+    for child, ready_file, log_path in zip(children.servers, ready_files, server_logs, strict=True):
+        ready_file.unlink(missing_ok=True)
+        servers.append(spawn(child.argv, log_path))
         procs.append(servers[-1])
     print(f"run directory: {run_dir}", flush=True)
     evaluator_box: dict[str, Any] = {}
@@ -308,45 +252,10 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
         flush=True,
     )
+    endpoints = ",".join(f"{host}:{p}" for p in ports)
     workers = []
-    for i in range(args.workers):
-        wargs = [
-            "worker",
-            "--server",
-            ",".join(f"{host}:{p}" for p in ports),
-            "--id",
-            f"worker-{i}",
-            "--model",
-            args.model,
-            "--n-fetch",
-            str(args.n_fetch),
-            "--n-push",
-            str(args.n_push),
-            "--log-every",
-            "0",
-            "--compress",
-            args.compress,
-            "--pull-compress",
-            args.pull_compress,
-            "--graph",
-            args.graph,
-            "--device",
-            args.device,
-        ]
-        if dispatched:  # splits from shard 0's dispatcher, epochs counted by the server
-            wargs += ["--data-dispatch", "server"]
-            wargs += ["--split-size", str(args.split_size)] if args.split_size else []
-            epochs = str(int(args.epochs))
-        else:  # static sharding: worker i reads shard i of N
-            wargs += ["--num-workers", str(args.workers), "--worker-index", str(i)]
-            epochs = str(args.epochs)
-        wargs += ["--steps", str(args.steps)] if args.steps else ["--epochs", epochs]
-        if args.data_dir:
-            wargs += ["--data-dir", args.data_dir]
-        if args.secure:
-            wargs += ["--key", str(_secret(key_dir, f"worker-{i}"))]
-            wargs += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
-        workers.append(spawn(wargs, run_dir / f"worker-{i}.log", stdout=subprocess.PIPE))
+    for child in plan_children(args, run_dir, endpoints).workers:
+        workers.append(spawn(child.argv, run_dir / f"{child.name}.log", stdout=subprocess.PIPE))
         procs.append(workers[-1])
     loader.join(timeout=300)
     evaluator: Evaluator = evaluator_box["e"]
@@ -406,15 +315,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     for bar in bars.values():
         bar.close()
     failed = [w.returncode for w in workers if w.returncode != 0]
-    for i, w in enumerate(workers):
-        out = w.stdout.read().decode() if w.stdout else ""
-        for line in out.splitlines():
-            if line.startswith("{"):
-                s = json.loads(line)["summary"]
-                print(
-                    f"worker-{i}: {s['steps']} steps, {s['steps_per_s']:.2f} steps/s, "
-                    f"last loss {s['loss']:.4f}"
-                )
+    _print_worker_summaries(workers)
     doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
     version, acc = evaluator.score(host, port, eval_keys)
     history.append(
@@ -436,77 +337,81 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
 
     for png in plot_run(run_dir):
         print(f"plot: {png}")
-    for i, e in enumerate(eps):
-        d = doc if i == 0 else fetch_status(tcp(host, e["status_port"]), 10.0, status_keys)
+    docs = [doc] + [fetch_status(tcp(host, e["status_port"]), 10.0, status_keys) for e in eps[1:]]
+    _print_server_lines(docs)
+    if failed:
+        print(
+            f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
+        )
+    if children.state_dirs:  # the servers' last checkpoint is written as they stop
+        _stop(servers)
+        _report_checkpoints(args, children, run_dir, version)
+    print(f"held-out {metric}: {acc:.4f}", flush=True)
+    return 1 if failed else 0
+
+
+def _print_worker_summaries(workers: list[subprocess.Popen]) -> None:
+    """One line per finished worker from the JSON summary it printed on stdout."""
+    for i, w in enumerate(workers):
+        out = w.stdout.read().decode() if w.stdout else ""
+        for line in out.splitlines():
+            if line.startswith("{"):
+                s = json.loads(line)["summary"]
+                cache = (
+                    f", row cache of {s['row_cache_rows']} rows: "
+                    f"{s['row_cache_evictions']} evictions"
+                    if s.get("row_cache_rows")
+                    else ""
+                )
+                print(
+                    f"worker-{i}: {s['steps']} steps, {s['steps_per_s']:.2f} steps/s, "
+                    f"last loss {s['loss']:.4f}{cache}"
+                )
+
+
+def _print_server_lines(docs: list[dict[str, Any]]) -> None:
+    """One line per server shard from its final status (shard order), and shard 0's
+    dispatcher's if it dispatched."""
+    for i, d in enumerate(docs):
         st = d["staleness"]
         print(
-            f"{'server' if shards == 1 else f'shard {i}/{shards}'}: version {d['version']}, "
+            f"{'server' if len(docs) == 1 else f'shard {i}/{len(docs)}'}: version {d['version']}, "
             f"{d['updates_applied']} updates, staleness mean {st['mean']:.2f} max "
             f"{st['max']:.0f}, rejected {d['rejected_total']}"
         )
-    if (d := doc.get("dispatch")) is not None:
+    if (d := docs[0].get("dispatch")) is not None:
         print(
             f"dispatch: {d['epochs_done']} epoch(s) done of {d['max_epochs'] or 'unbounded'}, "
             f"{d['acked']} splits acknowledged ({d['splits_total']} per epoch), "
             f"{d['released']} released"
         )
-    if failed:
-        print(
-            f"{len(failed)} worker(s) failed (exit codes {failed}); see {run_dir}", file=sys.stderr
-        )
-    print(f"held-out {metric}: {acc:.4f}", flush=True)
-    return 1 if failed else 0
 
 
-def _spawn_server(
-    args: argparse.Namespace,
-    run_dir: Path,
-    ready_file: Path,
-    log_path: Path,
-    shard: int,
-    extra: list[str],
-) -> subprocess.Popen:
-    """Start one server (shard ``shard``) on port-0 ports; it reports them in ``ready_file``."""
-    sharded = "--num-shards" in extra
-    return spawn(
-        [
-            "server",
-            "--model",
-            args.model,
-            "--port",
-            "0",
-            "--push-port",
-            "0",
-            "--status-port",
-            "0",
-            "--optimizer",
-            args.optimizer,
-            "--lr",
-            str(args.lr),
-            "--device",
-            args.device,
-            "--ready-file",
-            str(ready_file),
-            "--metrics-port",
-            str(args.metrics_port if shard == 0 else 0),
-            "--logdir",
-            str(run_dir / "tensorboard" / (f"shard-{shard}" if sharded else "")),
-            "--eval-every",
-            str(0 if sharded else args.server_eval_every),
-            *(
-                ["--data-dispatch", "server"]
-                if args.data_dispatch == "server" and shard == 0
-                else []
-            ),
-            *(["--data-dir", args.data_dir] if args.data_dir else []),
-            *extra,
-        ],
-        log_path,
-    )
+def _report_checkpoints(
+    args: argparse.Namespace, children: Children, run_dir: Path, version: int
+) -> None:
+    """Print each shard's newest checkpoint and the ``downpour export`` command for them;
+    warn if a shard wrote none or one of another version than run-local scored."""
+    from downpour.server.checkpoint import CheckpointStore
 
-
-def _secret(key_dir: Path, name: str) -> Path:
-    return key_dir / security.CLIENTS_DIR / f"{name}.key_secret"
+    for state_dir in children.state_dirs:
+        found = CheckpointStore(state_dir).list()
+        if not found:
+            log.warning("no checkpoint in %s: see the server's log in %s", state_dir, run_dir)
+            return
+        ckpt_version, path = found[-1]
+        print(f"checkpoint: {path} (version {ckpt_version})")
+        if ckpt_version != version:
+            log.warning(
+                "%s holds version %d, the held-out score below is of version %d",
+                path,
+                ckpt_version,
+                version,
+            )
+    command = ["downpour", "export", *(f"--state-dir={d}" for d in children.state_dirs)]
+    command += [f"--out={run_dir / 'model'}", f"--model={args.model}"]
+    command += [f"--data-dir={args.data_dir}"] if args.data_dir else []
+    print(f"export: {shlex.join(command)}", flush=True)
 
 
 def _wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:

@@ -29,6 +29,7 @@ from bench_util import (
     log,
     median,
     server_ready,
+    service_args,
     start_server,
     status_endpoint,
 )
@@ -115,43 +116,43 @@ def downpour(
     bf16: bool = False,
     server_cpus: list[int] | None = None,
     worker_cpus: list[int] | None = None,
-    worker_extra: list[str] | None = None,
+    worker_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Aggregate steps/s of ``n_workers`` downpour workers against one server.
 
     ``curve``: keys generated for the run, every socket encrypted and authenticated.
     ``bf16``: the workers run with ``--compress bf16 --pull-compress bf16`` (half the bytes of
     every push and every pull). ``server_cpus`` / ``worker_cpus``: the cores each process is
-    pinned to (emulated hosts); None leaves them free. ``worker_extra``: more worker flags
-    (``--n-fetch 4``).
+    pinned to (emulated hosts); None leaves them free. ``worker_settings``: more worker settings
+    by name (``{"n_fetch": 4}``).
     """
     port = free_port()  # workers start with the server and retry until it answers
     ids = [f"bench-w{i}" for i in range(n_workers)]
     status_keys = None
-    server_extra: list[str] = []
+    server_settings: dict[str, Any] = {}
     if curve:
         key_dir = procs.logdir / f"keys-{len(procs.procs):02d}"
         security.generate_keys(key_dir, ids, ["bench-status"])
-        server_extra = ["--keys", str(key_dir)]
+        server_settings = {"keys": str(key_dir)}
         status_keys = security.load_client_keys(
             key_dir / security.CLIENTS_DIR / "bench-status.key_secret",
             key_dir / security.SERVER_PUBLIC,
         )
     tag = f"server-{n_workers}w" + ("-curve" if curve else "") + ("-bf16" if bf16 else "")
     server, pending = start_server(
-        procs, tag, port=port, wait=False, extra=server_extra, cpus=server_cpus
+        procs, tag, port=port, wait=False, settings=server_settings, cpus=server_cpus
     )
     workers = []
     for wid in ids:
-        args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
-        args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
+        settings: dict[str, Any] = {"server": f"127.0.0.1:{port}", "id": wid}
+        settings.update(steps=1000000, log_every=0, log_level="WARNING")
         if bf16:
-            args += ["--compress", "bf16", "--pull-compress", "bf16"]
-        args += worker_extra or []
+            settings.update(compress="bf16", pull_compress="bf16")
+        settings.update(worker_settings or {})
         if curve:
-            args += ["--key", str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")]
-            args += ["--server-key", str(key_dir / security.SERVER_PUBLIC)]
-        workers.append(procs.start(args, wid, cpus=worker_cpus))
+            settings["key"] = str(key_dir / security.CLIENTS_DIR / f"{wid}.key_secret")
+            settings["server_key"] = str(key_dir / security.SERVER_PUBLIC)
+        workers.append(procs.start(service_args("worker", **settings), wid, cpus=worker_cpus))
     try:
         info = server_ready(procs, server, Path(pending["ready_file"]))
         endpoint = status_endpoint(info)

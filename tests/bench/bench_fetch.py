@@ -31,7 +31,7 @@ def run(plan: Plan, procs: Procs, pinned: dict[str, Any]) -> dict[str, Any]:
             1,
             server_cpus=server,
             worker_cpus=worker,
-            worker_extra=["--n-fetch", "4"],
+            worker_settings={"n_fetch": 4},
         )
         for _ in range(plan.pinned_rounds)
     ]

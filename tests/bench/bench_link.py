@@ -28,16 +28,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/netns.py
 
-from bench_util import host_cpus  # noqa: E402
+from bench_util import host_cpus, service_args  # noqa: E402
 
 RATE = "1gbit"
 BURST = "512kb"  # > one GSO segment (64 KiB): tbf needs the largest packet to fit
 LATENCY = "50ms"  # queue bound: 50 ms at the rate (6 MB) before tbf drops
 MIN_WINDOW_STEPS = 3  # a window on a slow machine lasts until the worker made this many steps
-VARIANTS = {
-    "dense": [],
-    "bf16": ["--compress", "bf16", "--pull-compress", "bf16"],
-    "topk": ["--compress", "topk:0.01"],
+VARIANTS: dict[str, dict[str, Any]] = {  # the workers' settings, by name
+    "dense": {},
+    "bf16": {"compress": "bf16", "pull_compress": "bf16"},
+    "topk": {"compress": "topk:0.01"},
 }
 
 
@@ -93,11 +93,20 @@ def available() -> str | None:
 
 
 def one_worker(
-    plan: Any, procs: Any, srv: Any, wrk: Any, port: int, status: str, name: str, extra: list[str]
+    plan: Any,
+    procs: Any,
+    srv: Any,
+    wrk: Any,
+    port: int,
+    status: str,
+    name: str,
+    settings: dict[str, Any],
 ) -> dict[str, Any]:
-    """Steps/s windows of one worker (options ``extra``) in ``wrk`` against the server."""
-    args = ["-m", "downpour", "worker", "--server", f"{srv.addr}:{port}", "--id", f"link-{name}"]
-    args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING", *extra]
+    """Steps/s windows of one worker (more ``settings`` by name) in ``wrk`` against the server."""
+    args = service_args(
+        "worker", server=f"{srv.addr}:{port}", id=f"link-{name}", steps=1000000, log_every=0,
+        log_level="WARNING", **settings,
+    )  # fmt: skip
     worker, _ = procs.start(args, f"link-{name}", cpus=host_cpus(0), prefix=wrk.exec_args())
     try:
         sampler, sampled = procs.start(
@@ -144,16 +153,16 @@ def run(plan: Any, procs: Any) -> dict[str, Any]:
             procs,
             "link-server",
             port=port,
-            extra=["--insecure"],  # plaintext, as the loopback runs (namespaces are private)
+            settings={"insecure": True},  # plaintext, as the loopback runs (namespaces are private)
             cpus=host_cpus(1),
             host=srv.addr,
             prefix=srv.exec_args(),
         )
         status = f"tcp://{srv.addr}:{info['status_port']}"
         try:
-            for name, extra in VARIANTS.items():  # one worker after another, one server
+            for name, settings in VARIANTS.items():  # one worker after another, one server
                 log(f"link: {name}, worker {wrk.addr} (core 0) -> server {srv.addr} (core 1)")
-                got = one_worker(plan, procs, srv, wrk, port, status, name, extra)
+                got = one_worker(plan, procs, srv, wrk, port, status, name, settings)
                 out[f"{name}_steps_per_s"] = median(got["windows"])
                 out[f"{name}_windows"] = got["windows"]
                 out[f"{name}_staleness_mean"] = got["staleness_mean"]

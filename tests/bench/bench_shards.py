@@ -69,9 +69,7 @@ def run(
     wire_names = [[p.wire_name for p in parts] for parts in part.shards]
     # the three servers start side by side (each imports TensorFlow), then are waited for
     started = [start_server(procs, "shards-1of1", wait=False)] + [
-        start_server(
-            procs, f"shards-{i}of2", wait=False, extra=["--shard", str(i), "--num-shards", "2"]
-        )
+        start_server(procs, f"shards-{i}of2", wait=False, settings={"shard": i, "num_shards": 2})
         for i in range(2)
     ]
     servers = [(p, server_ready(procs, p, Path(pending["ready_file"]))) for p, pending in started]

@@ -33,13 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_util import Procs, free_port, host_cpus, log, median, server_ready, start_server
+from bench_util import (
+    Procs,
+    free_port,
+    host_cpus,
+    log,
+    median,
+    server_ready,
+    service_args,
+    start_server,
+)
 from bench_util import status_endpoint as endpoint_of
 from sparse_model import DIM
 
 from downpour.client import fetch_status
 
-OPTIMIZER = ["--optimizer", "adagrad", "--lr", "0.05"]
+OPTIMIZER = {"optimizer": "adagrad", "lr": 0.05}
 MODELS = {
     20_000: "sparse_model:rows_20k",
     100_000: "sparse_model:rows_100k",
@@ -147,9 +156,9 @@ def start_servers(procs: Procs, sizes: tuple[int, ...]) -> dict[int, tuple[Any, 
     out = {}
     for rows in sizes:
         port = free_port()  # the worker starts before the server is ready and retries
-        extra = ["--model", MODELS[rows], *OPTIMIZER]
+        settings = {"model": MODELS[rows], **OPTIMIZER}
         proc, pending = start_server(
-            procs, f"sparse-server-{rows}", port, wait=False, extra=extra, cpus=host_cpus(1)
+            procs, f"sparse-server-{rows}", port, wait=False, settings=settings, cpus=host_cpus(1)
         )
         out[rows] = (proc, port, Path(pending["ready_file"]))
     return out
@@ -158,10 +167,10 @@ def start_servers(procs: Procs, sizes: tuple[int, ...]) -> dict[int, tuple[Any, 
 def one_worker(procs: Procs, rows: int, port: int, mode: str) -> tuple[Any, str]:
     """Start a worker (``--row-pulls mode``) on core 0 against the ``rows`` table's server."""
     wid = f"sparse-{'rows' if mode == 'auto' else 'dense'}-{rows}"
-    args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
-    args += ["--model", MODELS[rows], "--row-pulls", mode, "--n-fetch", "1"]
-    args += ["--steps", "1000000", "--request-timeout", "120"]
-    args += ["--log-every", "0", "--log-level", "WARNING"]
+    args = service_args(
+        "worker", server=f"127.0.0.1:{port}", id=wid, model=MODELS[rows], row_pulls=mode,
+        n_fetch=1, steps=1000000, request_timeout=120.0, log_every=0, log_level="WARNING",
+    )  # fmt: skip
     proc, _ = procs.start(args, wid, cpus=host_cpus(0))
     return proc, wid
 

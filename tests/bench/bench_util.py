@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -302,7 +302,7 @@ def start_server(
     name: str,
     port: int = 0,
     wait: bool = True,
-    extra: Sequence[str] = (),
+    settings: Mapping[str, Any] | None = None,
     cpus: Sequence[int] | None = None,
     host: str = "127.0.0.1",
     prefix: Sequence[str] = (),
@@ -311,33 +311,37 @@ def start_server(
 
     ``port`` 0 picks a free REP port; a fixed one lets workers start at the same time as the
     server (they retry until it answers). Push and status ports are always picked free.
-    ``cpus`` and ``prefix`` as for ``Procs.start`` (an emulated host, a network namespace).
+    ``settings``: more server settings by name (``{"policy": "sync:2/2"}``). ``cpus`` and
+    ``prefix`` as for ``Procs.start`` (an emulated host, a network namespace).
     """
     ready = procs.logdir / f"ready-{len(procs.procs):02d}-{name}.json"  # unique per start
     proc, _ = procs.start(
-        [
-            "-m",
-            "downpour.cli",
+        service_args(
             "server",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--push-port",
-            "0",
-            "--status-port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "WARNING",
-            *extra,
-        ],
+            host=host,
+            port=port,
+            push_port=0,
+            status_port=0,
+            ready_file=str(ready),
+            log_level="WARNING",
+            **(settings or {}),
+        ),
         name,
         cpus=cpus,
         prefix=prefix,
     )
     return proc, (server_ready(procs, proc, ready) if wait else {"ready_file": str(ready)})
+
+
+def service_args(service: str, **settings: Any) -> list[str]:
+    """``python -m downpour SERVICE`` with ``settings`` (by name) as ``Procs.start`` takes it:
+    the flags come from the service's option declarations (``downpour.settings.to_argv``)."""
+    from downpour.server.settings import SERVER_OPTIONS
+    from downpour.settings import to_argv
+    from downpour.worker.settings import WORKER_OPTIONS
+
+    options = SERVER_OPTIONS if service == "server" else WORKER_OPTIONS
+    return ["-m", "downpour", service, *to_argv(options, settings)]
 
 
 def server_ready(

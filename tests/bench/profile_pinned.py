@@ -28,7 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import Procs, free_port, host_cpus, log, server_ready, start_server, status_endpoint
+from bench_util import (
+    Procs,
+    free_port,
+    host_cpus,
+    log,
+    server_ready,
+    service_args,
+    start_server,
+    status_endpoint,
+)
 
 from downpour.client import fetch_status
 
@@ -93,8 +102,10 @@ def e2e(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
     worker_cpus, server_cpus = host_cpus(0), host_cpus(1)
     port, wid = free_port(), "profile-w0"
     server, pending = start_server(procs, "server", port=port, wait=False, cpus=server_cpus)
-    args = ["-m", "downpour", "worker", "--server", f"127.0.0.1:{port}", "--id", wid]
-    args += ["--steps", "1000000", "--log-every", "0", "--log-level", "WARNING"]
+    args = service_args(
+        "worker", server=f"127.0.0.1:{port}", id=wid, steps=1000000, log_every=0,
+        log_level="WARNING",
+    )  # fmt: skip
     worker, _ = procs.start(args, wid, cpus=worker_cpus)
     endpoint = status_endpoint(server_ready(procs, server, Path(pending["ready_file"])))
     deadline = time.monotonic() + 180.0

@@ -571,7 +571,7 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
     """Real ``downpour server`` and ``downpour worker`` processes on 127.0.0.1: held-out
     accuracy (the server's ``--eval-every``) against applied updates until the target or
     ``plan.cross_check_updates`` updates."""
-    from bench_util import Procs, start_server
+    from bench_util import Procs, service_args, start_server
 
     from downpour.cli.status import fetch_status
 
@@ -581,18 +581,17 @@ def cross_check(plan: Plan, workers: int, policy: str, out: Path) -> dict[str, A
         _server, info = start_server(
             procs,
             "server",
-            extra=["--model", MODEL_REF, "--policy", policy, "--eval-every", str(plan.eval_every)],
+            settings={"model": MODEL_REF, "policy": policy, "eval_every": plan.eval_every},
         )
         status = f"tcp://127.0.0.1:{info['status_port']}"
         steps = math.ceil(plan.cross_check_updates / workers) + plan.eval_every
         started = time.time()
         workers_procs = [
             procs.start(
-                [
-                    "-m", "downpour", "worker", "--server", f"127.0.0.1:{info['port']}",
-                    "--model", MODEL_REF, "--id", f"w{i}", "--seed", str(100 + i),
-                    "--steps", str(steps), "--log-every", "0",
-                ],
+                service_args(
+                    "worker", server=f"127.0.0.1:{info['port']}", model=MODEL_REF, id=f"w{i}",
+                    seed=100 + i, steps=steps, log_every=0,
+                ),
                 f"w{i}",
             )[0]
             for i in range(workers)
