@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -54,6 +55,18 @@ class ConfigError(Exception):
     def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.problems = list(problems) or [message]
+
+
+def passes(validate: Callable[[Any], None], config: Any, log: logging.Logger) -> bool:
+    """Run a service's cross-setting check on ``config``; False after logging every problem
+    at error level (the service then exits 2)."""
+    try:
+        validate(config)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            log.error("%s", problem)
+        return False
+    return True
 
 
 def refuse(problems: Sequence[str]) -> None:

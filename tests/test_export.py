@@ -130,10 +130,29 @@ def test_a_custom_layer_needs_a_saved_model_and_non_trainables_are_noted(
     err = capsys.readouterr().err
     assert "does not load back: it needs the model's own classes" in err
     assert "['tiny_models.CountingLayer']" in err and "SavedModel" in err
+    assert not (tmp_path / "c.keras").exists()  # the failed export removed what it wrote
     assert cli.main([*args, "--out", str(tmp_path / "c_saved")]) == 0
     printed = capsys.readouterr().out
     assert "outputs match" in printed and "non-trainable" in printed
     assert "['counter/calls']" in printed
+
+
+def test_a_lambda_layer_keras_export_fails_cleanly_and_names_the_saved_model_form(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .keras archive with a Lambda layer does not load back (Keras's safe mode): the export
+    fails with exit 2, leaves nothing at --out, and names the SavedModel form, which works."""
+    state = tmp_path / "state"
+    _synthetic_checkpoint(state, "tiny_models:lambda_mlp", model="lambda_mlp")
+    args = ["export", "--state-dir", str(state), "--model", "tiny_models:lambda_mlp"]
+    out = tmp_path / "m.keras"
+    assert cli.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "does not load back" in err and "removed it" in err
+    assert f"--out {tmp_path / 'm'}" in err and "SavedModel directory" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [state]
+    assert cli.main([*args, "--out", str(tmp_path / "m")]) == 0
+    assert "outputs match" in capsys.readouterr().out
 
 
 def test_refuses_a_missing_variable_and_an_empty_state_dir(tmp_path: Path) -> None:

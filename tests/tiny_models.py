@@ -320,3 +320,15 @@ def subclassed_embedding() -> ModelSpec:
 
     spec = embedding()
     return ModelSpec(name="subclassed_embedding", build=build, load_data=spec.load_data)
+
+
+def lambda_mlp() -> ModelSpec:
+    """The tiny MLP with a ``Lambda`` layer: a .keras archive of it does not load in safe mode."""
+
+    def build() -> keras.Model:
+        inp = keras.Input((16,), name="features")
+        x = keras.layers.Lambda(lambda t: t * 0.5, name="halve")(inp)
+        h = keras.layers.Dense(32, activation="relu", name="hidden")(x)
+        return keras.Model(inp, keras.layers.Dense(4, name="logits")(h), name="lambda_mlp")
+
+    return ModelSpec(name="lambda_mlp", build=build, load_data=lambda _d: blobs(), batch_size=32)

@@ -22,7 +22,9 @@ no checkpoint holds is an error naming it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -256,7 +258,7 @@ def export(
     (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
     """
     from downpour.models import batchnorm_layers, build_model, fingerprint, recalibrate_batchnorm
-    from downpour.pipeline import build_dataset, context, resolve_inputs, training_features
+    from downpour.pipeline import context, resolve_inputs, training_features
 
     out = Path(out)
     if out.exists():
@@ -294,6 +296,41 @@ def export(
                 f"the model has BatchNormalization layers, whose statistics are recomputed "
                 f"from the training data, and that does not load: {exc} (pass --data-dir)"
             ) from None
+
+    try:
+        return _write_and_verify(spec, model, out, ref, checkpoints, recalibrated, data_dir, verify)
+    except BaseException as exc:  # nothing half-written stays behind, whatever stopped it
+        _remove(out)
+        if isinstance(exc, ExportError) and out.suffix == ".keras":
+            raise ExportError(
+                f"{str(exc).rstrip('.')}; removed it. A SavedModel directory (an --out without "
+                f".keras, e.g. --out {out.with_suffix('')}) holds the traced computation and "
+                "loads without the model's Python code (Lambda layers, classes of its own)"
+            ) from None
+        raise
+
+
+def _remove(out: Path) -> None:
+    """Remove what an export began to write at ``out`` (a file or a directory)."""
+    if out.is_dir() and not out.is_symlink():
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
+
+
+def _write_and_verify(
+    spec: ModelSpec,
+    model: keras.Model,
+    out: Path,
+    ref: str,
+    checkpoints: Sequence[Checkpoint],
+    recalibrated: int,
+    data_dir: str | None,
+    verify: bool,
+) -> ExportResult:
+    """Write ``out`` and, with ``verify``, load it back and compare (see ``export``)."""
+    from downpour.pipeline import build_dataset, context, resolve_inputs
 
     try:
         fmt = write_model(model, out)

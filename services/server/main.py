@@ -17,7 +17,7 @@ from downpour.server.settings import (
     ServerConfig,
     validate_server,
 )
-from downpour.settings import ConfigError
+from downpour.settings import passes
 from downpour.transport import is_loopback
 
 log = logging.getLogger("downpour.server")
@@ -54,11 +54,7 @@ def start(values: Mapping[str, Any]) -> int:
 def run(cfg: ServerConfig) -> int:
     """Check the settings, load keys, build the server, serve until SIGTERM/SIGINT."""
     setup_logging("server", cfg.log_level, cfg.log_format)
-    try:
-        validate_server(cfg)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            log.error("%s", problem)
+    if not passes(validate_server, cfg, log):
         return 2
     if cfg.show_partition:
         return show_partition(cfg.model_ref, cfg.num_shards)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from downpour.logs import setup_logging
-from downpour.settings import ConfigError
+from downpour.settings import passes
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
 
 log = logging.getLogger("downpour.worker")
@@ -27,11 +27,7 @@ def start(values: Mapping[str, Any]) -> int:
 def run(cfg: WorkerConfig) -> int:
     """Check the settings, load keys, build the worker, train, print a one-line JSON summary."""
     setup_logging("worker", cfg.log_level, cfg.log_format)
-    try:
-        validate_worker(cfg)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            log.error("%s", problem)
+    if not passes(validate_worker, cfg, log):
         return 2
     from downpour.security import SecurityError, client_keys_from_args, may_speak_as
 

@@ -81,6 +81,32 @@ class RowTable:
         return self.fetched[rows]
 
 
+def _row_tables(
+    model: keras.Model, partition: Partition, offered: Sequence[Sequence[str] | None]
+) -> list[int]:
+    """The variables to pull by row: every shard holding a part serves it by row and a Keras
+    Embedding owns it. Embedding tables the servers do not serve by row are a warning."""
+    serves = [set(o or ()) for o in offered]
+    variables = model.trainable_variables
+    candidates = [
+        var
+        for var in range(len(variables))
+        if (parts := partition.parts_of(var)) and all(p.wire_name in serves[k] for k, p in parts)
+    ]
+    by_path = embedding_tables(model)
+    unserved = sorted(set(by_path) - {variables[i].path for i in candidates})
+    if unserved:
+        log.warning(
+            "tables %s are pulled whole: the servers do not serve them by row (their log "
+            "and `downpour status` say why)",
+            ", ".join(unserved),
+        )
+    tables = [i for i in candidates if variables[i].path in by_path]
+    for i in sorted(set(candidates) - set(tables)):
+        log.info("table %s is not a Keras Embedding's: pulled whole", variables[i].path)
+    return tables
+
+
 class RowPlan:
     """The row pulls of one worker: its tables, the id extractor, the staleness bound, and
     the figures (``stats``: rows_pulled, row_bytes_pulled, row_hits, row_misses)."""
@@ -138,8 +164,19 @@ class RowPlan:
     ) -> RowPlan | None:
         """The plan for the tables every shard serves by row (``offered``: each shard's
         hello ``row_tables``), or None when there are none or the model gives no extractor
-        (logged once). WorkerError when a cached table (``caches``) cannot go by row."""
-        plan = cls._build(model, partition, offered, features_spec, staleness, caches)
+        (logged). WorkerError when a cached table (``caches``) cannot go by row."""
+        tables = _row_tables(model, partition, offered)
+        plan = None
+        if tables:
+            try:
+                plan = cls(model, partition, tables, features_spec, staleness, caches)
+            except (ValueError, AttributeError, TypeError) as exc:  # Keras: not functional
+                log.warning(
+                    "row pulls off: cannot find the ids a batch gathers in model %s (%s); "
+                    "tables are pulled whole",
+                    model.name,
+                    " ".join(str(exc).split())[:200],
+                )
         by_row = {str(t.variable.path) for t in plan.tables} if plan is not None else set()
         missing = sorted(set(caches or {}) - by_row)
         if missing:
@@ -149,49 +186,6 @@ class RowPlan:
                 "row cache cannot hold a table pulled whole"
             )
         return plan
-
-    @classmethod
-    def _build(
-        cls,
-        model: keras.Model,
-        partition: Partition,
-        offered: Sequence[Sequence[str] | None],
-        features_spec: Any,
-        staleness: int,
-        caches: dict[str, RowCache] | None,
-    ) -> RowPlan | None:
-        serves = [set(o or ()) for o in offered]
-        candidates = []
-        for var in range(len(model.trainable_variables)):
-            parts = partition.parts_of(var)
-            if parts and all(p.wire_name in serves[k] for k, p in parts):
-                candidates.append(var)
-        by_path = embedding_tables(model)
-        variables = model.trainable_variables
-        unserved = sorted(set(by_path) - {variables[i].path for i in candidates})
-        if unserved:
-            log.warning(
-                "tables %s are pulled whole: the servers do not serve them by row (their log "
-                "and `downpour status` say why)",
-                ", ".join(unserved),
-            )
-        if not candidates:
-            return None
-        tables = [i for i in candidates if variables[i].path in by_path]
-        for i in sorted(set(candidates) - set(tables)):
-            log.info("table %s is not a Keras Embedding's: pulled whole", variables[i].path)
-        if not tables:
-            return None
-        try:
-            return cls(model, partition, tables, features_spec, staleness, caches)
-        except (ValueError, AttributeError, TypeError) as exc:  # Keras: not functional, shared
-            log.warning(
-                "row pulls off: cannot find the ids a batch gathers in model %s (%s); tables "
-                "are pulled whole",
-                model.name,
-                " ".join(str(exc).split())[:200],
-            )
-            return None
 
     # ------------------------------------------------------------ ids and staleness
 
