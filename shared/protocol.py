@@ -33,7 +33,7 @@ R_ROWS_RANGE = "rows_range"  # a row id at or past the table's last row
 R_ROWS_DENSE = "rows_dense"  # a row request for a variable that is not row-sparse
 R_ROWS_UNKNOWN = "rows_unknown"  # a row request for a variable the server does not hold
 R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
-R_OVERSIZE = "oversize"  # a request larger than the server accepts
+R_OVERSIZE = "oversize"  # a message past its socket's bound of frames or bytes
 
 
 class ProtocolError(Exception):
@@ -41,12 +41,14 @@ class ProtocolError(Exception):
 
     Recovery: the receiver drops the message (answering ERROR where it has a reply) and
     goes on serving; the sender has to fix what it sends, resending the same bytes fails again.
+    ``sender``: who the message says sent it, when the header was read that far.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, sender: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.sender = sender
 
 
 @dataclass(frozen=True)

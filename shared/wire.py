@@ -106,8 +106,8 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              the sender's "have" is still current: "unchanged" then speaks of the whole
              variables only, and the requested rows are sent all the same. A request body
              {"rows_only": true} leaves out every variable but the requested rows (a worker
-             topping up rows between its regular pulls). Tensors keep the server's variable
-             order.
+             topping up rows between its regular pulls); without row ids it is a plain
+             pull. Tensors keep the server's variable order.
 
 Decoding validates before it allocates: a first pass checks every descriptor (dtype in
 ``ALLOWED_DTYPES``, the encoding's own fields by its codec, ``nbytes`` against the shape,
@@ -115,15 +115,19 @@ tensor counts and totals against ``Limits``) and the frame count; a second pass 
 codec check its frames' lengths and build its tensor. msgpack's own limits apply with
 ``strict_map_key``; no ext types; never pickle. Dense payloads are sent ``copy=False`` and
 decoded as zero-copy ``np.frombuffer`` views: no copy on either side.
-The server sizes its limits from the model (``Limits.for_payload``) and sets ZeroMQ's
-``MAXMSGSIZE`` on its gradient socket to the same total, so an oversized message is dropped
-by ZeroMQ before it is buffered. ``PROTOCOL_VERSION`` is checked on every message.
+The server sizes its limits from the model (``Limits.for_payload``), sets ZeroMQ's
+``MAXMSGSIZE`` (a bound per frame) on its gradient socket to the same total, and receives
+every message within a bound on its frames and bytes in all (``downpour.receive``; the bounds
+per socket are in docs/security.md): past it a message is dropped unread (``oversize``).
+``decode(frames, limits, types)`` refuses a type the receiving socket does not serve
+(``wrong_socket``) from the header, before any tensor is looked at. ``PROTOCOL_VERSION`` is
+checked on every message.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -501,6 +505,8 @@ def _plan(descs: list[Any], mtype: str, limits: Limits) -> tuple[list[Slot], int
         dtype = wire_dtype(desc.get("dtype"), ALLOWED_DTYPES)
         shape = _shape(desc, limits)
         if mtype == PULL:
+            if codec is not CODECS[DENSE]:
+                raise ProtocolError(R_HEADER, f"row ids of {name!r} must be dense, not {encoding}")
             _check_row_count(name, shape, limits)
         nbytes = wire_count(desc, "nbytes")
         checked = codec.check(name, desc, dtype, shape)
@@ -519,11 +525,17 @@ def _plan(descs: list[Any], mtype: str, limits: Limits) -> tuple[list[Slot], int
     return slots, needed
 
 
-def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode(
+    frames: Sequence[Any],
+    limits: Limits = DEFAULT_LIMITS,
+    types: Collection[str] | None = None,
+) -> Message:
     """Multipart frames -> Message, or ProtocolError with a reason code.
 
     Dense tensors are read-only views on the received frames (no copy); so are the index and
     value arrays of sparse and topk tensors. bf16 tensors are converted into fresh arrays.
+    ``types``: the message types the receiving socket serves; another is refused as
+    ``wrong_socket`` from the header, before its tensors are looked at.
     """
     if len(frames) < 1:
         raise ProtocolError(R_TRUNCATED, "empty message")
@@ -537,6 +549,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if mtype not in MSG_TYPES:
         raise ProtocolError(R_TYPE, f"unknown message type {mtype[:64]!r}")
     sender = _str(header, "sender")
+    if types is not None and mtype not in types:
+        raise ProtocolError(R_WRONG_SOCKET, f"{mtype!r} is not served on this socket", sender)
     seq = wire_count(header, "seq")
     base_version = wire_count(header, "base_version")
     body = header.get("body", {})

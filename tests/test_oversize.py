@@ -7,7 +7,11 @@ Real sockets, a server in this process."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
+import zmq
 from inproc import serving
 
 from downpour import wire
@@ -111,4 +115,85 @@ def test_a_request_within_the_limit_that_times_out_blames_no_size() -> None:
         assert "larger" not in str(err.value)
     finally:
         req.close()
+        ctx.term()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+# (frame bytes, frames) per socket: each frame under the socket's MAXMSGSIZE (the gradient
+# socket's is the tiny model's payload, a few KB), about 117 MiB in all
+SENT = {"request": (60 << 10, 2000), "status": (60 << 10, 2000), "gradients": (2 << 10, 60_000)}
+LEFT_MIB = 48.0  # what a dropped message may leave resident: allocator slack, not the message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("socket", ["request", "gradients", "status"])
+def test_a_message_of_many_small_frames_past_the_bound_leaves_no_memory_behind(
+    cluster: Any, socket: str
+) -> None:
+    """A real server process; a message of about 117 MiB in small frames (each under the
+    socket's MAXMSGSIZE) on one socket. ZeroMQ holds the message whole for a moment (it
+    delivers a message only once all of it has arrived); the server drains it frame by frame,
+    keeps none, answers ``oversize`` where the socket has replies, counts it in
+    ``rejected.oversize``, and gives the memory back: its resident size afterwards is within
+    the socket's bound plus a few MiB of what it was. A valid push and pull are served right
+    after."""
+    from conftest import wait_until
+
+    from downpour.cli.status import fetch_status
+    from downpour.transport import PushSocket
+
+    server = cluster.server()
+    pid = server.proc.pid
+    info = server.info
+    endpoint = {
+        "request": server.rep,
+        "gradients": f"tcp://127.0.0.1:{info['push_port']}",
+        "status": server.status,
+    }[socket]
+    before = _rss_mib(pid)
+    header = bytes(memoryview(wire.encode(Message(wire.HEARTBEAT, "w0"))[0]))
+    size, count = SENT[socket]
+    parts = [header, *(bytes(size) for _ in range(count - 1))]
+    ctx = make_context()
+    try:
+        if socket == "gradients":
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(endpoint)
+            sock.send_multipart(parts)
+            sock.close()
+        else:
+            req = ReqClient(ctx, endpoint, timeout_s=30.0, retries=0)
+            reply = wire.decode(req.request_frames(parts), wire.STATUS_LIMITS)
+            req.close()
+            assert reply.type == wire.ERROR
+            err = wire.ErrorReply.from_body(reply.body)
+            assert err.code == wire.R_OVERSIZE and f"{count} frames" in err.message
+        doc = wait_until(
+            lambda: (d := fetch_status(server.status))["rejected"].get(wire.R_OVERSIZE) and d,
+            30,
+            "the oversize message counted",
+        )
+        assert doc["rejected"] == {wire.R_OVERSIZE: 1}
+        grown = _rss_mib(pid) - before
+        print(f"{socket}: {sum(map(len, parts)) / 2**20:.0f} MiB sent, {grown:+.1f} MiB resident")
+        bound_mib = {"request": 1.0, "status": 1 / 16, "gradients": 0.1}[socket]
+        assert grown < bound_mib + LEFT_MIB, f"{grown:.1f} MiB still resident after the drop"
+        client = ShardClient(ctx, server.rep, sender="w0", timeout_s=10.0)
+        weights = client.pull(wire.PullRequest())  # served right after
+        client.close()
+        zeros = {n: np.zeros_like(a) for n, a in weights.tensors.items()}
+        push = PushSocket(ctx, f"tcp://127.0.0.1:{info['push_port']}")
+        msg = wire.push_message("w0", 1, weights.version, wire.PushBody(), zeros)
+        assert push.send(wire.encode(msg), 10.0, None)
+        push.close(linger_s=10.0)  # the push leaves before the socket closes
+        wait_until(
+            lambda: fetch_status(server.status)["version"] == weights.version + 1, 30, "applied"
+        )
+    finally:
         ctx.term()

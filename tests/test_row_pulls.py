@@ -216,3 +216,13 @@ def test_a_real_server_refuses_hostile_row_requests_and_keeps_serving() -> None:
             zctx.term()
         assert list(w.tensors[TABLE].indices) == [2, 7]
         assert math.isfinite(float(w.tensors[TABLE].values.sum()))
+
+
+def test_rows_only_without_ids_is_a_plain_pull() -> None:
+    """The spec's row request is a pull with row-id tensors; ``rows_only`` without any is
+    answered as a plain pull, every variable whole (docs/security.md)."""
+    ctx = make_ctx()
+    msg = wire.pull_request("w0", wire.PullRequest(rows_only=True), {})
+    reply = wire.decode(frames(handle_request(frames(msg), ctx).message))
+    assert reply.type == wire.WEIGHTS and list(reply.tensors) == ctx.state.names
+    assert all(not isinstance(t, wire.Sparse) for t in reply.tensors.values())

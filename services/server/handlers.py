@@ -37,6 +37,7 @@ import numpy as np
 
 from downpour import security, wire
 from downpour.metrics import clean_reported
+from downpour.receive import Bound, Oversize
 from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher
 from downpour.server.policies import (
     APPLY,
@@ -155,27 +156,41 @@ def handle_request(
                 f"the request is {size} bytes, larger than the server accepts "
                 f"({ctx.max_request_bytes} bytes)",
             )
-        msg = wire.decode(frames, ctx.request_limits)
+        msg = wire.decode(frames, ctx.request_limits, REQUEST_HANDLERS)
         check_identity(ctx, peer_key, msg.sender)
-        if msg.type == wire.HELLO:
-            return handle_hello(msg, ctx)
-        if msg.type == wire.PULL:
-            return Reply(handle_pull(msg, ctx))
-        if msg.type == wire.HEARTBEAT:
-            return Reply(handle_heartbeat(msg, ctx))
-        if msg.type == wire.SPLIT:
-            return Reply(handle_split(msg, ctx))
-        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} is not served on this socket")
+        return REQUEST_HANDLERS[msg.type](msg, ctx)
     except ProtocolError as exc:
         return Reply(wire.error_message(exc.code, exc.message), _refuse(ctx, exc, None))
+
+
+def socket_bounds(ctx: HandlerContext) -> tuple[Bound, Bound]:
+    """The most a valid message holds on the REP socket and on the gradient socket (see
+    docs/security.md): a request is a header and at most one row-id tensor per row-sparse
+    variable, in ``max_request_bytes``; a push is a header and at most two frames per
+    variable (sparse and top-k: indices and values), in the model's payload limit plus the
+    header limit."""
+    requests = Bound(1 + sum(ctx.state.sparse), ctx.max_request_bytes)
+    gradients = Bound(
+        1 + 2 * len(ctx.state.names), ctx.limits.max_total_bytes + ctx.limits.max_header_bytes
+    )
+    return requests, gradients
+
+
+def refuse_oversize(ctx: HandlerContext, over: Oversize, bound: Bound, what: str) -> Rejection:
+    """Count a message dropped past its socket's bound (``oversize``) and its bytes."""
+    ctx.stats.counters["bytes_in"] += over.nbytes
+    exc = ProtocolError(
+        wire.R_OVERSIZE,
+        f"{what} of {over.frames} frames and {over.nbytes} bytes is larger than this socket "
+        f"accepts ({bound.nbytes} bytes) in at most {bound.frames} frames: dropped unread",
+    )
+    return _refuse(ctx, exc, None)
 
 
 def check_status_request(frames: Sequence[Any]) -> None:
     """A request from the status socket must decode and be a status request; raises
     ProtocolError otherwise. The answer is the published status document."""
-    msg = wire.decode(frames, wire.DEFAULT_LIMITS)
-    if msg.type != wire.STATUS:
-        raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the status socket")
+    wire.decode(frames, wire.DEFAULT_LIMITS, (wire.STATUS,))
 
 
 def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
@@ -495,6 +510,15 @@ def _note_process(ctx: HandlerContext, d: Dispatcher, worker: str, process: str)
         )
 
 
+# What the REP socket serves, by message type; any other type is ``wrong_socket``.
+REQUEST_HANDLERS: dict[str, Callable[[Message, HandlerContext], Reply]] = {
+    wire.HELLO: handle_hello,
+    wire.PULL: lambda msg, ctx: Reply(handle_pull(msg, ctx)),
+    wire.HEARTBEAT: lambda msg, ctx: Reply(handle_heartbeat(msg, ctx)),
+    wire.SPLIT: lambda msg, ctx: Reply(handle_split(msg, ctx)),
+}
+
+
 def release_gone(ctx: HandlerContext) -> list[str]:
     """Take back the splits of every lease holder that liveness calls gone (or that the
     registry does not know); return those workers. The loop calls it every pass."""
@@ -558,10 +582,8 @@ def handle_gradients(
     sender: str | None = None
     rec = None
     try:
-        msg = wire.decode(frames, ctx.limits)
+        msg = wire.decode(frames, ctx.limits, (wire.PUSH,))
         sender = msg.sender
-        if msg.type != wire.PUSH:
-            raise ProtocolError(wire.R_WRONG_SOCKET, f"{msg.type!r} sent to the gradient socket")
         if ctx.authenticated:
             sender = peer_key
             check_identity(ctx, peer_key, msg.sender)
@@ -592,7 +614,7 @@ def handle_gradients(
     except ProtocolError as exc:
         if rec is not None and ctx.dispatcher is not None:
             ctx.dispatcher.pushed(msg.sender, msg.seq)
-        return GradientOutcome(rejection=_refuse(ctx, exc, sender))
+        return GradientOutcome(rejection=_refuse(ctx, exc, sender or exc.sender))
     # Valid, new and enrolled: the policy decides. A drop or a hold is accepted, not an error.
     assert rec is not None
     if ctx.policy.wants_weights:  # dc, gap-aware: the weights this version has (a snapshot)

@@ -35,6 +35,7 @@ import zmq
 from downpour import security, systemd, wire
 from downpour.device import configure_device
 from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
+from downpour.receive import Bound, Oversize, recv_bounded
 from downpour.server.checkpoint import (
     CheckpointStore,
     CheckpointWriter,
@@ -51,18 +52,22 @@ from downpour.server.handlers import (
     flush_policy,
     handle_gradients,
     handle_request,
+    refuse_oversize,
     release_gone,
+    socket_bounds,
 )
 from downpour.server.observe import Observers
 from downpour.server.policies import parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.settings import ServerConfig, validate_server
-from downpour.server.sockets import ServerSockets
+from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
 from downpour.server.state import ParameterState
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
 from downpour.spec import ModelSpec
 from downpour.wire import ProtocolError
+
+STATUS_BOUND = Bound(1, STATUS_MAX_BYTES)  # a status request is one small header
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -161,6 +166,7 @@ class Server:
             authenticated=self.sockets.authenticated,
             dispatcher=self.dispatcher,
         )
+        self.request_bound, self.gradient_bound = socket_bounds(self.handler_ctx)
         self._publish(force=True)
         self._status_thread = threading.Thread(
             target=self._serve_status, name="status", daemon=True
@@ -332,12 +338,17 @@ class Server:
             if deadline is not None and time.monotonic() > deadline:
                 return
             try:
-                frames = grad_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_bounded(grad_sock, self.gradient_bound, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            outcome = handle_gradients(frames, self.handler_ctx, self.sockets.peer_key(frames))
-            if outcome.rejection is not None:
-                self._report(outcome.rejection)
+            if isinstance(frames, Oversize):
+                bound = self.gradient_bound
+                self._report(refuse_oversize(self.handler_ctx, frames, bound, "a push"))
+            else:
+                ctx, peer = self.handler_ctx, self.sockets.peer_key(frames)
+                outcome = handle_gradients(frames, ctx, peer)
+                if outcome.rejection is not None:
+                    self._report(outcome.rejection)
             if rep.poll(0, zmq.POLLIN):
                 self._serve_request_once()
 
@@ -345,11 +356,17 @@ class Server:
         """Answer one waiting request on the REP socket, if there is one."""
         rep = self.sockets.rep
         try:
-            frames = rep.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = recv_bounded(rep, self.request_bound, zmq.NOBLOCK)
         except zmq.Again:
             return
         try:
-            reply = handle_request(frames, self.handler_ctx, self.sockets.peer_key(frames))
+            if isinstance(frames, Oversize):
+                rejection = refuse_oversize(
+                    self.handler_ctx, frames, self.request_bound, "a request"
+                )
+                reply = Reply(wire.error_message(rejection.code, rejection.message), rejection)
+            else:
+                reply = handle_request(frames, self.handler_ctx, self.sockets.peer_key(frames))
         except Exception as exc:  # never leave a REQ peer without an answer
             log.exception("internal error answering a request")
             reply = Reply(wire.error_message(wire.R_INTERNAL, repr(exc)))
@@ -404,8 +421,16 @@ class Server:
         while not self._stop.is_set():
             if not sock.poll(100, zmq.POLLIN):
                 continue
-            frames = sock.recv_multipart(copy=False)
+            frames = recv_bounded(sock, STATUS_BOUND)
             try:
+                if isinstance(frames, Oversize):
+                    counters["status_oversize"] += 1
+                    raise ProtocolError(
+                        wire.R_OVERSIZE,
+                        f"a status request of {frames.frames} frames and {frames.nbytes} bytes "
+                        f"is larger than this socket accepts ({STATUS_BOUND.nbytes} bytes) in "
+                        f"at most {STATUS_BOUND.frames} frame",
+                    )
                 check_status_request(frames)
                 counters["status_requests"] += 1
                 doc = self._published

@@ -19,6 +19,7 @@ COUNTER_NAMES = (
     "bytes_out",
     "status_requests",
     "status_rejected",
+    "status_oversize",  # of status_rejected: past the status socket's bound
 )
 
 
@@ -26,8 +27,8 @@ COUNTER_NAMES = (
 class ServerStats:
     """Counters, rejection reasons, staleness and apply timing of one server.
 
-    The loop thread writes everything except ``status_requests`` and ``status_rejected``,
-    which only the status thread writes.
+    The loop thread writes everything except ``status_requests``, ``status_rejected`` and
+    ``status_oversize``, which only the status thread writes.
     """
 
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))

@@ -47,8 +47,8 @@ def build_status(
         "policy": {**ctx.policy.describe(), "learning_rate": state.learning_rate},
         "row_tables": [n for n, sparse in zip(state.names, state.sparse, strict=True) if sparse],
         "row_detection": None if state.row_sparsity is None else state.row_sparsity.problem,
-        "rejected": dict(stats.rejected),
-        "rejected_total": stats.rejected.total(),
+        "rejected": _rejected(ctx),
+        "rejected_total": stats.rejected.total() + stats.counters["status_oversize"],
         **security.status_fields(auth),
         "workers": ctx.registry.status(now),
         "registry": ctx.registry.summary(),
@@ -59,3 +59,12 @@ def build_status(
         "dispatch": None if ctx.dispatcher is None else ctx.dispatcher.progress(),
         **stats.counters,
     }
+
+
+def _rejected(ctx: HandlerContext) -> dict[str, int]:
+    """Refusals by reason: the loop's, and the status socket's oversize requests (counted by
+    the status thread apart, so neither thread writes the other's counter)."""
+    rejected = dict(ctx.stats.rejected)
+    if n := ctx.stats.counters["status_oversize"]:
+        rejected[wire.R_OVERSIZE] = rejected.get(wire.R_OVERSIZE, 0) + n
+    return rejected
