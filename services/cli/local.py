@@ -203,19 +203,57 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
+def _make_keys(
+    args: argparse.Namespace, run_dir: Path
+) -> tuple[security.ClientKeys | None, security.ClientKeys | None]:
+    """With --secure: a worker key each, one for the evaluator, a reader key for status; the
+    (status, evaluator) client keys. (None, None) without."""
+    if not args.secure:
+        return None, None
+    key_dir = keys_dir(run_dir)
+    names = [f"worker-{i}" for i in range(args.workers)]
+    security.generate_keys(key_dir, [*names, "run-local-eval"], ["run-local"])
+    server_pub = key_dir / security.SERVER_PUBLIC
+    return (
+        security.load_client_keys(client_secret(key_dir, "run-local"), server_pub),
+        security.load_client_keys(client_secret(key_dir, "run-local-eval"), server_pub),
+    )
+
+
+def _progress_bars(workers: int, per_worker: int | None, disable: bool) -> dict[str, Any]:
+    """A tqdm bar per worker id (``worker-i``), of ``per_worker`` steps when known."""
     from tqdm import tqdm
 
+    return {
+        f"worker-{i}": tqdm(
+            total=per_worker,
+            desc=f"worker-{i}",
+            position=i,
+            leave=True,
+            disable=disable,
+            dynamic_ncols=True,
+        )
+        for i in range(workers)
+    }
+
+
+def _history_row(doc: dict[str, Any], t: float, metric: str) -> dict[str, Any]:
+    """A history.csv row from a status document at ``t`` seconds (the metric not scored)."""
+    return {
+        "t": t,
+        "version": doc["version"],
+        "loss": doc["loss"],
+        "staleness_mean": doc["staleness"]["mean"],
+        "updates_per_s": doc["updates_per_s"],
+        metric: None,
+        **_eval_columns(doc, metric),
+    }
+
+
+def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
     shards = args.shards
     dispatched = args.data_dispatch == "server"
-    key_dir = keys_dir(run_dir)
-    status_keys = eval_keys = None
-    if args.secure:  # a worker key each, one for the evaluator, a reader key for status
-        names = [f"worker-{i}" for i in range(args.workers)]
-        security.generate_keys(key_dir, [*names, "run-local-eval"], ["run-local"])
-        server_pub = key_dir / security.SERVER_PUBLIC
-        status_keys = security.load_client_keys(client_secret(key_dir, "run-local"), server_pub)
-        eval_keys = security.load_client_keys(client_secret(key_dir, "run-local-eval"), server_pub)
+    status_keys, eval_keys = _make_keys(args, run_dir)
     children = plan_children(args, run_dir)
     ready_files = [Path(c.values["ready_file"]) for c in children.servers]
     server_logs = [run_dir / f"{c.name}.log" for c in children.servers]
@@ -264,17 +302,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     per_worker = args.steps or (
         None if dispatched else evaluator.steps_per_worker(args.workers, args.epochs)
     )
-    bars = {
-        f"worker-{i}": tqdm(
-            total=per_worker,
-            desc=f"worker-{i}",
-            position=i,
-            leave=True,
-            disable=args.no_progress,
-            dynamic_ncols=True,
-        )
-        for i in range(args.workers)
-    }
+    bars = _progress_bars(args.workers, per_worker, args.no_progress)
     history: list[dict[str, Any]] = []
     worker_rows: list[dict[str, Any]] = []  # workers.csv: per-worker throughput over time
     t_start = time.monotonic()
@@ -284,15 +312,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             if srv.poll() is not None:
                 raise RuntimeError(f"server exited with {srv.returncode}; see {srv_log}")
         doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
-        row: dict[str, Any] = {
-            "t": round(time.monotonic() - t_start, 2),
-            "version": doc["version"],
-            "loss": doc["loss"],
-            "staleness_mean": doc["staleness"]["mean"],
-            "updates_per_s": doc["updates_per_s"],
-            metric: None,
-            **_eval_columns(doc, metric),
-        }
+        row = _history_row(doc, round(time.monotonic() - t_start, 2), metric)
         worker_rows += _worker_rows(row["t"], doc)
         for wid, w in doc["workers"].items():
             if wid in bars:
@@ -319,15 +339,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
     version, acc = evaluator.score(host, port, eval_keys)
     history.append(
-        {
-            "t": round(time.monotonic() - t_start, 2),
-            "version": version,
-            "loss": doc["loss"],
-            "staleness_mean": doc["staleness"]["mean"],
-            "updates_per_s": doc["updates_per_s"],
-            metric: acc,
-            **_eval_columns(doc, metric),
-        }
+        _history_row(doc, round(time.monotonic() - t_start, 2), metric)
+        | {"version": version, metric: acc}
     )
     (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
     _write_history(run_dir / "history.csv", history)
