@@ -236,7 +236,7 @@ def run(plan_name: str, procs: Procs) -> dict[str, Any]:
             str(r): s["dense"]["steps_per_s"] for r, s in sizes.items() if "dense" in s
         },
         "dim": DIM,
-        "optimizer": OPTIMIZER[1],
+        "optimizer": OPTIMIZER["optimizer"],
         "detail": {str(r): s for r, s in sizes.items()},
     }
 
