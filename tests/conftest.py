@@ -241,17 +241,33 @@ def run_script(
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` TCP ports free on 127.0.0.1 right now (for a server restarted on the same ports)."""
+    """``n`` TCP ports free on 127.0.0.1 right now (for a server restarted on the same ports),
+    chosen below the kernel's ephemeral range: a port from that range can be taken as the
+    local port of any outgoing connection while its server is down, and its restart would
+    then find it in use."""
+    import random
     import socket
 
-    socks = [socket.socket() for _ in range(n)]
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    found: list[int] = []
+    for _ in range(2000):  # bounded: the range below the ephemeral one is nearly all free
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in found:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"no {n} free ports below {low} on 127.0.0.1")
 
 
 def wait_until(predicate: Any, timeout: float, what: str = "condition") -> Any:
