@@ -39,11 +39,24 @@ def set_log_context(**fields: Any) -> None:
             _context[name] = value
 
 
-def _resolve(value: Any) -> Any:
+_failed_context: set[str] = set()  # context fields whose callable raised, said once each
+
+
+def _resolve(name: str, value: Any) -> Any:
+    """A context field's value; a callable is called. A callable that raises gives None (a
+    log line must never fail because of its context), said once per field on stderr: not
+    through logging, which would run this filter again."""
     if callable(value):
         try:
             return value()
-        except Exception:  # a log line must never fail because of its context
+        except Exception as exc:  # noqa: BLE001 - reported once below, the line still logged
+            if name not in _failed_context:
+                _failed_context.add(name)
+                print(
+                    f"downpour logs: the {name!r} log field failed ({exc!r}); "
+                    "logged as empty from now on",
+                    file=sys.stderr,
+                )
             return None
     return value
 
@@ -54,7 +67,7 @@ class ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         for name in CONTEXT_FIELDS:
             if getattr(record, name, None) is None:
-                setattr(record, name, _resolve(_context.get(name)))
+                setattr(record, name, _resolve(name, _context.get(name)))
         return True
 
 
