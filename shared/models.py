@@ -10,15 +10,19 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
+from downpour import initial
 from downpour.data import load_mnist
 from downpour.models_tf1 import deep_mnist_graph
 from downpour.spec import ModelSpec
+
+log = logging.getLogger("downpour")
 
 
 def describe_variables(variables: Sequence[keras.Variable]) -> list[tuple[str, list[int], str]]:
@@ -77,13 +81,39 @@ def check_variables(model: keras.Model, name: str | None = None) -> None:
         seen.add(v.path)
 
 
-def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
-    """Build the spec's model with a fixed initialisation seed; ``check_variables`` it."""
-    keras.utils.set_random_seed(seed)
-    model = spec.build()
+def define_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
+    """The spec's model with its variables declared but not allocated (names, shapes,
+    dtypes, initialisers; ``downpour.initial``), ``check_variables``-ed: a shard server
+    allocates only its own rows, ``build_model`` all of them. A model whose build needs
+    values (it calls itself on data) is built allocated, with Keras's own initial values:
+    logged at warning level, as a shard then holds the whole model while it starts."""
+    keras.utils.set_random_seed(seed)  # initialisers Keras draws whole (``initial``)
+    try:
+        model = initial.build_deferred(spec.build)
+    except Exception as exc:  # noqa: BLE001 - any failure: the allocated build is the fallback
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        log.warning(
+            "model %r cannot be built without allocating its variables (%s): built whole, "
+            "with Keras's own initial values",
+            spec.name,
+            reason,
+        )
+        keras.utils.set_random_seed(seed)
+        model = spec.build()
     if not model.built or not model.trainable_variables:
         raise ValueError(f"model {spec.name!r} has no built trainable variables")
     check_variables(model, spec.name)
+    return model
+
+
+def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
+    """The spec's model with every variable allocated and given its initial value, a
+    function of (``seed``, variable, row) only (``downpour.initial``), so every process and
+    every layout of shards starts from the same weights."""
+    model = define_model(spec, seed)
+    for v in model.variables:
+        if initial.deferred(v):
+            initial.materialize(v, seed)
     return model
 
 

@@ -208,8 +208,7 @@ def ten_million_embedding() -> ModelSpec:
 
     def build() -> keras.Model:
         inp = keras.Input((features,), dtype="int32", name="ids")
-        # zeros: the servers build the table without a random 2.56 GB temporary
-        e = keras.layers.Embedding(vocab, dim, embeddings_initializer="zeros", name="embed")(inp)
+        e = keras.layers.Embedding(vocab, dim, name="embed")(inp)  # uniform, Keras's default
         h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
         out = keras.layers.Dense(2, name="logits")(h)
         return keras.Model(inp, out, name="ten_million_embedding")

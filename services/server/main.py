@@ -26,11 +26,11 @@ OPTIONS = SERVER_OPTIONS  # what `downpour server` and `downpour config show ser
 
 def show_partition(model_ref: str, num_shards: int) -> int:
     """Print the partition of the model over ``num_shards`` shards (``--show-partition``)."""
-    from downpour.models import build_model, fingerprint
+    from downpour.models import define_model, fingerprint
     from downpour.partition import make_partition
     from downpour.spec import load_spec
 
-    variables = build_model(load_spec(model_ref)).trainable_variables
+    variables = define_model(load_spec(model_ref)).trainable_variables
     try:
         part = make_partition(
             [v.path for v in variables],

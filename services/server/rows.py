@@ -24,9 +24,35 @@ import keras
 import tensorflow as tf
 
 ROW_WISE = frozenset({"adagrad", "lazy_adam"})  # optimizers whose tables update here
+
+
+class _Fill(keras.initializers.Initializer):
+    """A constant as one ``tf.fill``: one buffer, which the new variable takes over (Keras's
+    ``Constant`` multiplies a tensor of ones, two buffers the size of the slot)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self, shape: tuple[int, ...], dtype: str | None = None) -> tf.Tensor:
+        return tf.fill(shape, tf.constant(self.value, tf.as_dtype(dtype or "float32")))
+
+
+class Adagrad(keras.optimizers.Adagrad):
+    """Keras's Adagrad, whose accumulators are built at the size of the variable once: a
+    shard's peak memory while it starts is its variables and slots, not one slot more."""
+
+    def build(self, var_list: list[keras.Variable]) -> None:
+        if self.built:
+            return
+        super(keras.optimizers.Adagrad, self).build(var_list)
+        self._accumulators = self.add_optimizer_variables(
+            var_list, "accumulator", initializer=_Fill(self.initial_accumulator_value)
+        )
+
+
 OPTIMIZERS = {  # --optimizer: the Keras optimizer behind each (lazy_adam's dense part is Adam)
     "adam": keras.optimizers.Adam,
-    "adagrad": keras.optimizers.Adagrad,
+    "adagrad": Adagrad,
     "sgd": keras.optimizers.SGD,
     "lazy_adam": keras.optimizers.Adam,
 }

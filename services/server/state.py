@@ -30,15 +30,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour import initial
 from downpour.models import (
-    build_model,
+    define_model,
     describe_variables,
     embedding_tables,
     evaluate,
     fingerprint,
     zero_inputs,
 )
-from downpour.partition import Partition, make_partition
+from downpour.partition import Part, Partition, make_partition
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
 from downpour.tensors import aligned_empty
@@ -62,25 +63,37 @@ class RowSparsity:
 
 def sparse_gradients(model: keras.Model) -> RowSparsity:
     """Which trainable variables get row-sparse gradients (``tf.IndexedSlices``, from an
-    Embedding), found with one forward and backward pass of the sum of the outputs on one
-    example of zeros in the model's own input structure (a tensor, a list, a dict, nested):
-    no data and no labels needed. A model that cannot be probed that way (no declared
-    inputs, a call that fails on zeros) is logged at warning level, naming its Embedding
-    tables, which are then applied and served whole."""
-    n = len(model.trainable_variables)
-    try:
-        xs = zero_inputs(model)
+    Embedding), found by tracing, not running, the gradient of the sum of the outputs on one
+    example in the model's own input structure (a tensor, a list, a dict, nested) through
+    ``stateless_call``: no data, no labels and no variable values needed, so it works on a
+    model whose variables are not allocated (``models.define_model``). A model that cannot
+    be probed that way (no declared inputs, a call that fails) is logged at warning level,
+    naming its Embedding tables, which are then applied and served whole."""
+    trainable, other = model.trainable_variables, model.non_trainable_variables
+    kinds: list[bool] = []
+
+    def specs(vs: Sequence[keras.Variable]) -> list[tf.TensorSpec]:
+        return [tf.TensorSpec(v.shape, v.dtype) for v in vs]
+
+    @tf.function
+    def probe(tv: list[tf.Tensor], ntv: list[tf.Tensor], xs: object) -> tf.Tensor:
         with tf.GradientTape() as tape:
-            out = model(xs, training=False)
+            tape.watch(tv)
+            out, _ = model.stateless_call(tv, ntv, xs, training=False)
             total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(out)])
-        grads = tape.gradient(total, model.trainable_variables)
+        kinds.extend(isinstance(g, tf.IndexedSlices) for g in tape.gradient(total, tv))
+        return total
+
+    try:
+        xs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), zero_inputs(model))
+        probe.get_concrete_function(specs(trainable), specs(other), xs)
     except Exception as exc:  # noqa: BLE001 - any failure is reported, and the model applied densely
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
         tables = sorted(embedding_tables(model)) or ["(no Embedding tables)"]
         problem = f"cannot probe model {model.name!r} for row-sparse gradients: {reason}"
         log.warning("%s; applied and served whole: %s", problem, ", ".join(tables))
-        return RowSparsity([False] * n, problem)
-    return RowSparsity([isinstance(g, tf.IndexedSlices) for g in grads])
+        return RowSparsity([False] * len(trainable), problem)
+    return RowSparsity(kinds)
 
 
 def _slices(it: Iterator[tf.Tensor], shape: tuple[int, ...]) -> tf.IndexedSlices:
@@ -113,6 +126,35 @@ def _momentum_variable(optimizer: keras.optimizers.Optimizer) -> tf.Variable | N
     return var
 
 
+def _own_parts(
+    full: Sequence[keras.Variable], parts: Sequence[Part], seed: int, shard: int
+) -> list[keras.Variable]:
+    """One variable per part this shard holds, allocated at the part's size and given the
+    rows it covers of the whole variable's initial value (``downpour.initial``: the same rows
+    any layout gives). A variable ``define_model`` had to allocate whole is sliced, and its
+    whole-variable initialiser is named at warning level when it is split (the shard then
+    draws all its rows to keep some)."""
+    out = []
+    for j, p in enumerate(parts):
+        v = full[p.var]
+        name = f"shard{shard}_part{j}"  # Keras names may not contain "/": the wire name apart
+        if not initial.deferred(v):
+            out.append(keras.Variable(v.numpy()[p.start : p.stop], dtype=p.dtype, name=name))
+            continue
+        if not p.whole and not initial.row_decomposable(v):
+            log.warning(
+                "%s: initialiser %s draws the whole variable at once; this shard draws all "
+                "%d rows to keep rows %d:%d",
+                v.path,
+                type(v._initializer).__name__,
+                p.shape[0],
+                p.start,
+                p.stop,
+            )
+        out.append(initial.new_part(v, seed, p.start, p.stop, name))
+    return out
+
+
 class ParameterState:
     """Owns the model's variables and applies gradient lists to them, one version at a time.
 
@@ -126,8 +168,9 @@ class ParameterState:
     applied to the rows a push touched only; ``sparse_apply=False`` applies them densely.
 
     With ``num_shards`` > 1 the state holds only shard ``shard``'s parts of the model
-    (``downpour.partition``): one variable per part, initialised from the same seeded model
-    every shard builds, so the shards together start from exactly the unsharded weights.
+    (``downpour.partition``): one variable per part, allocated at the part's size, nothing
+    else of the model; initial values are a function of (seed, variable, row) only
+    (``downpour.initial``), so the shards together start from exactly the unsharded weights.
     ``names`` are then the parts' wire names and ``model`` is None (a shard cannot evaluate).
     """
 
@@ -147,7 +190,7 @@ class ParameterState:
             raise ValueError(f"shard must be in 0..{num_shards - 1}, got {shard}")
         self.spec = spec
         self.shard = shard
-        model = build_model(spec, seed)
+        model = define_model(spec, seed)  # declared, not allocated (downpour.initial)
         full = list(model.trainable_variables)
         # None with --sparse-apply off: nothing served by row, by the operator's choice
         self.row_sparsity = sparse_gradients(model) if sparse_apply else None
@@ -164,16 +207,12 @@ class ParameterState:
         parts = self.partition.shards[shard]
         self.model: keras.Model | None = model if num_shards == 1 else None
         if num_shards == 1:
+            for v in model.variables:
+                if initial.deferred(v):
+                    initial.materialize(v, seed)
             self.variables = full
-        else:  # Keras variable names may not contain "/": a safe name, the wire name kept apart
-            self.variables = [
-                keras.Variable(
-                    full[p.var].numpy()[p.start : p.stop] if not p.whole else full[p.var].numpy(),
-                    dtype=p.dtype,
-                    name=f"shard{shard}_part{j}",
-                )
-                for j, p in enumerate(parts)
-            ]
+        else:
+            self.variables = _own_parts(full, parts, seed, shard)
         self.names = [p.wire_name for p in parts]
         # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
         # the rows a push touched. Their row count varies per push, which XLA would compile

@@ -1,0 +1,203 @@
+"""Initial values that depend only on (seed, variable, row): the same for any layout.
+
+A variable's rows are generated in fixed blocks of rows; block ``b`` of variable ``name`` is
+drawn by a stateless random op keyed by ``(seed, hash(name, b))``. The block size is a
+function of the variable's shape alone, so the rows ``start:stop`` a shard holds are exactly
+those rows of the whole variable an unsharded server or a worker builds, whatever the number
+of shards, and a shard generates only (about) its own rows.
+
+The initialiser the model chose sets the distribution and scale:
+
+- ``Zeros``, ``Ones`` and a scalar ``Constant`` fill;
+- ``RandomUniform``, ``RandomNormal`` and ``TruncatedNormal`` keep their parameters;
+- ``VarianceScaling`` and its family (Glorot, He, LeCun) compute their scale from the whole
+  variable's fans, as Keras does, then draw block by block;
+- any other initialiser (``Orthogonal``, ``Identity``, a callable of the model's own) is
+  called once for the whole variable, which is layout-independent too (every process builds
+  the model with the same seeds) but allocates the whole variable: ``row_decomposable``
+  says which variables need that, so a shard can warn.
+
+``build_deferred`` builds a model without allocating its variables (Keras's deferred
+initialisation under a ``StatelessScope``) and ``materialize`` gives one variable its
+values in place, block by block: the peak is the variable plus one block. This module is the
+one place that touches Keras's deferred-variable internals (``_initializer``,
+``_initialize``); tests/test_initial.py pins the behaviour they provide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+log = logging.getLogger("downpour")
+
+BLOCK_ELEMENTS = 1 << 18  # elements per generated block: 1 MiB of float32
+TRUNCATED_STDDEV = 0.87962566103423978  # stddev of a unit normal truncated at 2 (Keras's)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one variable's values are drawn: ``kind`` is fill, uniform, normal, truncated or
+    whole; ``a``/``b`` are (value, -), (min, max) or (mean, stddev)."""
+
+    kind: str
+    a: float = 0.0
+    b: float = 0.0
+
+
+def _same_call(init: Any, cls: type) -> bool:
+    """True when ``init`` draws as ``cls`` does (its class has ``cls``'s ``__call__``)."""
+    return isinstance(init, cls) and type(init).__call__ is cls.__call__
+
+
+def rule_of(init: Any, shape: tuple[int, ...], dtype: str) -> Rule:
+    """The rule for a variable of ``shape``/``dtype`` made by Keras initialiser ``init``."""
+    from keras.src.initializers.random_initializers import compute_fans
+
+    ki = keras.initializers
+    if not tf.as_dtype(dtype).is_floating or len(shape) == 0:
+        return Rule("whole")
+    if _same_call(init, ki.Zeros):
+        return Rule("fill", 0.0)
+    if _same_call(init, ki.Ones):
+        return Rule("fill", 1.0)
+    if _same_call(init, ki.Constant) and np.ndim(init.value) == 0:
+        return Rule("fill", float(init.value))
+    if _same_call(init, ki.RandomUniform):
+        return Rule("uniform", float(init.minval), float(init.maxval))
+    if _same_call(init, ki.RandomNormal):
+        return Rule("normal", float(init.mean), float(init.stddev))
+    if _same_call(init, ki.TruncatedNormal):
+        return Rule("truncated", float(init.mean), float(init.stddev))
+    if _same_call(init, ki.VarianceScaling):
+        fan_in, fan_out = compute_fans(
+            shape,
+            input_axes=getattr(init, "input_axes", None),
+            output_axes=getattr(init, "output_axes", None),
+        )
+        fan = {"fan_in": fan_in, "fan_out": fan_out}.get(init.mode, (fan_in + fan_out) / 2.0)
+        scale = init.scale / max(1.0, fan)
+        if init.distribution == "truncated_normal":
+            return Rule("truncated", 0.0, math.sqrt(scale) / TRUNCATED_STDDEV)
+        if init.distribution == "untruncated_normal":
+            return Rule("normal", 0.0, math.sqrt(scale))
+        limit = math.sqrt(3.0 * scale)
+        return Rule("uniform", -limit, limit)
+    return Rule("whole")
+
+
+def block_rows(shape: tuple[int, ...]) -> int:
+    """Rows per generated block of a variable of ``shape`` (a function of the shape only)."""
+    row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    return max(1, BLOCK_ELEMENTS // max(row, 1))
+
+
+def block_seed(seed: int, name: str, block: int) -> tf.Tensor:
+    """The stateless seed of block ``block`` of variable ``name`` in a run seeded ``seed``."""
+    digest = hashlib.sha256(f"{name}\0{block}".encode()).digest()
+    key = int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+    return tf.constant([seed & 0x7FFF_FFFF_FFFF_FFFF, key], tf.int64)
+
+
+def _draw(rule: Rule, shape: tuple[int, ...], dtype: tf.DType, seed: tf.Tensor) -> tf.Tensor:
+    if rule.kind == "uniform":
+        return tf.random.stateless_uniform(shape, seed, rule.a, rule.b, dtype=dtype)
+    if rule.kind == "normal":
+        return tf.random.stateless_normal(shape, seed, rule.a, rule.b, dtype=dtype)
+    return tf.random.stateless_truncated_normal(shape, seed, rule.a, rule.b, dtype=dtype)
+
+
+def blocks(
+    rule: Rule, name: str, shape: tuple[int, ...], dtype: str, seed: int, start: int, stop: int
+) -> Iterator[tuple[int, tf.Tensor]]:
+    """Rows ``start:stop`` of the whole variable ``name`` of ``shape``, drawn by ``rule``
+    (not ``whole``), as (offset from ``start``, rows) pieces of at most one block each."""
+    per = block_rows(shape)
+    dt = tf.as_dtype(dtype)
+    for b in range(start // per, (stop - 1) // per + 1 if stop > start else 0):
+        lo, hi = b * per, min((b + 1) * per, shape[0])
+        rows = _draw(rule, (hi - lo, *shape[1:]), dt, block_seed(seed, name, b))
+        a, z = max(lo, start), min(hi, stop)
+        yield a - start, rows[a - lo : z - lo]
+
+
+def row_decomposable(variable: keras.Variable) -> bool:
+    """True when deferred ``variable``'s rows can be drawn without drawing the others."""
+    return _rule(variable).kind != "whole"
+
+
+def _rule(variable: keras.Variable) -> Rule:
+    shape = tuple(int(d) for d in variable.shape)
+    return rule_of(variable._initializer, shape, str(variable.dtype))
+
+
+def fill(target: keras.Variable, source: keras.Variable, seed: int, start: int = 0) -> None:
+    """Write rows ``start:start + len(target)`` of deferred ``source``'s initial value into
+    ``target`` (allocated, of that many rows), block by block in place: no second copy of
+    ``target`` is ever made. A ``whole`` rule draws all of ``source`` once and slices it."""
+    shape = tuple(int(d) for d in source.shape)
+    dtype = str(source.dtype)
+    rule = _rule(source)
+    stop = start + (int(target.shape[0]) if shape else 0)
+    if rule.kind == "whole":
+        whole = source._initializer(shape, dtype=dtype)
+        target.assign(whole if not shape or (start, stop) == (0, shape[0]) else whole[start:stop])
+        return
+    handle = target.value.handle
+    for offset, rows in blocks(rule, source.path, shape, dtype, seed, start, stop):
+        idx = tf.range(offset, offset + int(rows.shape[0]), dtype=tf.int64)
+        tf.raw_ops.ResourceScatterUpdate(resource=handle, indices=idx, updates=rows)
+
+
+def new_part(source: keras.Variable, seed: int, start: int, stop: int, name: str) -> keras.Variable:
+    """A new Keras variable ``name`` holding rows ``start:stop`` of deferred ``source``'s
+    initial value (a shard's piece of a split variable): allocated once, filled in place."""
+    shape = tuple(int(d) for d in source.shape)
+    part = (stop - start, *shape[1:])
+    out = keras.Variable("zeros", shape=part, dtype=str(source.dtype), name=name)
+    fill(out, source, seed, start)
+    return out
+
+
+def materialize(variable: keras.Variable, seed: int) -> None:
+    """Give deferred ``variable`` its initial value in place (allocated once, then filled)."""
+    shape = tuple(int(d) for d in variable.shape)
+    dtype = tf.as_dtype(str(variable.dtype))
+    variable._initialize(lambda: tf.zeros(shape, dtype))
+    fill(variable, variable, seed)
+    variable._initializer = None
+
+
+def build_deferred(build: Callable[[], keras.Model]) -> keras.Model:
+    """``build()`` with every variable it creates left unallocated (Keras's deferred
+    initialisation): shapes, dtypes, paths and initialisers known, no values. ValueError
+    when the build assigns values (``set_weights``, loading saved weights): those would be
+    lost; other failures (a build that reads values) are raised as they come."""
+    from keras.src.backend.common import global_state
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    scope = StatelessScope(initialize_variables=False)
+    try:
+        with scope:
+            model = build()
+    finally:  # nothing may initialise them behind our back (a later StatelessScope's exit)
+        global_state.set_global_attribute("uninitialized_variables", [])
+    if scope.state_mapping:
+        raise ValueError(
+            f"the build assigns values to {len(scope.state_mapping)} variable(s) "
+            "(set_weights, loaded weights)"
+        )
+    return model
+
+
+def deferred(variable: keras.Variable) -> bool:
+    """True for a variable ``build_deferred`` left unallocated."""
+    return getattr(variable, "_value", None) is None and variable._initializer is not None
