@@ -13,21 +13,16 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import ml_dtypes
 import numpy as np
 
-from downpour.payloads import (
-    BF16_DTYPES,
-    INDEX_DTYPES,
-    BFloat16,
-    FlatSparse,
-    Sparse,
-    SparseBF16,
-    WireTensor,
-)
+from downpour.payloads import BF16_DTYPES, INDEX_DTYPES, BFloat16, FlatSparse, Sparse, SparseBF16
 from downpour.protocol import R_DTYPE, R_HEADER, R_SHAPE, R_TRUNCATED, ProtocolError
+
+if TYPE_CHECKING:
+    from downpour.payloads import WireTensor
 
 DENSE = "dense"
 SPARSE = "sparse"
