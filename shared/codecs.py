@@ -13,18 +13,22 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import ml_dtypes
 import numpy as np
 
-from downpour.payloads import BF16_DTYPES, INDEX_DTYPES, BFloat16, FlatSparse, Sparse, WireTensor
+from downpour.payloads import BF16_DTYPES, INDEX_DTYPES, BFloat16, FlatSparse, Sparse, SparseBF16
 from downpour.protocol import R_DTYPE, R_HEADER, R_SHAPE, R_TRUNCATED, ProtocolError
+
+if TYPE_CHECKING:
+    from downpour.payloads import WireTensor
 
 DENSE = "dense"
 SPARSE = "sparse"
 BF16 = "bf16"
 TOPK = "topk"
+SPARSE_BF16 = "sparse_bf16"
 
 _BF16_WIRE = np.dtype("<u2")  # bfloat16 bits as they travel; viewed as ml_dtypes.bfloat16
 
@@ -136,6 +140,33 @@ def view(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray
     return a
 
 
+def bf16_bits(name: str, dtype: Any, values: np.ndarray) -> np.ndarray:
+    """The frame of bfloat16 ``values`` standing for a tensor of ``dtype``: their bits as
+    little-endian uint16 (a buffer cannot export the bfloat16 dtype). ValueError when
+    ``dtype`` is no bf16 logical dtype or ``values`` are not bfloat16."""
+    if np.dtype(dtype).name not in BF16_DTYPES:
+        raise ValueError(f"{name!r}: bf16 cannot stand for {np.dtype(dtype)}")
+    values = np.asarray(values, order="C")
+    if values.dtype != ml_dtypes.bfloat16:
+        raise ValueError(f"{name!r}: bf16 values must be ml_dtypes.bfloat16, not {values.dtype}")
+    return values.view(np.uint16).astype(_BF16_WIRE, copy=False)
+
+
+def check_bf16_dtype(name: str, dtype: np.dtype) -> None:
+    """ProtocolError(R_DTYPE) unless bf16 values may decode to ``dtype``."""
+    if dtype.name not in BF16_DTYPES:
+        raise ProtocolError(R_DTYPE, f"{name!r}: bf16 cannot decode to {dtype.name}")
+
+
+def widen_bf16(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A frame of bfloat16 bits (length checked) as a fresh read-only array of ``dtype``:
+    the one pass that widens them, exact (every bfloat16 is a float32)."""
+    bits = np.frombuffer(buf, dtype=_BF16_WIRE).astype(np.uint16, copy=False)
+    a = bits.view(ml_dtypes.bfloat16).reshape(shape).astype(dtype.newbyteorder("="))
+    a.flags.writeable = False  # like every decoded tensor
+    return a
+
+
 class DenseCodec(Codec):
     """``dense``: the tensor's bytes as they are, one frame; decodes to a read-only view."""
 
@@ -166,37 +197,31 @@ class BF16Codec(Codec):
     frames = 1
 
     def encode(self, name: str, t: BFloat16) -> tuple[dict[str, Any], list[np.ndarray]]:
-        if np.dtype(t.dtype).name not in BF16_DTYPES:
-            raise ValueError(f"{name!r}: bf16 cannot stand for {np.dtype(t.dtype)}")
-        values = np.asarray(t.values, order="C")
-        if values.dtype != ml_dtypes.bfloat16:
-            raise ValueError(f"BFloat16.values must be ml_dtypes.bfloat16, not {values.dtype}")
-        # a buffer cannot export the bfloat16 dtype: the bits travel as uint16
-        bits = values.view(np.uint16).astype(_BF16_WIRE, copy=False)
+        bits = bf16_bits(name, t.dtype, t.values)
         return descriptor(name, BF16, t.dtype, bits.shape, bits.nbytes), [bits]
 
     def check(
         self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
     ) -> Checked:
-        if dtype.name not in BF16_DTYPES:
-            raise ProtocolError(R_DTYPE, f"{name!r}: bf16 cannot decode to {dtype.name}")
+        check_bf16_dtype(name, dtype)
         n = math.prod(shape)
         widened = n * (dtype.itemsize - _BF16_WIRE.itemsize)
         return Checked(Slot(name, self, dtype, shape), n * _BF16_WIRE.itemsize, widened)
 
     def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
         check_frame(slot, bufs[0], math.prod(slot.shape) * _BF16_WIRE.itemsize, "bf16 ")
-        bits = np.frombuffer(bufs[0], dtype=_BF16_WIRE).astype(np.uint16, copy=False)
-        a = bits.view(ml_dtypes.bfloat16).reshape(slot.shape).astype(slot.dtype.newbyteorder("="))
-        a.flags.writeable = False  # like every decoded tensor
-        return a
+        return widen_bf16(bufs[0], slot.dtype, slot.shape)
 
 
 class IndexedCodec(Codec):
     """An encoding of ``nnz`` entries: an indices frame of ``index_dtype``, then a values
-    frame. Subclasses say how big an entry is and what the indices may address."""
+    frame. Subclasses say how big an entry is, what the indices may address and what
+    decoding builds (``decodes_to``, from indices, values and the dense shape); the values
+    travel in their logical dtype unless a subclass says otherwise (``value_bytes``,
+    ``values``)."""
 
     frames = 2
+    decodes_to: ClassVar[type]
 
     @abstractmethod
     def entry_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -209,14 +234,29 @@ class IndexedCodec(Codec):
     def check_nnz(self, name: str, nnz: int, shape: tuple[int, ...]) -> None:
         """Refuse an entry count the shape cannot hold (ProtocolError); any by default."""
 
+    def value_bytes(self, dtype: np.dtype) -> int:
+        """Bytes one value of logical ``dtype`` takes in the values frame."""
+        return dtype.itemsize
+
+    def values(self, slot: Slot, buf: memoryview, shape: tuple[int, ...]) -> np.ndarray:
+        """The values frame (its length checked) as ``shape`` of ``slot.dtype``: a read-only
+        view on it."""
+        return view(buf, slot.dtype, shape)
+
     def indexed(
-        self, name: str, indices: np.ndarray, values: np.ndarray, shape: Any
+        self,
+        name: str,
+        indices: np.ndarray,
+        values: np.ndarray,
+        shape: Any,
+        dtype: Any = None,
     ) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """The descriptor and frames of ``indices`` and ``values`` (wire-ready arrays)."""
+        """The descriptor and frames of ``indices`` and ``values`` (wire-ready arrays);
+        ``dtype``: the logical dtype when the values travel in another (default theirs)."""
         desc = descriptor(
             name,
             self.name,
-            values.dtype,
+            values.dtype if dtype is None else dtype,
             shape,
             values.nbytes,
             nnz=int(indices.shape[0]),
@@ -231,22 +271,24 @@ class IndexedCodec(Codec):
         self.check_nnz(name, nnz, shape)
         index_dtype = wire_dtype(desc.get("index_dtype"), INDEX_DTYPES)
         slot = Slot(name, self, dtype, shape, nnz, index_dtype)
-        values = nnz * math.prod(self.entry_shape(shape)) * dtype.itemsize
-        return Checked(slot, values, nnz * index_dtype.itemsize)
+        n = nnz * math.prod(self.entry_shape(shape))
+        values = n * self.value_bytes(dtype)
+        widened = n * dtype.itemsize - values  # what decoding allocates beyond the frame
+        return Checked(slot, values, nnz * index_dtype.itemsize + widened)
 
     def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
         assert slot.index_dtype is not None
         ibuf, vbuf = bufs
         entry = self.entry_shape(slot.shape)
         check_frame(slot, ibuf, slot.nnz * slot.index_dtype.itemsize, "index ")
-        check_frame(slot, vbuf, slot.nnz * math.prod(entry) * slot.dtype.itemsize, "value ")
+        n = slot.nnz * math.prod(entry)
+        check_frame(slot, vbuf, n * self.value_bytes(slot.dtype), "value ")
         indices = view(ibuf, slot.index_dtype, (slot.nnz,))
         if slot.nnz and (
             int(indices.min()) < 0 or int(indices.max()) >= self.index_bound(slot.shape)
         ):
             raise ProtocolError(R_SHAPE, f"{slot.name!r}: {self.name} index out of range")
-        values = view(vbuf, slot.dtype, (slot.nnz, *entry))
-        return self.carries(indices, values, slot.shape)
+        return self.decodes_to(indices, self.values(slot, vbuf, (slot.nnz, *entry)), slot.shape)
 
 
 class SparseCodec(IndexedCodec):
@@ -254,6 +296,7 @@ class SparseCodec(IndexedCodec):
 
     name = SPARSE
     carries = Sparse
+    decodes_to = Sparse
 
     def entry_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape[1:]
@@ -278,6 +321,7 @@ class TopKCodec(IndexedCodec):
 
     name = TOPK
     carries = FlatSparse
+    decodes_to = FlatSparse
 
     def entry_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return ()
@@ -299,9 +343,34 @@ class TopKCodec(IndexedCodec):
             )
 
 
+class SparseBF16Codec(SparseCodec):
+    """``sparse_bf16``: ``sparse`` rows whose values frame holds bfloat16 bits (as ``bf16``:
+    little-endian uint16, 2 bytes a value); takes ``SparseBF16``, decodes to ``Sparse``
+    whose values are a fresh array of the logical dtype (counted against the limit too)."""
+
+    name = SPARSE_BF16
+    carries = SparseBF16
+
+    def encode(self, name: str, t: SparseBF16) -> tuple[dict[str, Any], list[np.ndarray]]:
+        bits = bf16_bits(name, t.dtype, t.values)
+        return self.indexed(name, _index_frame(t.indices), bits, t.dense_shape, t.dtype)
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        check_bf16_dtype(name, dtype)
+        return super().check(name, desc, dtype, shape)
+
+    def value_bytes(self, dtype: np.dtype) -> int:
+        return _BF16_WIRE.itemsize
+
+    def values(self, slot: Slot, buf: memoryview, shape: tuple[int, ...]) -> np.ndarray:
+        return widen_bf16(buf, slot.dtype, shape)
+
+
 # The encodings, by descriptor name: encode and decode go through this table only.
 CODECS: dict[str, Codec] = {
-    c.name: c for c in (DenseCodec(), SparseCodec(), BF16Codec(), TopKCodec())
+    c.name: c for c in (DenseCodec(), SparseCodec(), BF16Codec(), TopKCodec(), SparseBF16Codec())
 }
 ENCODINGS = frozenset(CODECS)
 

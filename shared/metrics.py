@@ -188,7 +188,7 @@ SERVER_METRICS: tuple[MetricInfo, ...] = (
         "downpour_pulls_bf16_total",
         COUNTER,
         "",
-        "Weight pulls answered in bfloat16 (workers with --pull-compress bf16).",
+        "Whole-weight pulls answered in bfloat16 (workers with --pull-compress bf16).",
     ),
     MetricInfo(
         "row_pulls",
@@ -203,6 +203,13 @@ SERVER_METRICS: tuple[MetricInfo, ...] = (
         COUNTER,
         "",
         "Table rows sent in answer to row pulls (unique rows per pull).",
+    ),
+    MetricInfo(
+        "rows_bf16",
+        "downpour_rows_bf16_total",
+        COUNTER,
+        "",
+        "Of rows_served: rows sent in bfloat16 (row pulls of workers with --pull-compress bf16).",
     ),
     MetricInfo("hellos", "downpour_hellos_total", COUNTER, "", "Worker hellos answered."),
     MetricInfo("bytes_in", "downpour_received_bytes_total", COUNTER, "bytes", "Bytes received."),

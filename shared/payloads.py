@@ -1,5 +1,6 @@
 """The tensor values a message carries: plain arrays, ``Sparse`` rows, ``FlatSparse``
-elements and ``BFloat16`` tensors, the dtypes the wire allows, and helpers on them.
+elements, ``BFloat16`` tensors and ``SparseBF16`` rows, the dtypes the wire allows, and
+helpers on them.
 ``downpour.wire`` re-exports all of it; import it from there.
 """
 
@@ -120,8 +121,32 @@ class BFloat16:
         return self.values.astype(self.dtype)
 
 
+@dataclass(frozen=True)
+class SparseBF16:
+    """Rows of a row-sparse tensor to send with their values in bfloat16 (a row pull under
+    ``--pull-compress bf16``): ``Sparse`` at 2 bytes a value. ``values`` is an
+    ``ml_dtypes.bfloat16`` array of shape (nnz, *dense_shape[1:]); build it with
+    ``from_sparse``. Only encode takes it: decode hands back a ``Sparse`` whose values are
+    widened to ``dtype``."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple[int, ...]
+    dtype: np.dtype = np.dtype(np.float32)
+
+    @classmethod
+    def from_sparse(cls, s: Sparse) -> SparseBF16:
+        """``s`` with its values rounded to bfloat16 (nearest even, as ``BFloat16``)."""
+        rounded = BFloat16.from_array(s.values)
+        return cls(s.indices, rounded.values, tuple(s.dense_shape), rounded.dtype)
+
+    def to_dense(self) -> np.ndarray:
+        """Materialise as a dense array of ``dtype``; repeated indices are summed."""
+        return Sparse(self.indices, self.values.astype(self.dtype), self.dense_shape).to_dense()
+
+
 Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
-WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16  # what a Message may carry
+WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16 | SparseBF16  # what a Message may carry
 
 
 def all_finite(a: np.ndarray) -> bool:
@@ -142,13 +167,15 @@ def all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
-def as_bf16(a: np.ndarray) -> np.ndarray | BFloat16:
-    """``a`` to send in bfloat16 where that halves it (float32, float64); float16 (as many
-    bytes and more precise) and non-float arrays as they are. Gradients (``--compress bf16``)
-    and weights (``--pull-compress bf16``) follow this one rule."""
-    if a.dtype.name in BF16_DTYPES and a.dtype != np.float16:
-        return BFloat16.from_array(a)
-    return a
+def as_bf16(t: np.ndarray | Sparse) -> np.ndarray | Sparse | BFloat16 | SparseBF16:
+    """``t`` to send in bfloat16 where that halves its values (float32, float64): an array
+    as ``BFloat16``, rows as ``SparseBF16``; float16 (as many bytes and more precise) and
+    non-float values as they are. Gradients (``--compress bf16``), weights and table rows
+    (``--pull-compress bf16``) follow this one rule."""
+    values = t.values if isinstance(t, Sparse) else t
+    if values.dtype.name not in BF16_DTYPES or values.dtype == np.float16:
+        return t
+    return SparseBF16.from_sparse(t) if isinstance(t, Sparse) else BFloat16.from_array(t)
 
 
 def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:
@@ -158,7 +185,7 @@ def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:
     """
     if isinstance(t, FlatSparse):
         return t.to_dense(out)
-    if isinstance(t, Sparse | BFloat16):
+    if isinstance(t, Sparse | BFloat16 | SparseBF16):
         return t.to_dense()
     return np.asarray(t)
 

@@ -4,8 +4,8 @@ A message is one ZeroMQ multipart message::
 
     frame 0         header: a msgpack map, at most ``Limits.max_header_bytes``
     frame 1 .. n    tensor payloads in descriptor order, raw little-endian C-order bytes:
-                    a ``dense`` or ``bf16`` tensor takes one frame, a ``sparse`` or
-                    ``topk`` tensor two (indices, then values)
+                    a ``dense`` or ``bf16`` tensor takes one frame, a ``sparse``,
+                    ``sparse_bf16`` or ``topk`` tensor two (indices, then values)
 
 Header map (string keys; msgpack ext types are refused, nothing is ever unpickled)::
 
@@ -24,17 +24,22 @@ Tensor descriptor::
     dtype         str    numpy dtype name from ALLOWED_DTYPES: the logical dtype, the one
                          the decoded tensor has (bf16: one of BF16_DTYPES)
     shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
-    encoding      str    "dense" | "sparse" | "bf16" | "topk": a name in ``CODECS``
+    encoding      str    "dense" | "sparse" | "bf16" | "topk" | "sparse_bf16": a name in
+                         ``CODECS``
     nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize;
-                         bf16: prod(shape) * 2; sparse, topk: see nnz
-    nnz           int    sparse, topk only. sparse: rows present, values frame is
-                         (nnz, *shape[1:]); topk: elements present, nnz <= prod(shape),
+                         bf16: prod(shape) * 2; sparse, topk, sparse_bf16: see nnz
+    nnz           int    sparse, topk, sparse_bf16 only. sparse: rows present, values
+                         frame is (nnz, *shape[1:]) of dtype; sparse_bf16: the same
+                         rows, 2 bytes a value (nbytes = nnz * prod(shape[1:]) * 2, dtype
+                         one of BF16_DTYPES); topk: elements present, nnz <= prod(shape),
                          values frame is (nnz,) of dtype
-    index_dtype   str    sparse, topk only: "int32" | "int64"; indices frame is (nnz,).
-                         sparse: row numbers in [0, shape[0]); topk: positions in the
-                         C-order flattened tensor, in [0, prod(shape))
+    index_dtype   str    sparse, topk, sparse_bf16 only: "int32" | "int64"; indices frame
+                         is (nnz,). sparse, sparse_bf16: row numbers in [0, shape[0]);
+                         topk: positions in the C-order flattened tensor, in
+                         [0, prod(shape))
 
-Encodings (compressed gradients, ``downpour worker --compress``)::
+Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
+``--pull-compress``)::
 
     dense    the tensor's bytes as they are
     sparse   ``tf.IndexedSlices`` rows: decodes to ``Sparse``; repeated rows are summed
@@ -43,6 +48,11 @@ Encodings (compressed gradients, ``downpour worker --compress``)::
              a fresh array of the logical dtype (a float32 gradient stays float32)
     topk     the k largest-magnitude elements of a tensor: decodes to ``FlatSparse``, whose
              ``to_dense()`` scatters the values into zeros; repeated positions are summed
+    sparse_bf16
+             ``sparse`` rows whose values are rounded to bfloat16 as ``bf16`` does (the rows
+             of a row reply to a pull asking for "bf16"): the same indices frame, then a
+             values frame of nnz * prod(shape[1:]) little-endian 2-byte values. Decodes to
+             ``Sparse`` whose values are a fresh array of the logical dtype
     Each encoding is one codec in ``CODECS`` (``downpour.codecs``), the table encode and
     decode both go through; a server's hello reply lists them as its "encodings". An
     encoding the receiver has no codec for is refused as "bad_header".
@@ -100,7 +110,10 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              order; it removes duplicates before gathering.
     reply    a weights message. Each requested table comes as a ``sparse`` tensor: its
              unique requested ids (sorted, int64) and those rows' values at the reply's
-             base_version; an empty id list gives an empty table entry. The other variables
+             base_version; an empty id list gives an empty table entry. A request body
+             with "encoding": "bf16" gets float32 and float64 tables' rows as
+             ``sparse_bf16`` (ids int64 as ever, values in half the bytes) and the whole
+             variables as ``bf16``. The other variables
              come whole as in a plain pull (a row-sparse table not named in the request, too:
              that is a first full load), or are left out with body {"unchanged": true} when
              the sender's "have" is still current: "unchanged" then speaks of the whole
@@ -161,6 +174,7 @@ from downpour.codecs import (
     DENSE,
     ENCODINGS,
     SPARSE,
+    SPARSE_BF16,
     TOPK,
     Codec,
     Slot,
@@ -175,6 +189,7 @@ from downpour.payloads import (
     BFloat16,
     FlatSparse,
     Sparse,
+    SparseBF16,
     Tensor,
     WireTensor,
     all_finite,
@@ -272,6 +287,7 @@ __all__ = [
     "R_VERSION",
     "R_WRONG_SOCKET",
     "SPARSE",
+    "SPARSE_BF16",
     "SPLIT",
     "STATUS",
     "STATUS_LIMITS",
@@ -294,6 +310,7 @@ __all__ = [
     "PullRequest",
     "PushBody",
     "Sparse",
+    "SparseBF16",
     "SplitReply",
     "SplitRequest",
     "StatusReply",

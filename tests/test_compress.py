@@ -1,5 +1,5 @@
 """Gradient compression: the worker's compressors (``services/worker/compress.py``) and the
-``bf16`` / ``topk`` encodings of the wire protocol (``shared/wire.py``).
+``bf16`` / ``topk`` / ``sparse_bf16`` encodings of the wire protocol (``shared/wire.py``).
 
 Frames are turned into plain ``bytes`` before decoding, which is what a peer receives.
 """
@@ -27,6 +27,7 @@ from downpour.wire import (
     R_SHAPE,
     R_TOO_LARGE,
     R_TRUNCATED,
+    SPARSE_BF16,
     TOPK,
     BFloat16,
     FlatSparse,
@@ -34,6 +35,8 @@ from downpour.wire import (
     Message,
     ProtocolError,
     Sparse,
+    SparseBF16,
+    as_bf16,
     decode,
     densify,
     encode,
@@ -170,6 +173,80 @@ def test_bf16_counts_its_decoded_size_against_the_limit() -> None:
     frames = as_bytes(encode(push([BFloat16.from_array(np.ones(1000, np.float32))])))
     assert len(decode(frames, Limits(max_total_bytes=4000)).tensors) == 1
     rejects(frames, R_TOO_LARGE, Limits(max_total_bytes=3999))
+
+
+# ---------------------------------------------------------------- protocol: sparse_bf16
+
+
+def bf16_rows(n: int, dtype: Any = np.float32, rows: int = 50) -> tuple[Sparse, SparseBF16]:
+    """``n`` rows of a (rows, 3) table, and the same rows as ``as_bf16`` sends them."""
+    values = (np.arange(n * 3, dtype=dtype).reshape(n, 3) * 0.37 - 1.1).astype(dtype)
+    s = Sparse(np.arange(n, dtype=np.int64) * 2, values, (rows, 3))
+    t = as_bf16(s)
+    assert isinstance(t, SparseBF16)
+    return s, t
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_sparse_bf16_roundtrip_and_descriptor(n: int) -> None:
+    s, t = bf16_rows(n)
+    frames = as_bytes(encode(push([t])))
+    assert len(frames) == 3
+    (desc,) = unpack(frames[0])["tensors"]
+    assert desc == {
+        "name": "v0",
+        "dtype": "float32",
+        "shape": [50, 3],
+        "encoding": SPARSE_BF16,
+        "nbytes": n * 3 * 2,
+        "nnz": n,
+        "index_dtype": "int64",
+    }
+    assert frames[1] == s.indices.tobytes()
+    assert frames[2] == s.values.astype(ml_dtypes.bfloat16).view("<u2").tobytes()
+    (out,) = decode(frames).tensors.values()
+    assert isinstance(out, Sparse) and out.dense_shape == (50, 3)
+    assert out.values.dtype == np.float32 and not out.values.flags.writeable
+    np.testing.assert_array_equal(out.indices, s.indices)
+    np.testing.assert_array_equal(
+        out.values, s.values.astype(ml_dtypes.bfloat16).astype(np.float32)
+    )
+    np.testing.assert_array_equal(densify(t), out.to_dense())
+
+
+def test_sparse_bf16_decodes_to_its_logical_dtype_and_as_bf16_keeps_float16_rows() -> None:
+    s, t = bf16_rows(4, np.float64)
+    (out,) = roundtrip([t])
+    assert out.values.dtype == np.float64
+    np.testing.assert_array_equal(
+        out.values, s.values.astype(ml_dtypes.bfloat16).astype(np.float64)
+    )
+    half = Sparse(s.indices, s.values.astype(np.float16), s.dense_shape)
+    assert as_bf16(half) is half  # float16 rows: as many bytes and more precise as they are
+
+
+def test_sparse_bf16_malformed_frames() -> None:
+    good = as_bytes(encode(push([bf16_rows(4)[1]])))
+    header, ids, values = good
+    rejects([header, ids, values[:-2]], R_TRUNCATED)
+    rejects([header, ids, values + b"\0\0"], R_TRUNCATED)
+    rejects([header, ids[:-8], values], R_TRUNCATED)
+    rejects([header, ids], R_TRUNCATED)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("nbytes", 4 * 3 * 4)), R_NBYTES)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("dtype", "int16")), R_DTYPE)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("shape", [50])), R_NBYTES)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("shape", [6, 3])), R_SHAPE)
+    rejects(mutate(good, lambda h: h["tensors"][0].__setitem__("shape", [])), R_SHAPE)
+    with pytest.raises(ValueError, match="bf16"):
+        encode(push([SparseBF16(np.zeros(1, np.int64), np.zeros((1, 3), np.float32), (2, 3))]))
+
+
+def test_sparse_bf16_counts_its_decoded_size_against_the_limit() -> None:
+    """Decode makes float32 values of twice the wire size, and reads int64 ids: both count."""
+    frames = as_bytes(encode(push([bf16_rows(10)[1]])))
+    needed = 10 * 8 + 10 * 3 * 4
+    assert len(decode(frames, Limits(max_total_bytes=needed)).tensors) == 1
+    rejects(frames, R_TOO_LARGE, Limits(max_total_bytes=needed - 1))
 
 
 # ---------------------------------------------------------------- protocol: topk

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -123,6 +124,41 @@ def test_a_cached_worker_trains_as_a_full_replica_does(shards: int) -> None:
     assert max(int(g[0].indices.max()) for g in pushed) >= 75_000  # not slots: global ids
     for a, b in zip(expected, got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache", [None, CACHE])
+def test_rows_pulled_in_bf16_are_the_servers_rows_rounded(cache: int | None) -> None:
+    """--pull-compress bf16: a row pull installs the server's rows rounded to bfloat16 and
+    widened back to float32, into the table (a full replica) or into the row cache's slots."""
+    variables = build_model(load_spec(BIG)).trainable_variables
+    data = load_spec(BIG).load_data(None)
+    x, y = data.x_test[:20], data.y_test[:20]
+    with serving(BIG, **SYNC) as server:
+        worker = make_worker(
+            server.port, BIG, steps=6, n_fetch=1, pull_compress="bf16", row_cache_rows=cache
+        )
+        try:
+            worker.run()
+            _applied([server], 6)  # the last push is in: the server's rows stay as they are
+            rows = worker.puller.rows
+            assert rows is not None
+            table = rows.plan.tables[0]
+            (ids,) = rows.plan.batch_ids(x)
+            rows.plan.forget(0)  # every row counts as never fetched: the batch's are pulled
+            pulled = worker.stats["rows_pulled"]
+            list(rows.with_rows([(x, y)]))
+            assert worker.stats["rows_pulled"] - pulled == ids.size
+            held = worker.model.trainable_variables[0].numpy()
+            got = held[table.cache.slots(ids)] if table.cache is not None else held[ids]
+            doc = fetch_status(server.status)
+        finally:
+            worker.close()
+        _, (want, *_) = pull_full([server.rep], variables)
+    assert (table.cache is not None) == (cache is not None)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want[ids].astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert not np.array_equal(got, want[ids])  # rounded: not the server's float32 rows
+    assert doc["rows_bf16"] == doc["rows_served"] >= ids.size
 
 
 def test_a_batch_needing_more_rows_than_the_cache_is_refused_at_start() -> None:

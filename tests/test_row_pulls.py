@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import ml_dtypes
 import msgpack  # to craft a header no well-behaved client would send
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from inproc import serving
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.server.handlers import HandlerContext, handle_request
+from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
 from downpour.server.policies import parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.state import ParameterState
@@ -47,10 +48,10 @@ def frames(msg: Message) -> list[bytes]:
 
 
 def row_pull(
-    ctx: HandlerContext, rows: dict[str, Any], have: int | None = None
+    ctx: HandlerContext, rows: dict[str, Any], have: int | None = None, encoding: str = wire.DENSE
 ) -> tuple[Message, list[bytes]]:
     """Send a row request through the handlers; (decoded reply, the reply's frames)."""
-    body = wire.PullRequest() if have is None else wire.PullRequest(have, ctx.incarnation)
+    body = wire.PullRequest(have, ctx.incarnation if have is not None else None, encoding)
     reply = frames(handle_request(frames(wire.pull_request("w0", body, rows)), ctx).message)
     return wire.decode(reply), reply
 
@@ -108,6 +109,66 @@ def test_a_row_pull_does_not_snapshot_the_table() -> None:
     assert arrays[0] is None and all(a is not None for a in arrays[1:])
     row_pull(ctx, {TABLE: np.array([3], np.int64)})
     assert ctx.state._snap[0] is None
+
+
+def test_a_bf16_row_pull_sends_the_rows_values_in_half_the_bytes() -> None:
+    """--pull-compress bf16 covers row pulls: the rows' values frame is half the float32
+    reply's, the ids frame the same, and the rows decode to the server's rounded to bf16."""
+    ctx = make_ctx()
+    table = ctx.state.weights()[1][0]
+    ids = np.arange(0, 5000, 50, dtype=np.int64)  # 100 rows of float32
+    f32, raw32 = row_pull(ctx, {TABLE: ids}, have=0)
+    b16, raw16 = row_pull(ctx, {TABLE: ids}, have=0, encoding=wire.BF16)
+    assert list(b16.tensors) == [TABLE] and b16.body.get("unchanged") is True
+    (desc,) = msgpack.unpackb(raw16[0])["tensors"]
+    assert desc["encoding"] == wire.SPARSE_BF16 and desc["dtype"] == "float32"
+    ids32, values32 = len(raw32[1]), len(raw32[2])
+    ids16, values16 = len(raw16[1]), len(raw16[2])
+    print(
+        f"row reply of {ids.size} rows x {table.shape[1]}: float32 ids {ids32} B + values "
+        f"{values32} B, bf16 ids {ids16} B + values {values16} B"
+    )
+    assert ids16 == ids32 == ids.size * 8  # the ids stay int64
+    assert 2 * values16 == values32 == ids.size * table.shape[1] * 4
+    rows = b16.tensors[TABLE]
+    assert isinstance(rows, wire.Sparse) and rows.values.dtype == np.float32
+    np.testing.assert_array_equal(rows.indices, ids)
+    rounded = table[ids].astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(rows.values, rounded)
+    assert not np.array_equal(rows.values, f32.tensors[TABLE].values)  # rounded, not float32
+    assert ctx.stats.counters["rows_served"] == 2 * ids.size
+    assert ctx.stats.counters["rows_bf16"] == ids.size
+    whole, _ = row_pull(ctx, {TABLE: ids[:2]}, encoding=wire.BF16)  # the dense variables too
+    assert list(whole.tensors) == ctx.state.names
+    for name, want in zip(ctx.state.names[1:], ctx.state.weights()[1][1:], strict=True):
+        np.testing.assert_array_equal(
+            whole.tensors[name], want.astype(ml_dtypes.bfloat16).astype(want.dtype)
+        )
+
+
+def test_a_malformed_bf16_rows_frame_is_refused_counted_and_changes_nothing() -> None:
+    """sparse_bf16 rows pushed with a wrong ``nbytes`` (or a short values frame) are refused
+    before anything is allocated, counted under their reason, and no parameter moves."""
+    ctx = make_ctx()
+    version, before = ctx.state.version, [a.copy() for a in ctx.state.weights()[1]]
+    rows = wire.Sparse(np.array([1, 7], np.int64), np.ones((2, 8), np.float32), (5000, 8))
+    tensors: dict[str, wire.WireTensor] = {TABLE: wire.as_bf16(rows)}
+    for name, a in zip(ctx.state.names[1:], before[1:], strict=True):
+        tensors[name] = np.zeros(a.shape, a.dtype)
+    good = frames(wire.push_message("w0", 1, 0, wire.PushBody(), tensors))
+    header = msgpack.unpackb(good[0])
+    header["tensors"][0]["nbytes"] = 2 * 8 * 4  # what float32 rows would take
+    wrong_nbytes = [msgpack.packb(header, use_bin_type=True), *good[1:]]
+    short_values = [good[0], good[1], good[2][:-2], *good[3:]]
+    for raw, code in ((wrong_nbytes, wire.R_NBYTES), (short_values, wire.R_TRUNCATED)):
+        outcome = handle_gradients(raw, ctx)
+        assert outcome.rejection is not None and outcome.rejection.code == code
+    assert dict(ctx.stats.rejected) == {wire.R_NBYTES: 1, wire.R_TRUNCATED: 1}
+    assert ctx.state.version == version
+    for a, b in zip(ctx.state.weights()[1], before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert handle_gradients(good, ctx).decision is not None  # the well-formed push is taken
+    assert ctx.state.version == version + 1 and len(ctx.stats.rejected) == 2
 
 
 def _hostile(ctx: HandlerContext) -> dict[str, list[bytes]]:

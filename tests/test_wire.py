@@ -998,7 +998,7 @@ def test_unknown_encoding(encoding: Any) -> None:
 
 
 def test_the_codec_table_is_the_list_of_encodings() -> None:
-    assert ENCODINGS == frozenset(CODECS) == {"dense", "sparse", "bf16", "topk"}
+    assert ENCODINGS == frozenset(CODECS) == {"dense", "sparse", "bf16", "topk", "sparse_bf16"}
     for name, codec in CODECS.items():
         assert codec.name == name
 

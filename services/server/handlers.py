@@ -379,22 +379,28 @@ def row_reply(
     """The reply to a checked row request: each requested table's rows as a ``sparse``
     tensor (gathered, O(rows)), the other variables whole unless ``req.have`` is current
     (then ``unchanged``, and only the rows travel) or the request is ``rows_only``. bf16
-    applies to the whole variables."""
+    applies to both: the rows of float32 and float64 tables go as ``sparse_bf16`` (counted
+    in ``rows_bf16``), the whole variables as ``bf16``."""
     state = ctx.state
     version, dense = state.dense_weights()
     unchanged = req.have == version and req.incarnation == ctx.incarnation
-    ctx.stats.counters["row_pulls"] += 1
+    bf16 = req.encoding == wire.BF16
+    counters = ctx.stats.counters
+    counters["row_pulls"] += 1
     if unchanged:
-        ctx.stats.counters["pulls_unchanged"] += 1
+        counters["pulls_unchanged"] += 1
     tensors: dict[str, wire.WireTensor] = {}
     for i, name in enumerate(state.names):
         ids = rows.get(i)
         if ids is not None:
-            tensors[name] = wire.Sparse(ids, state.gather(i, ids), state.shapes[i])
-            ctx.stats.counters["rows_served"] += len(ids)
+            t = wire.Sparse(ids, state.gather(i, ids), state.shapes[i])
+            tensors[name] = wire.as_bf16(t) if bf16 else t
+            counters["rows_served"] += len(ids)
+            if isinstance(tensors[name], wire.SparseBF16):
+                counters["rows_bf16"] += len(ids)
         elif not (unchanged or req.rows_only):
             a = dense[i] if dense[i] is not None else state.array(i)
-            tensors[name] = wire.as_bf16(a) if req.encoding == wire.BF16 else a
+            tensors[name] = wire.as_bf16(a) if bf16 else a
     body = wire.PullReply(ctx.incarnation, unchanged=unchanged, dropped_stale=dropped)
     return wire.weights_reply(version, body, tensors)
 

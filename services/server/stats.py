@@ -14,6 +14,7 @@ COUNTER_NAMES = (
     "pulls_bf16",
     "row_pulls",
     "rows_served",
+    "rows_bf16",  # of rows_served: sent in bfloat16
     "hellos",
     "bytes_in",
     "bytes_out",
