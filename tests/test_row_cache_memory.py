@@ -32,17 +32,18 @@ STEPS = 300
 def test_a_worker_caching_50k_rows_of_a_10m_row_table_stays_far_below_its_size(
     cluster: Cluster, record_property: Callable[[str, object], None]
 ) -> None:
-    # One after the other: each server builds the whole table before keeping its half, and
-    # peaks at several times the table's size while it does.
-    servers = []
-    for i in range(2):
-        servers.append(
-            cluster.server(
-                *("--shard", str(i), "--num-shards", "2", "--optimizer", "sgd", "--lr", "0.5"),
-                model=MODEL,
-                ready_timeout=300,
-            )
+    # Both at once: each shard allocates only its own half of the table.
+    servers = [
+        cluster.server(
+            *("--shard", str(i), "--num-shards", "2", "--optimizer", "sgd", "--lr", "0.5"),
+            model=MODEL,
+            early=True,
+            ready_timeout=300,
         )
+        for i in range(2)
+    ]
+    for s in servers:
+        assert s.info["shard"] == servers.index(s)  # waits until it serves
     worker = cluster.worker(
         [s.port for s in servers],
         "--steps",

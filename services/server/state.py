@@ -245,8 +245,13 @@ class ParameterState:
             for i, (v, sparse) in enumerate(zip(self.variables, self.sparse, strict=True))
             if sparse
         }
-        # One staging buffer per variable, reused by every apply (the step is synchronous).
-        self._staging = [aligned_empty(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
+        # One staging buffer per dense variable, reused by every apply (the step is
+        # synchronous); a row-sparse one is fed its rows, never staged: a zero-stride view
+        # standing for its shape and dtype, holding no memory.
+        self._staging = [
+            np.broadcast_to(np.empty((), d), s) if sparse else aligned_empty(s, d)
+            for s, d, sparse in zip(self.shapes, self.dtypes, self.sparse, strict=True)
+        ]
 
         lr_dtype = tf.as_dtype(self.optimizer.learning_rate.dtype)
         self._base_lr = tf.constant(self.learning_rate, lr_dtype)
