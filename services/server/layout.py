@@ -206,9 +206,12 @@ def plan_rows(
     what = f"{variable!r} ({slot})"
     mine = sorted((p for p in pieces if p.variable == variable and p.slot == slot),
                   key=lambda p: p.start)  # fmt: skip
+    if not mine:
+        raise ValueError(
+            f"{what}: no checkpoint given holds it (written with another --optimizer, or an "
+            "old shard's state dir missing?)"
+        )
     if not shape:  # a scalar variable: one piece holds it whole
-        if not mine:
-            raise ValueError(f"{what}: no checkpoint given holds it")
         _check_piece(what, mine[0], shape, dtype)
         return [Copy(mine[0].source, mine[0].key, 0, 0, 0, 0)]
     for p in mine:
