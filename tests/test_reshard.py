@@ -311,3 +311,20 @@ def test_a_shard_finds_its_own_checkpoint_or_the_old_set(tmp_path: Path) -> None
     assert [c.path.parent for c in find_sources(target, CheckpointStore(mine), None)] == [mine]
     with pytest.raises(ValueError, match="give each shard its own --state-dir"):
         restore(_states(3)[0], CheckpointStore(mine).latest())
+
+
+def test_run_local_reshards_a_state_dir_of_another_shard_count(tmp_path: Path) -> None:
+    """run-local's --state-dir holding 2 shards' checkpoints: 3 shards (or 1) restore from
+    them (--restore-from); 2 shards use their own dirs as they are."""
+    from test_local_options import child_config, run_local_args
+
+    from downpour.cli.local_options import plan_children
+
+    old = _states(2)
+    _train(old, range(2))
+    _write(old, tmp_path / "state", {})
+    olds = ",".join(str(tmp_path / "state" / f"shard-{i}") for i in range(2))
+    for shards, want in ((3, olds), (1, olds), (2, None)):
+        args = run_local_args({"shards": shards, "state_dir": str(tmp_path / "state")})
+        servers = [child_config(c) for c in plan_children(args, tmp_path / "run").servers]
+        assert [s.restore_from for s in servers] == [want] * shards
