@@ -14,7 +14,8 @@ import pytest
 from conftest import Cluster, Service, free_ports, summary, wait_until
 
 from downpour.cli.status import fetch_status
-from downpour.server.checkpoint import CheckpointStore, capture, restore
+from downpour.server.checkpoint import CheckpointStore, capture
+from downpour.server.reshard import restore
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
 

@@ -15,8 +15,9 @@ the model's before export reports success.
 
 Sharded servers (one state directory per shard) store only their parts, a row range of a
 split variable as ``model/<path>[start:stop]``; ``--state-dir`` is then given once per shard,
-and the parts are joined by the partition every shard computes (``downpour.partition``). A part
-no checkpoint holds is an error naming it.
+and the parts are joined by the row ranges each checkpoint records
+(``downpour.server.layout``), whatever number of shards wrote them. Rows no checkpoint holds
+are an error naming the variable.
 """
 
 from __future__ import annotations
@@ -112,54 +113,70 @@ def check_shards(checkpoints: Sequence[Checkpoint]) -> None:
         )
 
 
+def _pieces(checkpoints: Sequence[Checkpoint], variables: Sequence[keras.Variable]) -> list:
+    """Every weights array of the set with the rows it covers: as each checkpoint's metadata
+    records them, or, for a checkpoint without records, by the partition it names (which
+    must be this model's over its number of shards)."""
+    from downpour.cluster import partition_of
+    from downpour.server.layout import WEIGHTS, pieces_from_parts, pieces_from_records
+
+    out = []
+    for i, c in enumerate(checkpoints):
+        recs = c.meta.get("arrays")
+        if isinstance(recs, dict):
+            try:
+                out += [p for p in pieces_from_records(i, c.path, c.arrays, recs)
+                        if p.slot == WEIGHTS]  # fmt: skip
+            except ValueError as exc:
+                raise ExportError(str(exc)) from None
+            continue
+        n = int(c.meta.get("num_shards", 1))
+        part = partition_of(variables, n)
+        digest = c.meta.get("partition")
+        if digest is not None and digest != part.digest:
+            raise ExportError(
+                f"the checkpoints were written with partition {digest}; this model over {n} "
+                f"shard(s) partitions as {part.digest}: pass the server's --model"
+            )
+        pieces, unknown = pieces_from_parts(i, c.arrays, part.shards[int(c.meta.get("shard", 0))])
+        unknown = sorted(k[len(MODEL_PREFIX) :] for k in unknown if k.startswith(MODEL_PREFIX))
+        if unknown:
+            raise ExportError(f"{c.path} holds variables this model lacks: {unknown}")
+        out += [p for p in pieces if p.slot == WEIGHTS]
+    return out
+
+
 def gather_variables(
     checkpoints: Sequence[Checkpoint], variables: Sequence[keras.Variable]
 ) -> list[np.ndarray]:
-    """One array per variable, put together from the checkpoints' parts.
+    """One array per variable, joined by row range from the checkpoints' pieces (whatever
+    number of shards wrote them). Optimizer entries are ignored; a variable or rows no
+    checkpoint holds, overlapping pieces, an entry the model lacks, or a shape or dtype
+    mismatch is an ExportError."""
+    from downpour.server.layout import WEIGHTS, assemble, plan_rows
 
-    The parts are found by the partition every shard computes (``downpour.partition``, the same
-    join the workers use), so a sharded model comes back exactly as the shards hold it.
-    Optimizer entries are ignored; a missing part, an entry the model lacks, another
-    partition, or a shape or dtype mismatch is an ExportError.
-    """
-    from downpour.cluster import partition_of
-
-    n = int(checkpoints[0].meta.get("num_shards", 1))
-    part = partition_of(variables, n)
-    digest = checkpoints[0].meta.get("partition")
-    if digest is not None and digest != part.digest:
-        raise ExportError(
-            f"the checkpoints were written with partition {digest}; this model over {n} "
-            f"shard(s) partitions as {part.digest}: pass the server's --model"
-        )
-    by_shard = {int(c.meta.get("shard", 0)): c for c in checkpoints}
-    per_shard = []
-    for i, parts in enumerate(part.shards):
-        c = by_shard[i]
-        keys = {MODEL_PREFIX + p.wire_name for p in parts}
-        unknown = sorted(k[len(MODEL_PREFIX) :] for k in c.arrays if k.startswith(MODEL_PREFIX))
-        unknown = [k for k in unknown if MODEL_PREFIX + k not in keys]
-        if unknown:
-            raise ExportError(f"{c.path} holds variables this model lacks: {unknown}")
-        arrays = []
-        for p in parts:
-            a = c.arrays.get(MODEL_PREFIX + p.wire_name)
-            if a is None:
-                raise ExportError(
-                    f"variable {p.wire_name!r} {p.part_shape} is in no checkpoint given"
-                    " (a shard's --state-dir missing?)"
-                )
-            if tuple(a.shape) != p.part_shape:
-                raise ExportError(
-                    f"variable {p.wire_name!r}: checkpoint shape {a.shape}, model {p.part_shape}"
-                )
-            if a.dtype != np.dtype(p.dtype):
-                raise ExportError(
-                    f"variable {p.wire_name!r}: checkpoint dtype {a.dtype}, model {p.dtype}"
-                )
-            arrays.append(a)
-        per_shard.append(arrays)
-    return part.join(per_shard, len(variables))
+    pieces = _pieces(checkpoints, variables)
+    names = {v.path for v in variables}
+    unknown = sorted({p.key[len(MODEL_PREFIX) :] for p in pieces if p.variable not in names})
+    if unknown:
+        raise ExportError(f"the checkpoints hold variables this model lacks: {unknown}")
+    held = {p.variable for p in pieces}
+    sources = [c.arrays for c in checkpoints]
+    out = []
+    for v in variables:
+        shape, dtype = tuple(int(d) for d in v.shape), np.dtype(str(v.dtype)).name
+        if v.path not in held:
+            raise ExportError(
+                f"variable {v.path!r} {shape} is in no checkpoint given"
+                " (a shard's --state-dir missing?)"
+            )
+        rows = shape[0] if shape else 0
+        try:
+            copies = plan_rows(v.path, WEIGHTS, 0, rows, shape, dtype, pieces)
+        except ValueError as exc:
+            raise ExportError(f"variable {exc}") from None
+        out.append(np.asarray(assemble(copies, sources, shape, dtype)))
+    return out
 
 
 def model_candidates(meta: dict[str, Any]) -> list[str]:

@@ -255,6 +255,14 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     dispatched = args.data_dispatch == "server"
     status_keys, eval_keys = _make_keys(args, run_dir)
     children = plan_children(args, run_dir)
+    if old := children.servers[0].values.get("restore_from"):
+        log.info(
+            "--state-dir %s holds checkpoints of another number of shards: the %d shard(s) "
+            "restore from %s",
+            args.state_dir,
+            shards,
+            old,
+        )
     ready_files = [Path(c.values["ready_file"]) for c in children.servers]
     server_logs = [run_dir / f"{c.name}.log" for c in children.servers]
     servers = []

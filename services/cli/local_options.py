@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from downpour import security
+from downpour.server.reshard import run_local_layout
 from downpour.server.settings import SERVER_OPTIONS, ServerConfig, validate_server
 from downpour.settings import ConfigError, Option, at_least, refuse, to_argv
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
@@ -69,6 +70,7 @@ SERVER_DECIDES: dict[str, str] = {
     "key": "--secure: the server's key is RUN_DIR/keys/server.key_secret",
     "metrics_host": "loopback, as --host",
     "logdir": "RUN_DIR/tensorboard (a directory per shard with --shards > 1)",
+    "restore_from": "--state-dir: checkpoints of another --shards there are resharded",
 }
 
 # Worker settings run-local sets for each worker itself, and why it does not offer them.
@@ -203,6 +205,8 @@ def server_settings(args: argparse.Namespace, run_dir: Path, shard: int) -> Chil
         values.update(shard=shard, num_shards=shards, eval_every=0)
         if values["state_dir"]:
             values["state_dir"] = str(Path(values["state_dir"]) / f"shard-{shard}")
+    if args.state_dir and (old := run_local_layout(Path(args.state_dir))) and old[0] != shards:
+        values["restore_from"] = ",".join(str(d) for d in old[1])
     if shard != 0:
         values.update(data_dispatch="none", metrics_port=0)
     if args.secure:

@@ -1,15 +1,25 @@
 """Checkpoints of the server's whole training state, written atomically, the last K kept.
 
 A checkpoint is one file ``ckpt-<version, 12 digits>.npz`` in the state directory: an
-uncompressed numpy archive (loaded with ``allow_pickle=False``) holding every model variable
-and every optimizer variable by path, plus ``__meta__``, a JSON document (format, version,
-fingerprint, partition digest and shard index, each worker's last accepted sequence number,
-time) and, under ``--data-dispatch server``, the split dispatcher's state (``dispatch``:
-``Dispatcher.state()``), taken at the same moment as the weights. A shard's checkpoint holds
-only its own parts. It is written to ``<name>.tmp-<pid>``,
-fsynced, renamed into place and the directory fsynced, so a crash at any moment leaves
-either the old set of checkpoints or the old set plus the new one; ``*.tmp-*`` leftovers are
-removed at the next start.
+uncompressed numpy archive (read with ``downpour.server.npz``: memory-mapped, no pickle)
+holding the shard's parts of every model variable and of every optimizer slot, and the
+optimizer's per-shard scalars, each under a key that says what it is
+(``downpour.server.layout``), plus ``__meta__``, a JSON document:
+
+- ``format`` (``FORMAT``; another, or none, is refused naming the file and both formats),
+  ``version``, ``written_at``;
+- ``arrays``: per key, the model variable's path, the slot, the rows it covers and the whole
+  variable's shape (``layout.part_record``), so any number of shards can restore it
+  (``downpour.server.reshard``);
+- ``fingerprint``, ``model``, ``model_ref``, ``shard``, ``num_shards``, ``partition``;
+- ``workers``: each worker's last accepted sequence number; under ``--data-dispatch server``,
+  ``dispatch``: the split dispatcher's state (``Dispatcher.state()``), taken at the same
+  moment as the weights.
+
+A checkpoint is captured between two applies on the loop thread, so every array in it is of
+the same version. It is written to ``<name>.tmp-<pid>``, fsynced, renamed into place and the
+directory fsynced, so a crash at any moment leaves either the old set of checkpoints or the
+old set plus the new one; ``*.tmp-*`` leftovers are removed at the next start.
 """
 
 from __future__ import annotations
@@ -21,16 +31,19 @@ import re
 import threading
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from downpour.server.layout import WEIGHTS, array_key, optimizer_slots, part_record
+from downpour.server.npz import NpzArrays
+
 log = logging.getLogger("downpour.server")
 
-FORMAT = 1
+FORMAT = 2  # what ``write`` writes and ``read`` reads
 META_KEY = "__meta__"
 _NAME = re.compile(r"^ckpt-(\d{12})\.npz$")
 
@@ -41,7 +54,7 @@ class Checkpoint:
 
     path: Path
     version: int
-    arrays: dict[str, np.ndarray]
+    arrays: Mapping[str, np.ndarray]  # memory-mapped: reading rows reads only those pages
     meta: dict[str, Any]
 
 
@@ -116,18 +129,20 @@ class CheckpointStore:
 
     @staticmethod
     def read(path: Path) -> Checkpoint:
-        """Load one checkpoint file; raises ValueError if it is damaged."""
+        """Open one checkpoint file (its arrays memory-mapped); ValueError if it is damaged
+        or of another format."""
         try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
+            arrays = NpzArrays(path)
+            raw = arrays.members.pop(META_KEY, None)
+            meta = None if raw is None else json.loads(bytes(arrays.read_member(raw)).decode())
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             raise ValueError(f"{path}: unreadable checkpoint: {exc}") from None
-        raw = arrays.pop(META_KEY, None)
-        if raw is None:
+        if not isinstance(meta, dict):
             raise ValueError(f"{path}: no metadata")
-        meta = json.loads(raw.tobytes().decode())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT}")
+        found = meta.get("format")
+        if found != FORMAT:
+            said = "no format recorded" if found is None else f"checkpoint format {found!r}"
+            raise ValueError(f"{path}: {said}; this version of downpour reads format {FORMAT}")
         return Checkpoint(path, int(meta["version"]), arrays, meta)
 
     def latest(self) -> Checkpoint | None:
@@ -140,60 +155,43 @@ class CheckpointStore:
         return None
 
 
+def _parts(state: Any) -> list[tuple[str, dict[str, Any] | None, Any]]:
+    """(key, record, variable) of every array a checkpoint of this state holds."""
+    parts = state.partition.shards[state.shard]
+    out = [
+        (array_key(WEIGHTS, p.wire_name), part_record(p, WEIGHTS), v)
+        for p, v in zip(parts, state.variables, strict=True)
+    ]
+    slots, scalars = optimizer_slots(state.optimizer, state.variables)
+    out += [(array_key(kind, parts[i].wire_name), part_record(parts[i], kind), v)
+            for kind, i, v in slots]  # fmt: skip
+    out += [(f"optimizer/{v.name}", None, v) for v in scalars]
+    return out
+
+
 def capture(state: Any) -> dict[str, np.ndarray]:
-    """Every model and optimizer variable of a ParameterState, by path, as arrays.
+    """Every array of a ParameterState's checkpoint, by key (``downpour.server.layout``).
 
     Called between applies on the loop thread, so the set is one consistent version; the
     arrays stay valid while an apply runs (TensorFlow copies a buffer a read still holds).
     """
-    arrays = {f"model/{n}": v.numpy() for n, v in zip(state.names, state.variables, strict=True)}
-    arrays.update({f"optimizer/{v.name}": v.numpy() for v in state.optimizer.variables})
-    return arrays
+    return {key: v.numpy() for key, _, v in _parts(state)}
 
 
-def restore(state: Any, ckpt: Checkpoint) -> None:
-    """Load a checkpoint into a ParameterState built for the same model.
-
-    The optimizer's learning rate is not restored: the one configured at start wins.
-    """
-    if ckpt.meta.get("fingerprint") != state.fingerprint:
-        raise ValueError(
-            f"{ckpt.path}: saved for model fingerprint {ckpt.meta.get('fingerprint')}, "
-            f"this server has {state.fingerprint}"
-        )
-    digest = state.partition.digest
-    if ckpt.meta.get("partition", digest) != digest:  # older checkpoints: unsharded, checked below
-        raise ValueError(
-            f"{ckpt.path}: saved by a server with partition {ckpt.meta.get('partition')} "
-            f"(shard {ckpt.meta.get('shard')} of {ckpt.meta.get('num_shards')}), this server "
-            f"has partition {digest} (shard {state.shard} of {state.partition.num_shards})"
-        )
-    if ckpt.meta.get("shard", 0) != state.shard:
-        raise ValueError(
-            f"{ckpt.path}: the checkpoint of shard {ckpt.meta.get('shard')}, this is shard "
-            f"{state.shard}: give each shard its own --state-dir"
-        )
-    targets = [(f"model/{n}", v) for n, v in zip(state.names, state.variables, strict=True)]
-    targets += [
-        (f"optimizer/{v.name}", v) for v in state.optimizer.variables if v.name != "learning_rate"
-    ]
-    for key, var in targets:
-        if key not in ckpt.arrays:
-            raise ValueError(f"{ckpt.path}: missing {key}")
-        a = ckpt.arrays[key]
-        if tuple(a.shape) != tuple(var.shape):
-            raise ValueError(f"{ckpt.path}: {key} has shape {a.shape}, expected {var.shape}")
-    for key, var in targets:
-        var.assign(ckpt.arrays[key])
-    state.version = ckpt.version
+def records(state: Any) -> dict[str, dict[str, Any]]:
+    """The metadata records (``arrays``) of the keys ``capture`` returns."""
+    return {
+        key: rec if rec is not None else {"variable": None, "slot": key.rpartition("/")[2]}
+        for key, rec, _ in _parts(state)
+    }
 
 
-def restore_dispatcher(ckpt: Checkpoint, seed: int, lease: Any = None) -> Any:
+def restore_dispatcher(ckpt: Checkpoint | None, seed: int, lease: Any = None) -> Any:
     """The split dispatcher saved in ``ckpt`` (its splits in flight back in the queue), or
-    a fresh one when the checkpoint has none. ValueError when the saved state is damaged."""
+    a fresh one when there is none. ValueError when the saved state is damaged."""
     from downpour.server.dispatch import Dispatcher, LeasePolicy
 
-    doc = ckpt.meta.get("dispatch")
+    doc = None if ckpt is None else ckpt.meta.get("dispatch")
     if doc is None:
         return Dispatcher(seed=seed, lease=lease or LeasePolicy())
     try:

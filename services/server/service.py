@@ -40,9 +40,9 @@ from downpour.server.checkpoint import (
     CheckpointStore,
     CheckpointWriter,
     capture,
+    records,
     restore_dispatcher,
 )
-from downpour.server.checkpoint import restore as restore_checkpoint
 from downpour.server.dispatch import Dispatcher
 from downpour.server.handlers import (
     HandlerContext,
@@ -59,6 +59,7 @@ from downpour.server.handlers import (
 from downpour.server.observe import Observers
 from downpour.server.policies import parse_policy
 from downpour.server.registry import WorkerRegistry
+from downpour.server.reshard import find_sources, restore_set
 from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
 from downpour.server.state import ParameterState
@@ -178,16 +179,18 @@ class Server:
         assert self.checkpoints is not None
         store = self.checkpoints.store
         store.clean_leftovers()
-        ckpt = store.latest()
-        if ckpt is None:
+        sources = find_sources(self.state, store, self.config.restore_from)
+        if not sources:
             log.info("no checkpoint in %s: starting from fresh weights", store.dir)
             return
-        restore_checkpoint(self.state, ckpt)
-        self.restored_seqs = {str(k): int(v) for k, v in ckpt.meta.get("workers", {}).items()}
-        self.restored_from = ckpt.version
-        log.info("restored version %d from %s", ckpt.version, ckpt.path)
+        done = restore_set(self.state, sources)
+        self.restored_seqs = done.workers
+        self.restored_from = done.version
+        log.info(
+            "restored version %d from %s", done.version, ", ".join(str(c.path) for c in sources)
+        )
         if self.dispatcher is not None:
-            self.dispatcher = restore_dispatcher(ckpt, self.config.seed)
+            self.dispatcher = restore_dispatcher(done.dispatch, self.config.seed)
             if self.dispatcher.configured:
                 log.info(
                     "resuming epoch %d: %d of %d splits done, the rest back in the queue",
@@ -202,6 +205,7 @@ class Server:
             "model": self.spec.name,
             "model_ref": self.config.model_ref,
             "workers": self.registry.last_seqs(),
+            "arrays": records(self.state),
             **self.shard_fields(),
             **({"dispatch": self.dispatcher.state()} if self.dispatcher is not None else {}),
         }

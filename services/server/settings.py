@@ -199,6 +199,16 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         _CKPT,
         type=non_negative(),
     ),
+    Option(
+        "restore_from",
+        None,
+        "when --state-dir holds no checkpoint of this shard's layout: restore from the "
+        "checkpoints of another number of shards, DIR[,DIR...] each an old shard's state dir "
+        "(or one parent of run-local's shard-I dirs); every shard reads the rows it holds "
+        "(see docs: reliability.md)",
+        _CKPT,
+        metavar="DIR[,DIR...]",
+    ),
     Option("keep_checkpoints", 3, "how many checkpoints to keep", _CKPT, type=at_least(1)),
     Option(
         "drain_timeout",
@@ -285,6 +295,8 @@ def validate_server(cfg: ServerConfig) -> None:
         problems.append(
             "--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it"
         )
+    if cfg.restore_from and not cfg.state_dir:
+        problems.append("--restore-from needs --state-dir: where the resharded state goes")
     if cfg.key_file and not cfg.keys_dir:
         problems.append("--key needs --keys DIR (the allow-lists)")
     if cfg.keys_dir is None and not is_loopback(cfg.host) and not cfg.insecure:
