@@ -147,6 +147,28 @@ SERVER_METRICS: tuple[MetricInfo, ...] = (
     ),
     MetricInfo("version", "downpour_model_version", GAUGE, "", "Current weight version."),
     MetricInfo(
+        "shard_bytes",
+        "downpour_parameter_bytes",
+        GAUGE,
+        "bytes",
+        "Bytes of the parameters this server (shard) holds.",
+    ),
+    MetricInfo(
+        "slot_bytes",
+        "downpour_optimizer_slot_bytes",
+        GAUGE,
+        "bytes",
+        "Bytes of the optimizer's slots for those parameters.",
+    ),
+    MetricInfo(
+        "peak_rss_mib",
+        "downpour_peak_resident_bytes",
+        GAUGE,
+        "bytes",
+        "Peak resident memory of the server process (VmHWM).",
+        2**20,
+    ),
+    MetricInfo(
         "updates_per_s",
         "downpour_updates_per_second",
         GAUGE,

@@ -44,6 +44,8 @@ def test_two_shards_two_workers_train_and_show_one_cluster(
             assert doc["version"] == 120 and doc["rejected_total"] == 0  # every slice applied
             assert doc["staleness"]["count"] == 120  # staleness is tracked per shard
             assert set(doc["workers"]) == {"w0", "w1"}
+            assert doc["slot_bytes"] == 2 * doc["shard_bytes"]  # Adam: two slots per part
+            assert doc["peak_rss_mib"] > 0
         whole = build_model(load_spec("tiny_models:tiny")).trainable_variables
         assert docs[0]["shard_bytes"] + docs[1]["shard_bytes"] == sum(
             int(np.prod(v.shape)) * 4 for v in whole
@@ -57,6 +59,10 @@ def test_two_shards_two_workers_train_and_show_one_cluster(
         out = capsys.readouterr().out
         assert "shards: 2/2 present" in out and "versions 120..120" in out
         assert "0/2" in out and "1/2" in out
+        assert cli_main(["status", s0.status]) == 0
+        out = capsys.readouterr().out
+        mb = docs[0]["shard_bytes"] / 1e6, docs[0]["slot_bytes"] / 1e6
+        assert f"holds {mb[0]:,.1f} MB of parameters, {mb[1]:,.1f} MB of optimizer slots" in out
 
 
 def test_worker_with_another_partition_is_refused() -> None:

@@ -208,6 +208,7 @@ def captured() -> Any:
     """Route logging into a buffer with the services' set-up, then restore it."""
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, dict(logs._context))
+    logs._context.clear()  # an in-process service of an earlier test may have bound fields
     buf = io.StringIO()
 
     def setup(service: str, fmt: str) -> io.StringIO:

@@ -43,6 +43,10 @@ def _fmt(v: Any, nd: int = 4) -> str:
     return str(v)
 
 
+def _mib(v: Any) -> str:
+    return "-" if v is None else f"{v:,.0f} MiB"
+
+
 def _eval_line(doc: dict[str, Any]) -> str | None:
     ev = doc.get("eval")
     if not ev:
@@ -97,6 +101,9 @@ def render(doc: dict[str, Any]) -> str:
         "rejected: "
         + (", ".join(f"{k}={v}" for k, v in sorted(doc.get("rejected", {}).items())) or "none"),
         "tables served by row: " + (", ".join(doc.get("row_tables") or ()) or "none"),
+        f"holds {doc.get('shard_bytes', 0) / 1e6:,.1f} MB of parameters, "
+        f"{doc.get('slot_bytes', 0) / 1e6:,.1f} MB of optimizer slots; "
+        f"peak resident {_mib(doc.get('peak_rss_mib'))}",
     ]
     if doc.get("row_detection"):
         lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")

@@ -231,6 +231,11 @@ class ParameterState:
         self.row_wise = [s and optimizer in ROW_WISE for s in self.sparse]
         self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
         self.optimizer.build(self.variables)
+        self.slot_bytes = sum(  # the optimizer's arrays the size of a variable (not scalars)
+            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize
+            for v in self.optimizer.variables
+            if len(v.shape) > 0
+        )
         self.version = 0
         self.apply_traces = 0
         self.index = {name: i for i, name in enumerate(self.names)}

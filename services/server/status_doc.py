@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from downpour import security, wire
+from downpour.metrics import peak_rss_mib
 from downpour.server.handlers import HandlerContext
 
 
@@ -35,6 +36,8 @@ def build_status(
         "fingerprint": state.fingerprint,
         **ctx.shard,
         "shard_bytes": state.payload_bytes,
+        "slot_bytes": state.slot_bytes,
+        "peak_rss_mib": peak_rss_mib(),
         "version": state.version,
         "updates_applied": state.version,
         "updates_per_s": round(stats.update_rate.per_second(now), 3),
