@@ -69,7 +69,6 @@ import bench_wire  # noqa: E402
 from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
 
 from downpour.data import load_mnist_5k  # noqa: E402
-from downpour.models import build_model  # noqa: E402
 from downpour.spec import load_spec  # noqa: E402
 
 REQUIRED: dict[str, list[str]] = {
@@ -394,11 +393,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     t_start = time.monotonic()
     spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
-    model = build_model(spec, seed=0)
-    names = [v.path for v in model.trainable_variables]
-    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
-    del model
-    grads = bench_wire.gradient_list(shapes)
+    names, shapes, grads = bench_wire.model_gradients(spec)
     result: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "mode": plan.name,

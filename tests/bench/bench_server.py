@@ -14,6 +14,9 @@
   flood alternate: a round of bare applies while the server idles, then a flood window.
 * Pull latency: while the flood runs, weight fetches (``pull`` with body {}, so every reply
   carries all the weights), timed one by one.
+
+``python tests/bench/bench_server.py [smoke|quick|full]`` runs this section alone (after the
+wire section, whose push time sets the pull latency bound) and prints its keys as JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 from bench_util import (
+    PLANS,
     Plan,
     Procs,
     cpu_seconds,
@@ -36,13 +40,14 @@ from bench_util import (
     status_endpoint,
     time_ms,
 )
-from bench_wire import Loopback
+from bench_wire import Loopback, model_gradients
+from bench_wire import run as run_wire
 
 from downpour import wire
 from downpour.cli.status import fetch_status
 from downpour.client import ShardClient
 from downpour.server.state import ParameterState
-from downpour.spec import ModelSpec
+from downpour.spec import ModelSpec, load_spec
 from downpour.transport import make_context, tcp
 from downpour.wire import Message
 
@@ -368,3 +373,22 @@ def run(
     out["apply_vs_floor"] = out["apply_ms"] / out["apply_floor_ms"]
     out["pull_p99_bound_ms"] = 2 * (out["apply_ms"] + wire_result["push_decode_ms"])
     return out
+
+
+def main() -> None:
+    """``python tests/bench/bench_server.py [smoke|quick|full]``: this section alone, as JSON."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    plan = PLANS[sys.argv[1] if len(sys.argv) > 1 else "smoke"]
+    spec = load_spec("downpour.models:deep_mnist")
+    names, _, grads = model_gradients(spec)
+    wire_result = run_wire(names, grads, plan.wire_reps)
+    with Procs(Path(tempfile.mkdtemp(prefix="downpour-bench-server-"))) as procs:
+        print(json.dumps(run(plan, procs, spec, names, grads, wire_result), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,8 @@ import zmq
 from bench_util import median, percentile, time_ms
 
 from downpour import wire
+from downpour.models import build_model
+from downpour.spec import ModelSpec
 from downpour.transport import make_context
 from downpour.wire import Message
 from downpour.worker.compress import BF16Compression
@@ -30,6 +32,17 @@ def gradient_list(shapes: list[tuple[int, ...]], seed: int = 0) -> list[np.ndarr
     """Small random float32 gradients of the given shapes (finite, realistic magnitudes)."""
     rng = np.random.default_rng(seed)
     return [(1e-3 * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+
+
+def model_gradients(
+    spec: ModelSpec,
+) -> tuple[list[str], list[tuple[int, ...]], list[np.ndarray]]:
+    """The variable paths and shapes of ``spec``'s model and a gradient list of those shapes
+    (``gradient_list``): what the wire, server and shards sections send."""
+    model = build_model(spec, seed=0)
+    names = [v.path for v in model.trainable_variables]
+    shapes = [tuple(int(d) for d in v.shape) for v in model.trainable_variables]
+    return names, shapes, gradient_list(shapes)
 
 
 class Loopback:
