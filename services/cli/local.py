@@ -250,6 +250,49 @@ def _history_row(doc: dict[str, Any], t: float, metric: str) -> dict[str, Any]:
     }
 
 
+def _spawn_servers(
+    children: Any, run_dir: Path, procs: list[subprocess.Popen]
+) -> tuple[list[subprocess.Popen], list[Path], list[Path]]:
+    """Start every server child at once: (processes, their logs, their ready files)."""
+    ready_files = [Path(c.values["ready_file"]) for c in children.servers]
+    server_logs = [run_dir / f"{c.name}.log" for c in children.servers]
+    servers = []
+    for child, ready_file, log_path in zip(children.servers, ready_files, server_logs, strict=True):
+        ready_file.unlink(missing_ok=True)
+        servers.append(spawn(child.argv, log_path))
+        procs.append(servers[-1])
+    return servers, server_logs, ready_files
+
+
+def _print_endpoints(args: argparse.Namespace, run_dir: Path, eps: list[dict[str, Any]]) -> None:
+    """Where to watch the run: status, metrics and TensorBoard."""
+    status_line = " ".join(f"127.0.0.1:{e['status_port']}" for e in eps)
+    print(
+        f"status: downpour status --watch 2 {status_line}"
+        f"{'  (with --key/--server-key)' if args.secure else ''}\n"
+        f"metrics: http://127.0.0.1:{eps[0]['metrics_port']}/metrics\n"
+        f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
+        flush=True,
+    )
+
+
+def _write_run_files(
+    run_dir: Path,
+    doc: dict[str, Any],
+    history: list[dict[str, Any]],
+    worker_rows: list[dict[str, Any]],
+) -> None:
+    """The run directory's status.json, history.csv, workers.csv and plots."""
+    from downpour.cli.plot import plot_run
+
+    (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
+    _write_history(run_dir / "history.csv", history)
+    if worker_rows:
+        _write_history(run_dir / "workers.csv", worker_rows)
+    for png in plot_run(run_dir):
+        print(f"plot: {png}")
+
+
 def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
     shards = args.shards
     dispatched = args.data_dispatch == "server"
@@ -263,13 +306,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             shards,
             old,
         )
-    ready_files = [Path(c.values["ready_file"]) for c in children.servers]
-    server_logs = [run_dir / f"{c.name}.log" for c in children.servers]
-    servers = []
-    for child, ready_file, log_path in zip(children.servers, ready_files, server_logs, strict=True):
-        ready_file.unlink(missing_ok=True)
-        servers.append(spawn(child.argv, log_path))
-        procs.append(servers[-1])
+    servers, server_logs, ready_files = _spawn_servers(children, run_dir, procs)
     print(f"run directory: {run_dir}", flush=True)
     evaluator_box: dict[str, Any] = {}
     loader = threading.Thread(
@@ -290,14 +327,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         ports if shards > 1 else ports[0],
         tcp("127.0.0.1", ep["status_port"]),
     )
-    status_line = " ".join(f"127.0.0.1:{e['status_port']}" for e in eps)
-    print(
-        f"status: downpour status --watch 2 {status_line}"
-        f"{'  (with --key/--server-key)' if args.secure else ''}\n"
-        f"metrics: http://127.0.0.1:{ep['metrics_port']}/metrics\n"
-        f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
-        flush=True,
-    )
+    _print_endpoints(args, run_dir, eps)
     endpoints = ",".join(f"{host}:{p}" for p in ports)
     workers = []
     for child in plan_children(args, run_dir, endpoints).workers:
@@ -350,14 +380,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         _history_row(doc, round(time.monotonic() - t_start, 2), metric)
         | {"version": version, metric: acc}
     )
-    (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
-    _write_history(run_dir / "history.csv", history)
-    if worker_rows:
-        _write_history(run_dir / "workers.csv", worker_rows)
-    from downpour.cli.plot import plot_run
-
-    for png in plot_run(run_dir):
-        print(f"plot: {png}")
+    _write_run_files(run_dir, doc, history, worker_rows)
     docs = [doc] + [fetch_status(tcp(host, e["status_port"]), 10.0, status_keys) for e in eps[1:]]
     _print_server_lines(docs)
     if failed:

@@ -190,29 +190,7 @@ class ParameterState:
             raise ValueError(f"shard must be in 0..{num_shards - 1}, got {shard}")
         self.spec = spec
         self.shard = shard
-        model = define_model(spec, seed)  # declared, not allocated (downpour.initial)
-        full = list(model.trainable_variables)
-        # None with --sparse-apply off: nothing served by row, by the operator's choice
-        self.row_sparsity = sparse_gradients(model) if sparse_apply else None
-        row_sparse = self.row_sparsity.sparse if self.row_sparsity else [False] * len(full)
-        self.fingerprint = fingerprint(full)
-        self.description = describe_variables(full)
-        self.partition: Partition = make_partition(
-            [v.path for v in full],
-            [tuple(int(d) for d in v.shape) for v in full],
-            [str(v.dtype) for v in full],
-            num_shards,
-            self.fingerprint,
-        )
-        parts = self.partition.shards[shard]
-        self.model: keras.Model | None = model if num_shards == 1 else None
-        if num_shards == 1:
-            for v in model.variables:
-                if initial.deferred(v):
-                    initial.materialize(v, seed)
-            self.variables = full
-        else:
-            self.variables = _own_parts(full, parts, seed, shard)
+        parts, row_sparse = self._build(spec, seed, shard, num_shards, sparse_apply)
         self.names = [p.wire_name for p in parts]
         # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
         # the rows a push touched. Their row count varies per push, which XLA would compile
@@ -258,6 +236,42 @@ class ParameterState:
             for s, d, sparse in zip(self.shapes, self.dtypes, self.sparse, strict=True)
         ]
 
+        self._apply_step = self._trace_apply_step()
+
+    def _build(
+        self, spec: ModelSpec, seed: int, shard: int, num_shards: int, sparse_apply: bool
+    ) -> tuple[tuple[Part, ...], list[bool]]:
+        """Declare the model, probe it, partition it and allocate this shard's variables (the
+        whole model unsharded): sets the model's identity, ``partition``, ``model`` and
+        ``variables``; returns this shard's parts and which of the model's variables are
+        row-sparse."""
+        model = define_model(spec, seed)  # declared, not allocated (downpour.initial)
+        full = list(model.trainable_variables)
+        # None with --sparse-apply off: nothing served by row, by the operator's choice
+        self.row_sparsity = sparse_gradients(model) if sparse_apply else None
+        row_sparse = self.row_sparsity.sparse if self.row_sparsity else [False] * len(full)
+        self.fingerprint = fingerprint(full)
+        self.description = describe_variables(full)
+        self.partition: Partition = make_partition(
+            [v.path for v in full],
+            [tuple(int(d) for d in v.shape) for v in full],
+            [str(v.dtype) for v in full],
+            num_shards,
+            self.fingerprint,
+        )
+        parts = self.partition.shards[shard]
+        self.model: keras.Model | None = model if num_shards == 1 else None
+        if num_shards == 1:
+            for v in model.variables:
+                if initial.deferred(v):
+                    initial.materialize(v, seed)
+            self.variables = full
+        else:
+            self.variables = _own_parts(full, parts, seed, shard)
+        return parts, row_sparse
+
+    def _trace_apply_step(self) -> tf.types.experimental.ConcreteFunction:
+        """The compiled apply step, traced here, once (see the module docstring)."""
         lr_dtype = tf.as_dtype(self.optimizer.learning_rate.dtype)
         self._base_lr = tf.constant(self.learning_rate, lr_dtype)
         signature = [tf.TensorSpec((), lr_dtype)]
@@ -291,9 +305,9 @@ class ParameterState:
                 self.optimizer.iterations.assign_add(1)
             return self.optimizer.iterations
 
-        # Traced here, once. Calling the concrete function skips tf.function's per-call
-        # argument matching: a few hundred microseconds per apply with eight tensors.
-        self._apply_step = apply_step.get_concrete_function()
+        # Calling the concrete function skips tf.function's per-call argument matching: a few
+        # hundred microseconds per apply with eight tensors.
+        return apply_step.get_concrete_function()
 
     def stage(
         self, grads: Sequence[np.ndarray | Sparse], check: bool = True
