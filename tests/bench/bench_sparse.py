@@ -39,6 +39,7 @@ from bench_util import (
     host_cpus,
     log,
     median,
+    section_main,
     server_ready,
     service_args,
     start_server,
@@ -280,16 +281,5 @@ def table_rows(s: dict[str, Any]) -> list[str]:
     return out
 
 
-def main() -> None:
-    """``python tests/bench/bench_sparse.py [smoke|quick|full]``: this section alone, as JSON."""
-    import json
-    import sys
-    import tempfile
-
-    plan_name = sys.argv[1] if len(sys.argv) > 1 else "smoke"
-    with Procs(Path(tempfile.mkdtemp(prefix="downpour-bench-sparse-"))) as procs:
-        print(json.dumps(run(plan_name, procs), indent=2))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # [smoke|quick|full]: this section alone, as JSON
+    section_main("sparse", run)

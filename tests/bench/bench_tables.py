@@ -42,6 +42,7 @@ from bench_util import (
     log,
     median,
     meminfo_mib,
+    section_main,
     server_ready,
     start_server,
 )
@@ -71,8 +72,9 @@ class TablesPlan:
     rounds: int
 
 
-PLANS = {
+PLANS = {  # ``make bench QUICK=1`` skips the section; quick is for running it alone
     "smoke": TablesPlan(1_000_000, 1),
+    "quick": TablesPlan(10_000_000, 1),
     "full": TablesPlan(10_000_000, 2),
 }
 
@@ -229,16 +231,5 @@ def table_rows(t: dict[str, Any]) -> list[str]:
     return out
 
 
-def main() -> None:
-    """``python tests/bench/bench_tables.py [smoke|full]``: this section alone, as JSON."""
-    import json
-    import sys
-    import tempfile
-
-    plan_name = sys.argv[1] if len(sys.argv) > 1 else "smoke"
-    with Procs(Path(tempfile.mkdtemp(prefix="downpour-bench-tables-"))) as procs:
-        print(json.dumps(run(plan_name, procs), indent=2))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # [smoke|quick|full]: this section alone, as JSON
+    section_main("tables", run)

@@ -364,3 +364,13 @@ def server_ready(
 def status_endpoint(info: dict[str, Any]) -> str:
     """The status socket of a server from its ready-file info."""
     return f"tcp://127.0.0.1:{info['status_port']}"
+
+
+def section_main(name: str, run: Callable[[str, Procs], dict[str, Any]]) -> None:
+    """``python tests/bench/bench_NAME.py [smoke|quick|full]``: the section ``name`` alone under
+    that plan (default smoke), its JSON document on stdout; child logs in a fresh directory."""
+    import tempfile
+
+    plan_name = sys.argv[1] if len(sys.argv) > 1 else "smoke"
+    with Procs(Path(tempfile.mkdtemp(prefix=f"downpour-bench-{name}-"))) as procs:
+        print(json.dumps(run(plan_name, procs), indent=2))
