@@ -565,13 +565,15 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
 MAX_REPORTED = 64
 
 
-def peak_rss_mib() -> float | None:
-    """This process's peak resident set in MiB: ``VmHWM`` from /proc/self/status, the
-    high-water mark of its own address space since its exec. (``ru_maxrss`` is not that: on
-    Linux it keeps the high-water mark of the address space the process had before its exec,
-    the forking parent's.) None where /proc does not say."""
+def peak_rss_mib(pid: int | None = None) -> float | None:
+    """The peak resident set in MiB of this process, or of process ``pid`` (a child the
+    caller started, e.g. a server whose memory a test or the bench measures): ``VmHWM``
+    from /proc/PID/status, the high-water mark of its own address space since its exec.
+    (``ru_maxrss`` is not that: on Linux it keeps the high-water mark of the address space
+    the process had before its exec, the forking parent's.) None where /proc does not say
+    (no /proc, or the process is gone)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{'self' if pid is None else pid}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024  # kB

@@ -372,3 +372,20 @@ def test_peak_rss_is_this_address_spaces_high_water_mark() -> None:
     need_mib = before - rss_mib() + 64  # touched on top of what is resident: a new peak
     block = np.ones(int(need_mib * 2**20) // 8, np.float64)
     assert peak_rss_mib() > before and block.sum() > 0
+
+
+def test_peak_rss_of_another_process_is_read_by_pid() -> None:
+    """``peak_rss_mib(pid)`` reads that process's VmHWM (this one's, read by pid, lies between
+    two reads of its own); a process that has exited has none."""
+    import os
+    import subprocess
+    import sys
+
+    from downpour.metrics import peak_rss_mib
+
+    first = peak_rss_mib()
+    by_pid = peak_rss_mib(os.getpid())
+    assert first is not None and by_pid is not None and first <= by_pid <= peak_rss_mib()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    assert peak_rss_mib(child.pid) is None

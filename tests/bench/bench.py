@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench.py [--quick | --smoke] [--out bench-results.json]
 
-Eleven sections, the first ten on the default Deep-MNIST model (13.1 MB of float32
+Twelve sections, the first ten on the default Deep-MNIST model (13.1 MB of float32
 parameters), each with warm-up and the median of several repetitions, the compared variants
 interleaved or run back to back so that machine noise hits them alike (ratios, not absolute
 times, are the result). Sections marked *pinned* emulate separate hosts: each process on its
@@ -29,10 +29,13 @@ own core (worker side core 0, server side core 1), TensorFlow's thread pools siz
 11. sparse, pinned: an embedding table of 100k, 1M and 4M rows x 16 (Zipf ids): bytes pulled
     per step with whole-table pulls over row pulls, and steps/s with row pulls by table size
     (``bench_sparse``)
+12. tables: a 10M x 64 embedding table (Adagrad) over 2 and 4 shards started at once: each
+    shard's peak resident set over the TensorFlow process baseline, per byte of its slice and
+    slots, and its seconds from start to ready (``bench_tables``)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
 Modes: full (default, about 25 min on 2 cores); ``--quick`` (one round of the headline
-set-ups, about 3 min: ``Plan.lean`` skips sections 5, 7 and 10 and the ``n_fetch_4`` row);
+set-ups, about 3 min: ``Plan.lean`` skips sections 5, 7, 10 and 12 and the ``n_fetch_4`` row);
 ``--smoke`` (one repetition, a few steps: for the test that checks the bench runs, not for
 numbers).
 """
@@ -65,6 +68,7 @@ import bench_seed  # noqa: E402
 import bench_server  # noqa: E402
 import bench_shards  # noqa: E402
 import bench_sparse  # noqa: E402
+import bench_tables  # noqa: E402
 import bench_wire  # noqa: E402
 from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
 
@@ -118,6 +122,8 @@ REQUIRED: dict[str, list[str]] = {
     # a section that reports {"skipped": reason} (no namespaces here) is exempt
     "link_1gbit": ["dense_steps_per_s", "bf16_steps_per_s", "topk_steps_per_s"],
     "sparse": ["pull_bytes_ratio", "flatness"],  # and every steps_per_s_by_rows value
+    # reshard_s_per_gb joins these once bench_tables.reshard_figures measures it
+    "tables": ["shard_rss_ratio_2", "shard_rss_ratio_4", "shard_start_s"],
 }
 
 
@@ -164,6 +170,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ("goodput pull_ratio_to_raw", g["pull_ratio_to_raw"], ">=", 0.90),
         ("goodput pushpull_ratio_to_raw", g["pushpull_ratio_to_raw"], ">=", 0.90),
         *bench_sparse.targets(r["sparse"]),
+        *bench_tables.targets(r["tables"]),
     ]
     if "ratio_1w_bf16_vs_local" in e:
         rows += [
@@ -359,6 +366,7 @@ def table(r: dict[str, Any]) -> str:
         *_pinned_rows(r),
         *_fetch_rows(r["n_fetch_4"]),
         *bench_sparse.table_rows(r["sparse"]),
+        *bench_tables.table_rows(r["tables"]),
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -389,7 +397,7 @@ def check(r: dict[str, Any]) -> list[str]:
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
-    """All eleven sections under ``plan``; child process logs go to ``logdir``."""
+    """All twelve sections under ``plan``; child process logs go to ``logdir``."""
     t_start = time.monotonic()
     spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
@@ -404,7 +412,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     timings = {}
     with Procs(logdir) as procs:
         t = time.monotonic()
-        log("[1/11] wire")
+        log("[1/12] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
         w = result["wire"]
         result["wire_curve"] = {  # measured interleaved with the plaintext push above
@@ -416,52 +424,52 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
-        log("[2/11] seed gradients")
+        log("[2/12] seed gradients")
         result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
         timings["seed_gradients"] = time.monotonic() - t
         t = time.monotonic()
-        log("[3/11] server")
+        log("[3/12] server")
         result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
         timings["server"] = time.monotonic() - t
         t = time.monotonic()
-        log("[4/11] server, pinned")
+        log("[4/12] server, pinned")
         result["server"].update(bench_pinned.server(plan, procs))
         timings["server_pinned"] = time.monotonic() - t
         t = time.monotonic()
-        log("[5/11] end to end")
+        log("[5/12] end to end")
         if plan.lean:  # the pinned set-ups below measure local and 1 worker
             result["end_to_end"] = {"skipped": LEAN_SKIP}
         else:
             result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/11] end to end, pinned")
+        log("[6/12] end to end, pinned")
         result["end_to_end"]["pinned"] = bench_pinned.end_to_end(plan, procs)
         timings["end_to_end_pinned"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/11] end to end, pinned, --n-fetch 4")
+        log("[6/12] end to end, pinned, --n-fetch 4")
         if plan.lean:
             result["n_fetch_4"] = {"skipped": LEAN_SKIP}
         else:
             result["n_fetch_4"] = bench_fetch.run(plan, procs, result["end_to_end"]["pinned"])
         timings["n_fetch_4"] = time.monotonic() - t
         t = time.monotonic()
-        log("[7/11] shards")
+        log("[7/12] shards")
         if plan.lean:
             result["shards"] = {"skipped": LEAN_SKIP}
         else:
             result["shards"] = bench_shards.run(plan, procs, names, grads)
         timings["shards"] = time.monotonic() - t
         t = time.monotonic()
-        log("[8/11] input")
+        log("[8/12] input")
         result["input"] = bench_input.run(plan, procs)
         timings["input"] = time.monotonic() - t
         t = time.monotonic()
-        log("[9/11] goodput")
+        log("[9/12] goodput")
         result["goodput"] = bench_goodput.run(plan, procs, shapes)
         timings["goodput"] = time.monotonic() - t
         t = time.monotonic()
-        log("[10/11] shaped link")
+        log("[10/12] shaped link")
         if plan.lean:  # namespaces and three more workers: the full plan's
             log("shaped link: skipped by --quick")
             result["link_1gbit"] = {"skipped": LEAN_SKIP}
@@ -469,9 +477,16 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
             result["link_1gbit"] = bench_link.run(plan, procs)
         timings["link_1gbit"] = time.monotonic() - t
         t = time.monotonic()
-        log("[11/11] sparse")
+        log("[11/12] sparse")
         result["sparse"] = bench_sparse.run(plan.name, procs)
         timings["sparse"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[12/12] tables")
+        if plan.lean:  # three more sets of servers, each filling a 10M-row table
+            result["tables"] = {"skipped": LEAN_SKIP}
+        else:
+            result["tables"] = bench_tables.run(plan.name, procs)
+        timings["tables"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}

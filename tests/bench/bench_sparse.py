@@ -39,6 +39,7 @@ from bench_util import (
     host_cpus,
     log,
     median,
+    section_main,
     server_ready,
     service_args,
     start_server,
@@ -244,14 +245,14 @@ def run(plan_name: str, procs: Procs) -> dict[str, Any]:
 def targets(s: dict[str, Any]) -> list[tuple[str, float, str, float]]:
     """The issue's targets of this section: (name, value, op, bound) rows for ``bench.targets``."""
     return [
-        (f"sparse pull_bytes_ratio at {_rows(s['pull_bytes_ratio_rows'])} rows",
+        (f"sparse pull_bytes_ratio at {rows_label(s['pull_bytes_ratio_rows'])} rows",
          s["pull_bytes_ratio"], ">=", 50.0),
-        (f"sparse flatness {_rows(s['flatness_rows'][1])} / {_rows(s['flatness_rows'][0])} rows",
-         s["flatness"], ">=", 0.8),
+        (f"sparse flatness {rows_label(s['flatness_rows'][1])} / "
+         f"{rows_label(s['flatness_rows'][0])} rows", s["flatness"], ">=", 0.8),
     ]  # fmt: skip
 
 
-def _rows(n: int) -> str:
+def rows_label(n: int) -> str:
     """A table size as the section names it: 100k, 1M, 4M."""
     return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1_000}k"
 
@@ -268,28 +269,17 @@ def table_rows(s: dict[str, Any]) -> list[str]:
                 f"**{s['pull_bytes_ratio_by_rows'][rows]:.0f}x** the bytes"
             )
         out.append(
-            f"| sparse, pinned | {_rows(int(rows))} x {s['dim']} table, row pulls "
+            f"| sparse, pinned | {rows_label(int(rows))} x {s['dim']} table, row pulls "
             f"({s['rows_per_step_by_rows'][rows]:.0f} rows, "
             f"{s['row_bytes_per_step_by_rows'][rows] / 1e3:.0f} kB a step{dense}) | "
             f"{rate:.2f} steps/s |"
         )
     out.append(
-        f"| sparse, pinned | **steps/s at {_rows(s['flatness_rows'][1])} rows / at "
-        f"{_rows(s['flatness_rows'][0])} rows** | **{s['flatness']:.2f}** |"
+        f"| sparse, pinned | **steps/s at {rows_label(s['flatness_rows'][1])} rows / at "
+        f"{rows_label(s['flatness_rows'][0])} rows** | **{s['flatness']:.2f}** |"
     )
     return out
 
 
-def main() -> None:
-    """``python tests/bench/bench_sparse.py [smoke|quick|full]``: this section alone, as JSON."""
-    import json
-    import sys
-    import tempfile
-
-    plan_name = sys.argv[1] if len(sys.argv) > 1 else "smoke"
-    with Procs(Path(tempfile.mkdtemp(prefix="downpour-bench-sparse-"))) as procs:
-        print(json.dumps(run(plan_name, procs), indent=2))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # [smoke|quick|full]: this section alone, as JSON
+    section_main("sparse", run)

@@ -136,11 +136,7 @@ def machine() -> dict[str, Any]:
                 cpu = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
-    mem_kb = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem_kb = int(line.split()[1])
+    mem_gib = meminfo_mib("MemTotal") / 1024
     simd = [f for f in ("avx", "avx2", "fma", "avx512f") if f in flags]
     hypervisor = "hypervisor" in flags
     return {
@@ -148,7 +144,7 @@ def machine() -> dict[str, Any]:
         "simd": simd,
         "virtualised": hypervisor,
         "cores": os.cpu_count(),
-        "memory_gib": round(mem_kb / 2**20, 1),
+        "memory_gib": round(mem_gib, 1),
         "tensorflow": tf.__version__,
         "numpy": np.__version__,
         "pyzmq": zmq.__version__,
@@ -156,9 +152,20 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "kernel": platform.release(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "summary": f"{cpu}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB, "
-        f"TensorFlow {tf.__version__}",
+        "summary": f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, TensorFlow {tf.__version__}",
     }
+
+
+def meminfo_mib(key: str) -> float:
+    """A /proc/meminfo figure in MiB (``MemTotal``, ``MemAvailable``); 0 where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 0.0
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -357,3 +364,13 @@ def server_ready(
 def status_endpoint(info: dict[str, Any]) -> str:
     """The status socket of a server from its ready-file info."""
     return f"tcp://127.0.0.1:{info['status_port']}"
+
+
+def section_main(name: str, run: Callable[[str, Procs], dict[str, Any]]) -> None:
+    """``python tests/bench/bench_NAME.py [smoke|quick|full]``: the section ``name`` alone under
+    that plan (default smoke), its JSON document on stdout; child logs in a fresh directory."""
+    import tempfile
+
+    plan_name = sys.argv[1] if len(sys.argv) > 1 else "smoke"
+    with Procs(Path(tempfile.mkdtemp(prefix=f"downpour-bench-{name}-"))) as procs:
+        print(json.dumps(run(plan_name, procs), indent=2))

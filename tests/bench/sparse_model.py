@@ -1,4 +1,5 @@
-"""The model of the bench's ``sparse`` section: one big embedding table and a small dense head.
+"""The model of the bench's ``sparse`` and ``tables`` sections: one big embedding table and a
+small dense head.
 
 ``--model sparse_model:rows_1m`` (``rows_20k``, ``rows_100k``, ``rows_1m``, ``rows_4m``): an
 ``Embedding(rows, 16)`` gathers ``FEATURES`` ids per example, a mean over them feeds
@@ -10,6 +11,10 @@ Ids are Zipf-distributed (exponent ``EXPONENT``) over the whole table, hot ids s
 seeded permutation (``downpour.examples.clicks.zipf_ids``, fixed seed: the same arrays in every
 process). The label is planted in the ids (whether most of an example's ids are even), so the
 model has something to learn; the bench measures speed and bytes, not accuracy.
+
+The ``tables`` section's tables are 64 columns wide, as ``tiny_models:ten_million_embedding``'s:
+``rows_1m_x64`` (256 MB) and ``rows_10m_x64`` (2.56 GB); its servers only start, so their ids
+are never drawn.
 """
 
 from __future__ import annotations
@@ -32,14 +37,19 @@ EXPONENT = 1.1
 SEED = 7
 
 
-def build(rows: int) -> keras.Model:
-    """The table and the dense head (see the module)."""
+def name(rows: int, dim: int = DIM) -> str:
+    """The model's name: ``sparse_ROWS``, ``sparse_ROWSxDIM`` for another width than ``DIM``."""
+    return f"sparse_{rows}" if dim == DIM else f"sparse_{rows}x{dim}"
+
+
+def build(rows: int, dim: int = DIM) -> keras.Model:
+    """The ``rows`` x ``dim`` table and the dense head (see the module)."""
     ids = keras.Input((FEATURES,), dtype="int32", name="ids")
-    e = keras.layers.Embedding(rows, DIM, name="embed")(ids)
+    e = keras.layers.Embedding(rows, dim, name="embed")(ids)
     h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
     h = keras.layers.Dense(32, activation="relu", name="hidden")(h)
     out = keras.layers.Dense(2, name="logits")(h)
-    return keras.Model(ids, out, name=f"sparse_{rows}")
+    return keras.Model(ids, out, name=name(rows, dim))
 
 
 @functools.cache
@@ -52,11 +62,11 @@ def data(rows: int) -> Dataset:
     return Dataset(x[:EXAMPLES], y[:EXAMPLES], x[EXAMPLES:], y[EXAMPLES:])
 
 
-def table(rows: int) -> ModelSpec:
-    """The section's model with a ``rows`` x ``DIM`` table."""
+def table(rows: int, dim: int = DIM) -> ModelSpec:
+    """The section's model with a ``rows`` x ``dim`` table."""
     return ModelSpec(
-        name=f"sparse_{rows}",
-        build=functools.partial(build, rows),
+        name=name(rows, dim),
+        build=functools.partial(build, rows, dim),
         load_data=lambda _data_dir: data(rows),
         batch_size=BATCH_SIZE,
     )
@@ -80,3 +90,13 @@ def rows_1m() -> ModelSpec:
 def rows_4m() -> ModelSpec:
     """4,000,000 rows (256 MB)."""
     return table(4_000_000)
+
+
+def rows_1m_x64() -> ModelSpec:
+    """1,000,000 x 64 (256 MB): the ``tables`` section's smoke plan's size."""
+    return table(1_000_000, 64)
+
+
+def rows_10m_x64() -> ModelSpec:
+    """10,000,000 x 64 (2.56 GB): the ``tables`` section's table."""
+    return table(10_000_000, 64)
