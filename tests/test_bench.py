@@ -69,9 +69,9 @@ REQUIRED = {
     "link_1gbit": ["dense_steps_per_s", "bf16_steps_per_s", "topk_steps_per_s"],
     # row pulls of an embedding table against whole-table pulls, by table size
     "sparse": ["pull_bytes_ratio", "flatness"],
-    # shards of a big table started at once: peak RSS per byte held, seconds to ready (the
-    # section's reshard_s_per_gb joins these once it is measured: bench_tables.reshard_figures)
-    "tables": ["shard_rss_ratio_2", "shard_rss_ratio_4", "shard_start_s"],
+    # shards of a big table started at once: peak RSS per byte held, seconds to ready; a
+    # checkpoint of 2 shards restored onto 3, seconds per GB of state
+    "tables": ["shard_rss_ratio_2", "shard_rss_ratio_4", "shard_start_s", "reshard_s_per_gb"],
 }
 
 

@@ -31,6 +31,7 @@ def test_stop_applies_what_was_received_checkpoints_and_a_restart_restores(
 ) -> None:
     state_dir = str(tmp_path / "state")
     with serving(state_dir=state_dir, **FINAL_ONLY) as server:
+        assert fetch_status(server.status)["restore_s"] is None  # nothing to restore
         threads = [
             WorkerThread(make_worker(server.port, worker_id=f"w{i}", steps=25)) for i in (0, 1)
         ]
@@ -44,6 +45,7 @@ def test_stop_applies_what_was_received_checkpoints_and_a_restart_restores(
     with serving(state_dir=state_dir, **FINAL_ONLY) as again:
         doc = fetch_status(again.status)
         assert doc["version"] == doc["restored_from"] == pushed
+        assert doc["restore_s"] > 0  # how long reading and assigning it took
         # a restarted worker resumes its sequence where the server's checkpoint left it
         s = train(again.port, worker_id="w0", steps=5)
         settle(again.status, [s])

@@ -103,6 +103,7 @@ class Server:
         self.incarnation = secrets.token_hex(8)
         self.restored_seqs: dict[str, int] = {}
         self.restored_from: int | None = None
+        self.restore_s: float | None = None  # reading and assigning the checkpoint(s)
         self.dispatcher: Dispatcher | None = None
         if config.data_dispatch == "server":
             self.dispatcher = Dispatcher(seed=config.seed)
@@ -179,15 +180,20 @@ class Server:
         assert self.checkpoints is not None
         store = self.checkpoints.store
         store.clean_leftovers()
+        t0 = time.perf_counter()
         sources = find_sources(self.state, store, self.config.restore_from)
         if not sources:
             log.info("no checkpoint in %s: starting from fresh weights", store.dir)
             return
         done = restore_set(self.state, sources)
+        self.restore_s = round(time.perf_counter() - t0, 3)
         self.restored_seqs = done.workers
         self.restored_from = done.version
         log.info(
-            "restored version %d from %s", done.version, ", ".join(str(c.path) for c in sources)
+            "restored version %d in %.1f s from %s",
+            done.version,
+            self.restore_s,
+            ", ".join(str(c.path) for c in sources),
         )
         if self.dispatcher is not None:
             self.dispatcher = restore_dispatcher(done.dispatch, self.config.seed)
@@ -404,6 +410,7 @@ class Server:
             started=self.started,
             started_wall=self.started_wall,
             restored_from=self.restored_from,
+            restore_s=self.restore_s,
             checkpoints=self.checkpoints.snapshot() if self.checkpoints else None,
             evaluation=self.obs.eval_status(),
             auth=self.auth,

@@ -122,8 +122,7 @@ REQUIRED: dict[str, list[str]] = {
     # a section that reports {"skipped": reason} (no namespaces here) is exempt
     "link_1gbit": ["dense_steps_per_s", "bf16_steps_per_s", "topk_steps_per_s"],
     "sparse": ["pull_bytes_ratio", "flatness"],  # and every steps_per_s_by_rows value
-    # reshard_s_per_gb joins these once bench_tables.reshard_figures measures it
-    "tables": ["shard_rss_ratio_2", "shard_rss_ratio_4", "shard_start_s"],
+    "tables": ["shard_rss_ratio_2", "shard_rss_ratio_4", "shard_start_s", "reshard_s_per_gb"],
 }
 
 

@@ -24,12 +24,13 @@ Keys (``tables``):
   the other of 2 (the slower of the two; the median over rounds);
 * per round and shard: ``detail``; the baseline of each round: ``baseline_mib``.
 
-``reshard_s_per_gb`` (seconds per GB to restore the table's checkpoint onto another number of
-shards) is not measured yet: ``reshard_figures`` is where it will be.
+* ``reshard_s_per_gb``: seconds per GB of state (weights and slots) to restore a checkpoint of
+  the table written by 2 shards onto 3 (``reshard_figures``), and ``reshard_s`` the seconds.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ BASELINE_MODEL = "sparse_model:rows_20k"
 MODELS = {1_000_000: "sparse_model:rows_1m_x64", 10_000_000: "sparse_model:rows_10m_x64"}
 DIM = 64
 SHARD_COUNTS = (2, 4)
+RESHARD = (2, 3)  # a checkpoint of 2 shards restored onto 3
+CHECKPOINT_TIMEOUT_S = 300.0  # a stopping shard writes its slice and slots
 START_TIMEOUT_S = 600.0  # import, the table declared, a slice filled, on a loaded machine
 TARGET_RATIO = 1.5
 # More than each set needs, in MiB of MemAvailable (a TensorFlow process is under 1 GiB): the
@@ -88,10 +91,10 @@ class Started:
     t0: float
 
 
-def start(procs: Procs, name: str, model: str, *args: int, core: int) -> Started:
-    """Start a server (``--shard I --num-shards N`` when ``args`` is (I, N)) on emulated host
-    ``core``, without waiting for it."""
-    settings: dict[str, Any] = {"model": model, **OPTIMIZER}
+def start(procs: Procs, name: str, model: str, *args: int, core: int, **more: Any) -> Started:
+    """Start a server (``--shard I --num-shards N`` when ``args`` is (I, N); ``more``
+    settings by name) on emulated host ``core``, without waiting for it."""
+    settings: dict[str, Any] = {"model": model, **OPTIMIZER, **more}
     if args:
         settings |= {"shard": args[0], "num_shards": args[1]}
     t0 = time.time()  # the ready file's mtime is on the same (wall) clock
@@ -150,13 +153,46 @@ def memory_needed_mib(rows: int) -> float:
 
 
 def reshard_figures(procs: Procs, rows: int) -> dict[str, float]:
-    """``reshard_s_per_gb``: seconds per GB to restore a checkpoint of the ``rows`` table onto
-    another number of shards. Empty until the reshard measurement
-    (``reshard_seconds_per_gb``, in the server's checkpoint code) is wired here; then it
-    returns {"reshard_s_per_gb": ...} and ``REQUIRED["tables"]`` (bench.py, test_bench.py)
-    names it."""
-    log(f"tables: reshard_s_per_gb not measured ({rows:,} rows; no reshard measurement wired)")
-    return {}
+    """``reshard_s_per_gb``: 2 shards of the ``rows`` table with a ``--state-dir`` each,
+    stopped (each writes its final checkpoint: its slice and its Adagrad slots), then 3
+    shards started at once with ``--restore-from`` those two directories; the slowest new
+    shard's ``restore_s`` (status: finding, reading, checking and assigning its rows of the
+    weights and slots) over the GB of the whole state (the table's weights and slots). The
+    checkpoints are removed afterwards."""
+    root = procs.logdir / "tables-reshard"
+    shutil.rmtree(root, ignore_errors=True)
+    old = [root / f"shard-{i}" for i in range(RESHARD[0])]
+    writers = [
+        start(procs, f"tables-ckpt-{i}", MODELS[rows], i, RESHARD[0], core=i, state_dir=str(d))
+        for i, d in enumerate(old)
+    ]
+    try:
+        for w in writers:
+            server_ready(procs, w.proc, w.ready, START_TIMEOUT_S)
+        for w in writers:  # SIGTERM (once: a second one kills): the final checkpoint, exit 0
+            w.proc.terminate()
+        codes = [w.proc.wait(timeout=CHECKPOINT_TIMEOUT_S) for w in writers]
+        if codes != [0] * len(writers):
+            raise RuntimeError(f"tables: the checkpointing shards exited with {codes}")
+        restore_from = ",".join(str(d) for d in old)
+        new = [
+            start(procs, f"tables-restore-{i}", MODELS[rows], i, RESHARD[1], core=i,
+                  state_dir=str(root / f"new-{i}"), restore_from=restore_from)
+            for i in range(RESHARD[1])
+        ]  # fmt: skip
+        try:
+            docs = [ready_figures(procs, s)["doc"] for s in new]
+        finally:
+            for s in new:  # killed: their own final checkpoints are not what is measured
+                s.proc.kill()
+            for s in new:
+                procs.stop(s.proc)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    seconds = max(float(d["restore_s"]) for d in docs)
+    state_gb = rows * DIM * 4 * (1 + ADAGRAD_SLOTS) / 1e9
+    log(f"tables: {RESHARD[0]} -> {RESHARD[1]} shards: {seconds:.1f} s for {state_gb:.2f} GB")
+    return {"reshard_s_per_gb": seconds / state_gb, "reshard_s": seconds}
 
 
 def run(plan_name: str, procs: Procs) -> dict[str, Any]:
@@ -227,6 +263,11 @@ def table_rows(t: dict[str, Any]) -> list[str]:
     out.append(
         f"| tables | {table}, seconds from process start to ready, 2 shards at once (the "
         f"slower) | {t['shard_start_s']:.1f} s |"
+    )
+    out.append(
+        f"| tables | {table}: a checkpoint of 2 shards restored onto 3 (the slowest new shard's "
+        f"restore), seconds per GB of weights and slots | {t['reshard_s_per_gb']:.2f} s/GB "
+        f"({t['reshard_s']:.1f} s) |"
     )
     return out
 
