@@ -67,14 +67,13 @@ class Applied:
 
 
 def _sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(unique ids, their summed gradient rows, occurrences of each)."""
+    """(unique ids, their gradient rows summed in the order they come, occurrences of each)."""
     uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
     if uniq.size == ids.size:
-        order = np.argsort(ids, kind="stable")
-        return uniq, grads[order], counts
-    order = np.argsort(inverse, kind="stable")
-    starts = np.r_[0, np.cumsum(counts)[:-1]]
-    return uniq, np.add.reduceat(grads[order], starts, axis=0), counts
+        return uniq, grads[np.argsort(ids, kind="stable")], counts
+    summed = np.zeros((uniq.size, *grads.shape[1:]), grads.dtype)
+    np.add.at(summed, inverse, grads)
+    return uniq, summed, counts
 
 
 class DynamicTable:

@@ -6,11 +6,12 @@ the top bits of ``mix64(id)``; collisions probe linearly. Every call works on wh
 ids: each probe step is one NumPy pass over the ids still unresolved, so a call costs
 O(ids x mean probe length), independent of the table's size.
 
-Load factor: the table doubles before an insert would take its full and removed buckets past
-``MAX_LOAD`` (0.8) of its buckets, to the smallest power of two that holds the live ids under
-``MAX_LOAD / 2``; removed buckets ("tombstones") are reused by later inserts and dropped by
-the rehash. So the live ids fill between 0.4 and 0.8 of the buckets: 16 to 33 bytes per
-live id (``nbytes``).
+Load factor: before an insert would take the full and removed buckets past ``MAX_LOAD``
+(0.8) of the buckets, the table rehashes: doubled (as often as the ids need) when the live ids
+would fill more than ``REHASH_IN_PLACE`` (0.6) of it, else at the same size, which drops the
+removed buckets ("tombstones"; inserts reuse them too). Growing by inserts alone, the live
+ids fill 0.4 to 0.8 of the buckets: 16 to 33 bytes per live id (``nbytes``); after removals
+the fill can drop to 0.3 until the next inserts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from downpour.initial import as_ids, mix64
 
 MAX_LOAD = 0.8  # full + removed buckets over buckets, at most, after an insert
+REHASH_IN_PLACE = 0.6  # live ids over buckets, at most, for a rehash that keeps the size
 MIN_BUCKETS = 16
 _EMPTY, _FULL, _GONE = 0, 1, 2
 
@@ -111,12 +113,16 @@ class IdIndex:
         return self._keys[full], self._slots[full].astype(np.int64)
 
     def _reserve(self, extra: int) -> None:
-        """Rehash, doubling as needed, when ``extra`` more ids would pass ``MAX_LOAD``."""
+        """Rehash when ``extra`` more ids would take full and removed buckets past
+        ``MAX_LOAD``: at the same size when the live ids fill at most ``REHASH_IN_PLACE``
+        of it (dropping the removed buckets), else doubled as often as needed."""
         if self._live + self._gone + extra <= MAX_LOAD * self.buckets:
             return
         buckets = self.buckets
-        while self._live + extra > MAX_LOAD / 2 * buckets:
+        if self._live + extra > REHASH_IN_PLACE * buckets:
             buckets *= 2
+            while self._live + extra > MAX_LOAD * buckets:
+                buckets *= 2
         ids, slots = self.items()
         self._alloc(buckets)
         self._live = 0
