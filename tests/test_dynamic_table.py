@@ -32,7 +32,8 @@ def test_an_ids_initial_row_depends_on_seed_table_and_id_only(rule: Rule) -> Non
     perm = np.random.default_rng(1).permutation(ids.size)
     np.testing.assert_array_equal(initial_rows(rule, 7, "users", ids[perm], 16), rows[perm])
     for i in (0, 1, 2, 3, 50):  # alone, and beside other ids
-        np.testing.assert_array_equal(initial_rows(rule, 7, "users", ids[i : i + 1], 16)[0], rows[i])
+        alone = initial_rows(rule, 7, "users", ids[i : i + 1], 16)
+        np.testing.assert_array_equal(alone[0], rows[i])
     for other in (
         initial_rows(rule, 8, "users", ids, 16),
         initial_rows(rule, 7, "items", ids, 16),
@@ -115,7 +116,8 @@ def test_chunked_storage_grows_by_chunks_and_reuses_freed_slots() -> None:
     assert store.capacity == 9
     plan = store.plan(slots[::-1])
     store.put("row", plan, np.arange(14, dtype=np.float32).reshape(7, 2))
-    np.testing.assert_array_equal(store.take("row", store.plan(np.array([6, 0]))), [[0, 1], [12, 13]])
+    got = store.take("row", store.plan(np.array([6, 0])))
+    np.testing.assert_array_equal(got, [[0, 1], [12, 13]])
     store.release(np.array([1, 4]))
     assert sorted(store.allocate(3).tolist()) == [1, 4, 7] and store.capacity == 9
 
