@@ -312,6 +312,32 @@ def test_export_and_restore_round_trip_exactly_and_train_alike() -> None:
     np.testing.assert_array_equal(copy.gather(pool), table.gather(pool))
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.pop("slot_m"),
+        lambda s: s.update(counts=s["counts"][:-1]),
+        lambda s: s.update(ids=np.r_[s["ids"][:-1], s["ids"][:1]]),
+        lambda s: s.update(rows=s["rows"][:, :2]),
+        lambda s: s.pop("sketch_window"),
+    ],
+    ids=["slot", "counts", "repeated_ids", "width", "sketch"],
+)
+def test_a_state_that_does_not_fit_is_refused(change: object) -> None:
+    config = {"optimizer": "lazy_adam", "admit_after": 2}
+    table = DynamicTable("t", 3, **config)
+    table.gather(EXTREMES, create=True)
+    state = table.export_state()
+    change(state)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="t: state"):
+        DynamicTable.from_state(state, "t", **config)
+
+
+def test_a_sketch_sized_for_an_error_bound() -> None:
+    sketch = CountMinSketch.for_error(epsilon=0.001, delta=0.01)
+    assert (sketch.width, sketch.depth) == (4096, 5)  # e / 0.001 = 2719 -> 4096; ln 100 -> 5
+
+
 def test_stats_count_bytes_of_every_part() -> None:
     table = DynamicTable("t", 8, optimizer="adagrad", admit_after=2, chunk_rows=16)
     table.gather(np.arange(20), create=True)
@@ -329,6 +355,7 @@ def test_stats_count_bytes_of_every_part() -> None:
         (np.zeros(2, np.float32), np.zeros((2, 3))),
         (np.array([2**64 - 1], np.uint64), np.zeros((1, 3))),
         (np.zeros(2, np.int64), np.zeros((2, 4))),
+        (np.zeros(2, np.int64), np.array([["a"] * 3] * 2)),
     ],
 )
 def test_bad_input_is_refused_counted_and_changes_nothing(ids: object, grads: object) -> None:

@@ -21,8 +21,10 @@ id, in chunked storage (``dynamic_store``) addressed through an id index
 - ``export_state`` / ``from_state`` carry everything (rows, slots, versions, counts, the
   sketch, the counters) as arrays, exactly.
 
-Bad input (ids not a 1-D integer array, gradients of the wrong shape, a non-finite learning
-rate) raises ValueError and counts ``bad_input`` before any row changes.
+Bad input (ids not a 1-D integer array, gradient rows not floats of the ids' shape, a
+non-finite learning rate) raises ValueError and counts ``bad_input`` before any row changes;
+``from_state`` refuses a state whose arrays are missing, misshapen or whose ids repeat.
+The table is not thread-safe: one thread (the server's loop) calls it.
 """
 
 from __future__ import annotations
@@ -165,11 +167,15 @@ class DynamicTable:
         touched rows take ``version``; ``step`` is Adam's step number (iterations + 1)."""
         ids = self._check_ids(ids)
         grads = np.asarray(grads)
-        if grads.shape != (ids.size, self.dim) or not np.isfinite(lr):
+        if (
+            grads.shape != (ids.size, self.dim)
+            or not np.issubdtype(grads.dtype, np.floating)
+            or not np.isfinite(lr)
+        ):
             self.counters["bad_input"] += 1
             raise ValueError(
-                f"{self.name}: gradient rows must be ({ids.size}, {self.dim}) and lr finite, "
-                f"got {grads.shape} and {lr}"
+                f"{self.name}: gradient rows must be floats of shape ({ids.size}, {self.dim}) "
+                f"and lr finite, got {grads.dtype} {grads.shape} and {lr}"
             )
         uniq, grad, counts = _sum_duplicates(ids, grads)
         slots = self.index.lookup(uniq)
@@ -257,20 +263,23 @@ class DynamicTable:
         if self.sketch is not None:
             state["sketch"] = self.sketch.counters.copy()
             state["sketch_mass"] = np.array(self.sketch.mass, np.int64)
+            state["sketch_window"] = np.array(self.sketch.window, np.int64)
         return state
 
     @classmethod
     def from_state(cls, state: dict[str, np.ndarray], name: str, **config: object) -> DynamicTable:
         """A table ``name`` built with ``config`` (as the constructor's keywords) holding
-        ``state`` from ``export_state``."""
-        rows = np.asarray(state["rows"])
+        ``state`` from ``export_state``; ValueError for a state that does not fit it."""
+        rows = np.asarray(state["rows"]) if "rows" in state else None
+        if rows is None or rows.ndim != 2:
+            raise ValueError(f"{name}: state rows must be a 2-D array")
         table = cls(name, rows.shape[1], **config)  # type: ignore[arg-type]
+        ids = table._check_state(state)
         if "sketch" in state:
             depth, width = state["sketch"].shape
-            table.sketch = CountMinSketch(width, depth, getattr(table.sketch, "window", None))
+            table.sketch = CountMinSketch(width, depth, int(state["sketch_window"]))
             table.sketch.counters[...] = state["sketch"]
             table.sketch.mass = int(state["sketch_mass"])
-        ids = np.asarray(state["ids"], np.int64)
         slots = table.store.allocate(ids.size)
         plan = table.store.plan(slots)
         table.store.put("row", plan, rows)
@@ -281,6 +290,22 @@ class DynamicTable:
         table.index.insert(ids, slots)
         table.counters = dict(zip(COUNTERS, (int(v) for v in state["counters"]), strict=True))
         return table
+
+    def _check_state(self, state: dict[str, np.ndarray]) -> np.ndarray:
+        """The ids of ``state`` once every array it needs is there with a fitting shape."""
+        ids = as_ids(state.get("ids", np.zeros((0, 0))))
+        n, dim = ids.size, self.dim
+        shapes = {"rows": (n, dim), "versions": (n,), "counts": (n,), "counters": (len(COUNTERS),)}
+        shapes |= {f"slot_{s}": (n, dim) for s in self.opt.slots}
+        if "sketch" in state:
+            shapes |= {"sketch_mass": (), "sketch_window": ()}
+        for key, shape in shapes.items():
+            got = np.shape(state[key]) if key in state else None
+            if got != shape:
+                raise ValueError(f"{self.name}: state {key!r} must have shape {shape}, got {got}")
+        if np.unique(ids).size != n:
+            raise ValueError(f"{self.name}: state ids repeat")
+        return ids
 
     def stats(self) -> dict[str, int]:
         """Live rows, bytes by part (rows, slots, index, sketch, metadata) and counters."""

@@ -47,7 +47,8 @@ def measure(rows: int, dim: int, batch: int) -> dict[str, float]:
     rss = _rss() - before
     stats = table.stats()
     raw = stats["live_rows"] * dim * np.dtype("float32").itemsize * (1 + len(table.opt.slots))
-    return rates | {"bytes_per_live_row_ratio": stats["bytes"] / raw, "raw_bytes": raw, "rss_ratio": rss / raw} | stats
+    ratios = {"bytes_per_live_row_ratio": stats["bytes"] / raw, "rss_ratio": rss / raw}
+    return rates | ratios | {"raw_bytes": raw} | stats
 
 
 def main() -> None:
