@@ -285,6 +285,16 @@ def test_capacity_evicts_by_policy_down_to_90_percent(policy: str) -> None:
     assert (table.index.lookup(done.evicted) == -1).all()
 
 
+def test_rows_created_by_gather_are_evicted_by_the_next_capacity_check() -> None:
+    table = DynamicTable("t", 2, capacity=4)
+    table.gather(np.arange(6), create=True, version=3)
+    table.gather(np.array([0, 1]), create=True, version=4)  # present: no new rows
+    assert len(table) == 6 and table.stats()["inserted"] == 6
+    gone = table.enforce_capacity()  # lru, ties by touches then slot: the oldest first
+    assert sorted(gone.tolist()) == [0, 1, 2] and len(table) == 3
+    assert table.enforce_capacity().size == 0
+
+
 # -- state, stats, bad input ---------------------------------------------------------------
 
 

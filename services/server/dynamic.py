@@ -132,7 +132,8 @@ class DynamicTable:
 
     def gather(self, ids: np.ndarray, *, create: bool = False, version: int = 0) -> np.ndarray:
         """Rows of ``ids`` (len(ids), dim); a missing id reads its initial value, and with
-        ``create`` is stored (at ``version``, bypassing admission)."""
+        ``create`` is stored (at ``version``, bypassing admission; the capacity is left to
+        the caller's next ``enforce_capacity`` or ``apply``, which return the evicted ids)."""
         ids = self._check_ids(ids)
         slots = self.index.lookup(ids)
         out = np.empty((ids.size, self.dim), self.dtype)
@@ -144,7 +145,6 @@ class DynamicTable:
             out[~found] = fresh[inverse]
             if create:
                 self._create(missing, fresh, version)
-                self._enforce_capacity()
         return out
 
     def _create(self, ids: np.ndarray, rows: np.ndarray, version: int) -> np.ndarray:
@@ -197,7 +197,7 @@ class DynamicTable:
             self.counters["admitted"] += done.admitted
         self._update(slots, grad, counts, lr, version, step)
         done.updated = uniq.size
-        done.evicted = self._enforce_capacity()
+        done.evicted = self.enforce_capacity()
         return done
 
     def _update(
@@ -239,7 +239,7 @@ class DynamicTable:
         idle = version - last >= idle_versions
         return self._evict(ids[idle], slots[idle], "idle")
 
-    def _enforce_capacity(self) -> np.ndarray:
+    def enforce_capacity(self) -> np.ndarray:
         """Over capacity: evict down to ``EVICT_TO`` of it by the policy; the evicted ids."""
         if self.capacity is None or len(self) <= self.capacity:
             return np.empty(0, np.int64)
