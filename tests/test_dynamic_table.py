@@ -65,6 +65,8 @@ def test_fill_rules_are_constants_and_a_whole_rule_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="whole"):
         initial_rows(Rule("whole"), 0, "t", EXTREMES, 3)
+    with pytest.raises(ValueError, match="per-id rule"):
+        DynamicTable("t", 3, rule=Rule("whole"))
     with pytest.raises(ValueError, match="1-D integer"):
         initial_rows(RULES[0], 0, "t", np.zeros(3, np.float32), 3)
 

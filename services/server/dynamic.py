@@ -102,6 +102,10 @@ class DynamicTable:
             raise ValueError(f"admit_after must be in [1, {SATURATE}], got {admit_after}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if dim < 1:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if rule.kind == "whole":
+            raise ValueError(f"{name}: a dynamic table's rows need a per-id rule, got {rule}")
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.name, self.dim, self.rule, self.seed = name, dim, rule, seed
