@@ -17,6 +17,11 @@ The initialiser the model chose sets the distribution and scale:
   the model with the same seeds) but allocates the whole variable: ``row_decomposable``
   says which variables need that, so a shard can warn.
 
+A dynamic table (ids of any int64 value, rows created on first touch) has no row order to
+block by: ``initial_rows`` draws each id's row from a counter-based generator (SplitMix64)
+keyed by ``(seed, table, id, column)``, so a row is the same whatever the order, the batch or
+the shard it is first touched in, with the same rules (``whole`` excepted).
+
 ``build_deferred`` builds a model without allocating its variables (Keras's deferred
 initialisation under a ``StatelessScope``) and ``materialize`` gives one variable its
 values in place, block by block: the peak is the variable plus one block. This module is the
@@ -127,6 +132,89 @@ def blocks(
         rows = _draw(rule, (hi - lo, *shape[1:]), dt, block_seed(seed, name, b))
         a, z = max(lo, start), min(hi, stop)
         yield a - start, rows[a - lo : z - lo]
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_UNIT = 2.0**-53  # one step of a 53-bit uniform
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 ``x`` (elementwise): a bijection of 64-bit words
+    whose every output bit depends on every input bit. Arithmetic wraps modulo 2**64."""
+    with np.errstate(over="ignore"):
+        z = (x ^ (x >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def name_key(name: str) -> int:
+    """A stable 64-bit key of a name (the same in every process and Python version)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+def id_keys(seed: int, table: str, ids: np.ndarray) -> np.ndarray:
+    """The generator key of each int64 id of ``table`` in a run seeded ``seed`` (uint64):
+    distinct ids get distinct keys (``mix64`` is a bijection)."""
+    base = mix64(np.array([seed & 0xFFFF_FFFF_FFFF_FFFF], np.uint64) ^ np.uint64(name_key(table)))
+    return mix64(as_ids(ids).view(np.uint64) ^ mix64(base))
+
+
+def _uniform01(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Uniform draws in [0, 1) (float64, 53 bits): SplitMix64 output number ``counters + 1``
+    of the stream that starts at each key (``keys`` and ``counters`` broadcast)."""
+    with np.errstate(over="ignore"):
+        words = mix64(keys + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (words >> np.uint64(11)).astype(np.float64) * _UNIT
+
+
+def _normal01(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Unit normal draws by Box-Muller from the uniform pair at counters ``2c`` and ``2c+1``."""
+    u1 = 1.0 - _uniform01(keys, 2 * counters)  # in (0, 1]: the log is finite
+    u2 = _uniform01(keys, 2 * counters + 1)
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def as_ids(ids: object) -> np.ndarray:
+    """``ids`` as a 1-D int64 array; ValueError for anything else (another rank, a
+    non-integer dtype, unsigned values past 2**63 - 1)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"ids must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError("ids must fit int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def initial_rows(
+    rule: Rule, seed: int, table: str, ids: np.ndarray, dim: int, dtype: str = "float32"
+) -> np.ndarray:
+    """The initial rows (``len(ids)``, ``dim``) of the int64 ``ids`` of dynamic table
+    ``table`` in a run seeded ``seed``, drawn by ``rule``: each row a function of (seed,
+    table, id) only. Element (id, column) takes the SplitMix64 stream of ``id_keys`` at
+    counter ``column`` (uniform) or the pair ``2 column``, ``2 column + 1`` (normal, Box-Muller);
+    a truncated normal redraws the entries beyond 2 stddev at counter ``column + r dim`` in
+    round ``r``, as Keras's ``TruncatedNormal`` redraws them. ValueError for a ``whole`` rule."""
+    ids = as_ids(ids)
+    if rule.kind == "fill":
+        return np.full((ids.size, dim), rule.a, dtype)
+    if rule.kind not in ("uniform", "normal", "truncated"):
+        raise ValueError(f"no per-id initial value for rule {rule.kind!r}")
+    keys = id_keys(seed, table, ids)[:, None]
+    cols = np.arange(dim, dtype=np.int64)[None, :]
+    if rule.kind == "uniform":
+        return (rule.a + (rule.b - rule.a) * _uniform01(keys, cols)).astype(dtype)
+    z = _normal01(keys, cols)
+    if rule.kind == "truncated":
+        bad_r, bad_c = np.nonzero(np.abs(z) > 2.0)
+        r = 0
+        while bad_r.size:
+            r += 1
+            z[bad_r, bad_c] = _normal01(keys[bad_r, 0], bad_c + r * dim)
+            keep = np.abs(z[bad_r, bad_c]) > 2.0
+            bad_r, bad_c = bad_r[keep], bad_c[keep]
+    return (rule.a + rule.b * z).astype(dtype)
 
 
 def row_decomposable(variable: keras.Variable) -> bool:
