@@ -53,11 +53,21 @@ def check_variables(model: keras.Model, name: str | None = None) -> None:
 
     Both services build the model through ``build_model``, so a server refuses at start and a
     worker before its hello. Checked: every trainable variable has a dtype of
-    ``TRAINABLE_DTYPES``, and no two share a path (tensors are named by path on the wire and
-    in checkpoints). Non-trainable variables of any dtype are allowed: they stay in each
+    ``TRAINABLE_DTYPES``, no two share a path (tensors are named by path on the wire and
+    in checkpoints), and no layer is a ``DynamicEmbedding`` (servers do not hold dynamic
+    tables yet). Non-trainable variables of any dtype are allowed: they stay in each
     process as ``build`` made them (downpour neither sends nor checkpoints them).
     """
     label = f"model {name!r}" if name else "the model"
+    from downpour.layers import DynamicEmbedding
+
+    dynamic = [x.name for x in model._flatten_layers() if isinstance(x, DynamicEmbedding)]
+    if dynamic:
+        raise ValueError(
+            f"{label}: {', '.join(dynamic)} is a downpour.layers.DynamicEmbedding; such a "
+            "model trains in one process (model.fit), but downpour's servers do not serve "
+            "dynamic tables yet: fold the ids into a keras.layers.Embedding's range meanwhile"
+        )
     seen: set[str] = set()
     for v in model.trainable_variables:
         dtype = str(v.dtype)
