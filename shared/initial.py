@@ -24,7 +24,8 @@ the shard it is first touched in, with the same rules (``whole`` excepted).
 
 ``build_deferred`` builds a model without allocating its variables (Keras's deferred
 initialisation under a ``StatelessScope``) and ``materialize`` gives one variable its
-values in place, block by block: the peak is the variable plus one block. This module is the
+values, drawn block by block into the buffer the variable then owns: the peak is the
+variable plus one block. This module is the
 one place that touches Keras's deferred-variable internals (``_initializer``,
 ``_initialize``); tests/test_initial.py pins the behaviour they provide.
 """
@@ -41,6 +42,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+
+from downpour.tensors import aligned_empty
 
 log = logging.getLogger("downpour")
 
@@ -227,40 +230,46 @@ def _rule(variable: keras.Variable) -> Rule:
     return rule_of(variable._initializer, shape, str(variable.dtype))
 
 
-def fill(target: keras.Variable, source: keras.Variable, seed: int, start: int = 0) -> None:
-    """Write rows ``start:start + len(target)`` of deferred ``source``'s initial value into
-    ``target`` (allocated, of that many rows), block by block in place: no second copy of
-    ``target`` is ever made. A ``whole`` rule draws all of ``source`` once and slices it."""
+def initial_value(
+    source: keras.Variable, seed: int, start: int = 0, stop: int | None = None
+) -> tf.Tensor:
+    """Rows ``start:stop`` (all when ``stop`` is None) of deferred ``source``'s initial value
+    as one tensor: drawn block by block into one 64-byte aligned buffer that the tensor
+    shares (DLPack), so a variable made from it takes that buffer over: no second copy. (A
+    variable written by a scatter op would be switched by TensorFlow to copy-on-read, and
+    every later read of it would copy it whole.) A ``whole`` rule draws all of ``source`` once
+    and slices it."""
     shape = tuple(int(d) for d in source.shape)
     dtype = str(source.dtype)
     rule = _rule(source)
-    stop = start + (int(target.shape[0]) if shape else 0)
+    stop = (shape[0] if shape else 0) if stop is None else stop
     if rule.kind == "whole":
         whole = source._initializer(shape, dtype=dtype)
-        target.assign(whole if not shape or (start, stop) == (0, shape[0]) else whole[start:stop])
-        return
-    handle = target.value.handle
-    for offset, rows in blocks(rule, source.path, shape, dtype, seed, start, stop):
-        idx = tf.range(offset, offset + int(rows.shape[0]), dtype=tf.int64)
-        tf.raw_ops.ResourceScatterUpdate(resource=handle, indices=idx, updates=rows)
+        return whole if not shape or (start, stop) == (0, shape[0]) else whole[start:stop]
+    buf = aligned_empty((stop - start, *shape[1:]), np.dtype(dtype))
+    if rule.kind == "fill":
+        buf.fill(rule.a)
+    else:
+        for offset, rows in blocks(rule, source.path, shape, dtype, seed, start, stop):
+            buf[offset : offset + int(rows.shape[0])] = rows.numpy()
+    return tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
 
 
 def new_part(source: keras.Variable, seed: int, start: int, stop: int, name: str) -> keras.Variable:
     """A new Keras variable ``name`` holding rows ``start:stop`` of deferred ``source``'s
-    initial value (a shard's piece of a split variable): allocated once, filled in place."""
+    initial value (a shard's piece of a split variable), allocated once."""
     shape = tuple(int(d) for d in source.shape)
-    part = (stop - start, *shape[1:])
-    out = keras.Variable("zeros", shape=part, dtype=str(source.dtype), name=name)
-    fill(out, source, seed, start)
-    return out
+    value = initial_value(source, seed, start, stop)
+    return keras.Variable(
+        lambda shape, dtype: value, shape=(stop - start, *shape[1:]), dtype=str(source.dtype),
+        name=name,
+    )  # fmt: skip
 
 
 def materialize(variable: keras.Variable, seed: int) -> None:
-    """Give deferred ``variable`` its initial value in place (allocated once, then filled)."""
-    shape = tuple(int(d) for d in variable.shape)
-    dtype = tf.as_dtype(str(variable.dtype))
-    variable._initialize(lambda: tf.zeros(shape, dtype))
-    fill(variable, variable, seed)
+    """Give deferred ``variable`` its initial value (allocated once)."""
+    value = initial_value(variable, seed)
+    variable._initialize(lambda: value)
     variable._initializer = None
 
 
