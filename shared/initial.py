@@ -273,6 +273,14 @@ def materialize(variable: keras.Variable, seed: int) -> None:
     variable._initializer = None
 
 
+def materialize_model(model: keras.Model, seed: int) -> None:
+    """``materialize`` every variable of ``model`` still deferred (all of a model
+    ``build_deferred`` made; none of one built allocated)."""
+    for v in model.variables:
+        if deferred(v):
+            materialize(v, seed)
+
+
 def build_deferred(build: Callable[[], keras.Model]) -> keras.Model:
     """``build()`` with every variable it creates left unallocated (Keras's deferred
     initialisation): shapes, dtypes, paths and initialisers known, no values. ValueError

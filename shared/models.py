@@ -19,6 +19,7 @@ import numpy as np
 
 from downpour import initial
 from downpour.data import load_mnist
+from downpour.layers import DynamicEmbedding
 from downpour.models_tf1 import deep_mnist_graph
 from downpour.spec import ModelSpec
 
@@ -59,8 +60,6 @@ def check_variables(model: keras.Model, name: str | None = None) -> None:
     process as ``build`` made them (downpour neither sends nor checkpoints them).
     """
     label = f"model {name!r}" if name else "the model"
-    from downpour.layers import DynamicEmbedding
-
     dynamic = [x.name for x in model._flatten_layers() if isinstance(x, DynamicEmbedding)]
     if dynamic:
         raise ValueError(
@@ -121,9 +120,7 @@ def build_model(spec: ModelSpec, seed: int = 0) -> keras.Model:
     function of (``seed``, variable, row) only (``downpour.initial``), so every process and
     every layout of shards starts from the same weights."""
     model = define_model(spec, seed)
-    for v in model.variables:
-        if initial.deferred(v):
-            initial.materialize(v, seed)
+    initial.materialize_model(model, seed)
     return model
 
 

@@ -32,7 +32,6 @@ shards' last checkpoints, as after a restart of each of them.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,6 @@ import numpy as np
 from downpour.server.checkpoint import Checkpoint, CheckpointStore
 from downpour.server.layout import (
     WEIGHTS,
-    Copy,
     Piece,
     assemble,
     optimizer_slots,
@@ -268,42 +266,3 @@ def restore(state: Any, ckpt: Checkpoint) -> None:
             "--state-dir (restore_set reshards a whole old set)"
         )
     restore_set(state, [ckpt])
-
-
-def reshard_seconds_per_gb(
-    directory: str | Path, rows: int, cols: int = 64, old: int = 2, new: int = 3
-) -> float:
-    """Seconds per GB of state to restore a checkpoint set of ``old`` shards onto ``new``.
-
-    Writes ``old`` checkpoints of one float32 table of ``rows`` x ``cols`` with Adam's two
-    slots (split by rows as the partition splits a large table) into ``directory``, then
-    times, for each of the ``new`` shards, reading the set, planning and assembling its rows
-    of the weights and both slots: the work ``restore_set`` does before assigning to the
-    variables (one copy of the same bytes). State = weights plus slots of the whole table.
-    """
-    directory = Path(directory)
-    slots = (WEIGHTS, "momentum", "velocity")
-    rng = np.random.default_rng(0)
-    name, shape = "table/embeddings", (rows, cols)
-    for k in range(old):
-        start, stop = k * rows // old, (k + 1) * rows // old
-        wire = f"{name}[{start}:{stop}]"
-        arrays, recs = {}, {}
-        for slot in slots:
-            key = f"model/{wire}" if slot == WEIGHTS else f"optimizer/{slot}/{wire}"
-            arrays[key] = rng.random((stop - start, cols), dtype=np.float32)
-            recs[key] = {"variable": name, "slot": slot, "rows": [start, stop],
-                         "shape": list(shape)}  # fmt: skip
-        meta = {"arrays": recs, "shard": k, "num_shards": old}
-        CheckpointStore(directory / f"{SHARD_DIR}{k}").write(1, arrays, meta)
-    t0 = time.perf_counter()
-    for k in range(new):
-        ckpts = load_set(old_state_dirs(str(directory)))
-        pieces = [p for i, c in enumerate(ckpts)
-                  for p in pieces_from_records(i, c.path, c.arrays, c.meta["arrays"])]  # fmt: skip
-        start, stop = k * rows // new, (k + 1) * rows // new
-        for slot in slots:
-            copies: list[Copy] = plan_rows(name, slot, start, stop, shape, "float32", pieces)
-            assemble(copies, [c.arrays for c in ckpts], (stop - start, cols), "float32").copy()
-    seconds = time.perf_counter() - t0
-    return seconds / (len(slots) * rows * cols * 4 / 1e9)

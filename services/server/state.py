@@ -262,9 +262,7 @@ class ParameterState:
         parts = self.partition.shards[shard]
         self.model: keras.Model | None = model if num_shards == 1 else None
         if num_shards == 1:
-            for v in model.variables:
-                if initial.deferred(v):
-                    initial.materialize(v, seed)
+            initial.materialize_model(model, seed)
             self.variables = full
         else:
             self.variables = _own_parts(full, parts, seed, shard)
