@@ -12,6 +12,8 @@ optimizer's per-shard scalars, each under a key that says what it is
   variable's shape (``layout.part_record``), so any number of shards can restore it
   (``downpour.server.reshard``);
 - ``fingerprint``, ``model``, ``model_ref``, ``shard``, ``num_shards``, ``partition``;
+- ``tables``: per dynamic table (by variable path), its record; its arrays, by id, are under
+  ``dynamic/<path>/<field>`` (``downpour.server.dynamic_checkpoint``);
 - ``workers``: each worker's last accepted sequence number; under ``--data-dispatch server``,
   ``dispatch``: the split dispatcher's state (``Dispatcher.state()``), taken at the same
   moment as the weights.

@@ -12,6 +12,9 @@ checkpoint's metadata records it (``arrays``: key -> record):
 - ``optimizer/<name>``: a per-shard scalar (``iteration``, ``learning_rate``), record
   ``{"variable": null, "slot": name}``.
 
+Arrays under ``dynamic/`` are a dynamic table's, by id, recorded in the metadata's ``tables``
+(``downpour.server.dynamic_checkpoint``); nothing here reads them.
+
 A checkpoint written without records (by a tool rather than a server) is read through the
 partition its metadata names (``pieces_from_parts``). ``plan_rows`` maps any set of old
 pieces onto a new part's rows; it is pure arithmetic on row ranges, so it is the same for a
@@ -31,6 +34,7 @@ from downpour.partition import Part, Partition, make_partition
 WEIGHTS = "weights"
 MODEL_PREFIX = "model/"
 OPTIMIZER_PREFIX = "optimizer/"
+DYNAMIC_PREFIX = "dynamic/"  # dynamic tables' arrays (downpour.server.dynamic_checkpoint)
 # A Keras optimizer's slot lists (parallel to its variables) and the slot kind each holds.
 SLOT_LISTS = (
     ("_momentums", "momentum"),  # Adam (and lazy Adam's dense part)
@@ -150,10 +154,13 @@ def pieces_from_parts(
 ) -> tuple[list[Piece], list[str]]:
     """The pieces of a checkpoint without records, read as shard ``parts`` of a partition:
     ``model/<wire>`` and ``optimizer/<slot>/<wire>`` of those parts, ``optimizer/<name>``
-    scalars. Returns (pieces, keys that fit none of these)."""
+    scalars; ``dynamic/`` keys are a dynamic table's, skipped. Returns (pieces, keys that fit
+    none of these)."""
     by_wire = {p.wire_name: p for p in parts}
     out, unknown = [], []
     for key in arrays:
+        if key.startswith(DYNAMIC_PREFIX):
+            continue
         if key.startswith(MODEL_PREFIX):
             slot, wire = WEIGHTS, key[len(MODEL_PREFIX) :]
         elif key.startswith(OPTIMIZER_PREFIX):
