@@ -225,6 +225,7 @@ def _retabled(path: str, **changes: Any) -> dict:
          r"holds no dynamic table \['extra/embeddings'\]"),
         ({"items/embeddings": CONFIG["items/embeddings"]},
          r"holds dynamic tables \['users/embeddings'\], which this model lacks"),
+        ({}, r"holds dynamic tables \['items/embeddings', 'users/embeddings'\], which this"),
         (_retabled("users/embeddings", dim=5),
          r"'users/embeddings': saved with dim 4, this server has 5"),
         (_retabled("items/embeddings", optimizer="sgd"),

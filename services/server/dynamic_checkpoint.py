@@ -239,7 +239,7 @@ def load_tables(state: Any, ckpts: Sequence[Checkpoint]) -> dict[str, DynamicTab
     checkpoint, or one per old shard), built with ``state.table_config(path)``; see the
     module docstring. ValueError when refused; ``state`` is not changed."""
     paths = list(state.tables)
-    if not paths:
+    if not paths and not any(c.meta.get(TABLES_META) for c in ckpts):
         return {}
     shard, n = state.shard, state.partition.num_shards
     _check_old_set(ckpts, shard, n)
