@@ -96,7 +96,7 @@ def test_initial_rows_agree_with_the_layer_in_one_process() -> None:
     ("setting", "message"),
     [
         ({"policy": "sync:2/2"}, "cannot apply the dynamic tables"),
-        ({"policy": "dc"}, "cannot apply the dynamic tables"),
+        ({"policy": "dc:0.5"}, "cannot apply the dynamic tables"),
         ({"policy": "momentum-aware"}, "changes Adam's beta_1"),
         ({"eval_every": 10}, "--eval-every evaluates the model in the server"),
     ],
