@@ -499,6 +499,31 @@ class ParameterState:
             self._snapshot = (self.version, [a for a in arrays if a is not None])
         return self._snapshot
 
+    def held_bytes(self) -> tuple[int, int]:
+        """(parameter bytes, optimizer slot bytes) this shard holds now: its variables and
+        their slots, and its dynamic tables' live rows and their slots."""
+        fixed = sum(int(np.prod(self.shapes[i])) * self.dtypes[i].itemsize for i in self._fixed)
+        stats = [t.stats() for t in self.tables.values()]
+        return (
+            fixed + sum(s["bytes_rows"] for s in stats),
+            self.slot_bytes + sum(s["bytes_slots"] for s in stats),
+        )
+
+    def table_status(self) -> dict[str, dict[str, object]]:
+        """Per dynamic table (by path): its live rows, bytes, counters and settings."""
+        o = self.table_options
+        return {
+            path: t.stats()
+            | {
+                "optimizer": t.opt.kind,
+                "admit_after": o.admit_after,
+                "capacity": o.capacity,
+                "evict_policy": o.policy,
+                "evict_idle_versions": o.idle_versions,
+            }
+            for path, t in self.tables.items()
+        }
+
     def _no_rows(self, i: int) -> Keyed:
         """Dynamic table ``i`` in a whole pull: no rows (they go by id, ``gather``)."""
         empty = np.zeros((0, *self.shapes[i][1:]), self.dtypes[i])
