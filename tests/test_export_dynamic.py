@@ -29,11 +29,12 @@ from downpour.cli.export_dynamic import (
     tables_from_checkpoints,
     write_export,
 )
+from downpour.data import Dataset
 from downpour.layers import DynamicEmbedding, string_ids
 from downpour.models import build_model, fingerprint
 from downpour.server.checkpoint import CheckpointStore
 from downpour.server.dynamic import DynamicTable
-from downpour.spec import load_spec
+from downpour.spec import ModelSpec, load_spec
 
 DIM = 4
 RNG = np.random.default_rng(0)
@@ -265,3 +266,40 @@ def test_export_refuses_a_delta_from_that_is_not_an_export_of_this_model(
         assert cli.main([*base, "--out", str(out), "--delta-from", str(tmp_path / old)]) == 2
         assert says in capsys.readouterr().err
         assert not out.exists()
+
+
+def recs_spec() -> ModelSpec:
+    """The one-input model on ids of USERS, for ``downpour export --model``."""
+    x = np.stack([RNG.choice(USERS[:25], 3) for _ in range(60)])
+    y = RNG.integers(0, 2, 60)
+    return ModelSpec(name="recs", build=_one_input, load_data=lambda _d: Dataset(x, y, x, y))
+
+
+def test_downpour_export_serves_the_tables_of_the_checkpoints_and_writes_deltas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import downpour.models
+
+    # build_model refuses DynamicEmbedding until servers hold dynamic tables: lifted here
+    monkeypatch.setattr(downpour.models, "check_variables", lambda _m, _n=None: None)
+    model = build_model(recs_spec())
+    (server,) = _servers(model).values()
+    state, ref = tmp_path / "state", "test_export_dynamic:recs_spec"
+    base = ["export", "--state-dir", str(state), "--model", ref]
+    for version in (1, 2):
+        if version == 2:
+            _step(model, {"users/embeddings": server}, version)
+        arrays = {f"model/{v.path}": v.numpy() for v in dense_variables(model)}
+        arrays |= {f"dynamic/users/embeddings/{f}": a for f, a in server.export_state().items()}
+        doc = {"fingerprint": _fp(model), "workers": {}, "model": "recs"}
+        CheckpointStore(state).write(version, arrays, doc)
+        assert cli.main([*base, "--out", str(tmp_path / f"v{version}")]) == 0
+        assert "reloaded: outputs match" in capsys.readouterr().out
+    delta = ["--out", str(tmp_path / "d2"), "--delta-from", str(tmp_path / "v1")]
+    assert cli.main([*base, *delta]) == 0
+    assert "delta export directory" in capsys.readouterr().out
+    apply_delta(tmp_path / "v1", tmp_path / "d2", tmp_path / "a2")
+    _assert_same_export(tmp_path / "a2", tmp_path / "v2")
+    batch = tf.constant(np.stack([USERS[:6], USERS[6:12], USERS[12:18]]).T)
+    _hold(model, {"users/embeddings": as_table(server.export_state())}, {})
+    np.testing.assert_allclose(_serve(tmp_path / "a2", batch), model(batch), rtol=1e-6)

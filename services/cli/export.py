@@ -484,7 +484,7 @@ def _export_tables(
             dense = {v.path: np.asarray(v.numpy()) for v in fixed}
             write_delta(delta_from, out, tables, dense, versions, fp)
         else:
-            dyn.write_export(model, tables, out, versions, fp)
+            dyn.write_export(model, tables, out, versions, fp, spec.name)
     except dyn.ServingError as exc:
         raise ExportError(str(exc)) from None
     result = ExportResult(

@@ -171,15 +171,17 @@ def write_export(
     out: str | Path,
     versions: Sequence[int],
     fingerprint: str,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Write the full export of ``model`` serving ``tables`` to directory ``out`` (see the
-    module) at the shards' ``versions``; returns its meta."""
+    """Write the full export of ``model`` (named ``name``, by default the model's own name)
+    serving ``tables`` to directory ``out`` (see the module) at the shards' ``versions``;
+    returns its meta."""
     module, records = serving_module(model, tables)
     tf.saved_model.save(module, str(out), signatures={"serving_default": module.serve})
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "model": model.name,
+        "model": name or model.name,
         "fingerprint": fingerprint,
         "versions": [int(v) for v in versions],
         "tables": records,
