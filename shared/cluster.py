@@ -369,7 +369,7 @@ class ShardSet:
                 raise ValueError(
                     f"server {self.shards[k].endpoint} sent no rows of {part.wire_name}"
                 )
-            got_ids.append(np.asarray(t.indices, np.int64) + part.start)
+            got_ids.append(part.global_rows(np.asarray(t.indices, np.int64)))
             got_rows.append(np.asarray(t.values))
         return np.concatenate(got_ids), np.concatenate(got_rows), [w.version for w in replies]
 

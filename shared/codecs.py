@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from downpour.payloads import BF16_DTYPES, INDEX_DTYPES, BFloat16, FlatSparse, Sparse, SparseBF16
+from downpour.payloads import (
+    BF16_DTYPES,
+    INDEX_DTYPES,
+    BFloat16,
+    FlatSparse,
+    Keyed,
+    KeyedBF16,
+    Sparse,
+    SparseBF16,
+)
 from downpour.protocol import R_DTYPE, R_HEADER, R_SHAPE, R_TRUNCATED, ProtocolError
 
 if TYPE_CHECKING:
@@ -29,6 +38,8 @@ SPARSE = "sparse"
 BF16 = "bf16"
 TOPK = "topk"
 SPARSE_BF16 = "sparse_bf16"
+KEYED = "keyed"
+KEYED_BF16 = "keyed_bf16"
 
 _BF16_WIRE = np.dtype("<u2")  # bfloat16 bits as they travel; viewed as ml_dtypes.bfloat16
 
@@ -228,8 +239,8 @@ class IndexedCodec(Codec):
         """The shape of one entry's values."""
 
     @abstractmethod
-    def index_bound(self, shape: tuple[int, ...]) -> int:
-        """Indices lie in ``[0, index_bound)``."""
+    def index_bound(self, shape: tuple[int, ...]) -> int | None:
+        """Indices lie in ``[0, index_bound)``; None: any value (ids)."""
 
     def check_nnz(self, name: str, nnz: int, shape: tuple[int, ...]) -> None:
         """Refuse an entry count the shape cannot hold (ProtocolError); any by default."""
@@ -284,8 +295,11 @@ class IndexedCodec(Codec):
         n = slot.nnz * math.prod(entry)
         check_frame(slot, vbuf, n * self.value_bytes(slot.dtype), "value ")
         indices = view(ibuf, slot.index_dtype, (slot.nnz,))
-        if slot.nnz and (
-            int(indices.min()) < 0 or int(indices.max()) >= self.index_bound(slot.shape)
+        bound = self.index_bound(slot.shape)
+        if (
+            slot.nnz
+            and bound is not None
+            and (int(indices.min()) < 0 or int(indices.max()) >= bound)
         ):
             raise ProtocolError(R_SHAPE, f"{slot.name!r}: {self.name} index out of range")
         return self.decodes_to(indices, self.values(slot, vbuf, (slot.nnz, *entry)), slot.shape)
@@ -368,9 +382,42 @@ class SparseBF16Codec(SparseCodec):
         return widen_bf16(buf, slot.dtype, shape)
 
 
-# The encodings, by descriptor name: encode and decode go through this table only.
+class KeyedCodec(SparseCodec):
+    """``keyed``: rows of a dynamic table, addressed by ids of any value; decodes to
+    ``Keyed``."""
+
+    name = KEYED
+    carries = Keyed
+    decodes_to = Keyed
+
+    def index_bound(self, shape: tuple[int, ...]) -> int | None:
+        return None
+
+
+class KeyedBF16Codec(SparseBF16Codec):
+    """``keyed_bf16``: ``keyed`` rows with bfloat16 values; decodes to ``Keyed``."""
+
+    name = KEYED_BF16
+    carries = KeyedBF16
+    decodes_to = Keyed
+
+    def index_bound(self, shape: tuple[int, ...]) -> int | None:
+        return None
+
+
+# The encodings, by descriptor name: encode and decode go through this table only. A codec
+# for a subclass comes before its base's, as ``codec_for`` takes the first that carries it.
 CODECS: dict[str, Codec] = {
-    c.name: c for c in (DenseCodec(), SparseCodec(), BF16Codec(), TopKCodec(), SparseBF16Codec())
+    c.name: c
+    for c in (
+        DenseCodec(),
+        KeyedCodec(),
+        SparseCodec(),
+        BF16Codec(),
+        TopKCodec(),
+        KeyedBF16Codec(),
+        SparseBF16Codec(),
+    )
 }
 ENCODINGS = frozenset(CODECS)
 

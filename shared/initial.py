@@ -43,6 +43,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour.hashing import mix64
 from downpour.tensors import aligned_empty
 
 log = logging.getLogger("downpour")
@@ -138,18 +139,7 @@ def blocks(
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _UNIT = 2.0**-53  # one step of a 53-bit uniform
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 ``x`` (elementwise): a bijection of 64-bit words
-    whose every output bit depends on every input bit. Arithmetic wraps modulo 2**64."""
-    with np.errstate(over="ignore"):
-        z = (x ^ (x >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
 
 
 def name_key(name: str) -> int:

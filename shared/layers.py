@@ -15,12 +15,21 @@ been seen; the next new id fails the step with an error naming the layer and its
 Its graph holds a hash table and a NumPy call (the initial rows), so a model with it runs
 without XLA (``supports_jit`` is False: Keras's ``jit_compile="auto"`` picks the graph).
 
+Under downpour the rows live on the servers (``downpour.server.dynamic``). A worker builds the
+model inside ``served(make)``: the layer then holds a bounded cache of rows (``make(layer)``,
+an object with ``capacity`` and ``table``, an id -> slot ``MutableHashTable``) that the worker
+fills with pulled rows before each step, and its lookup only maps ids to slots: it creates
+nothing, and its gradient is pushed keyed by id.
+
 ``string_ids``: the little-endian int64 of FarmHash Fingerprint64 of each string, as
 ``tf.fingerprint`` gives it: stable across processes, machines and TensorFlow versions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -29,7 +38,21 @@ import tensorflow as tf
 
 from downpour import initial
 
-__all__ = ["DynamicEmbedding", "string_ids"]
+__all__ = ["DynamicEmbedding", "served", "string_ids"]
+
+_serving = threading.local()  # .make: the row-cache factory of the build on this thread
+
+
+@contextlib.contextmanager
+def served(make: Callable[[DynamicEmbedding], Any]) -> Iterator[None]:
+    """Build models inside: each ``DynamicEmbedding`` built on this thread holds the rows of
+    the cache ``make(layer)`` gives (``capacity`` rows, ids mapped to slots by its ``table``)
+    instead of creating rows itself."""
+    _serving.make = make
+    try:
+        yield
+    finally:
+        _serving.make = None
 
 
 def string_ids(strings: tf.Tensor) -> tf.Tensor:
@@ -75,8 +98,17 @@ class DynamicEmbedding(keras.layers.Layer):
                 "LeCun, constants)"
             )
         self.supports_jit = False
+        self._row_cache: Any = None
 
     def build(self, input_shape: Any = None) -> None:
+        make = getattr(_serving, "make", None)
+        if make is not None:  # a worker's: rows pulled into a cache of slots
+            self._row_cache = make(self)
+            self.embeddings = self.add_weight(
+                shape=(self._row_cache.capacity, self.dim), initializer="zeros", name="embeddings"
+            )
+            self.built = True
+            return
         self.embeddings = self.add_weight(
             shape=(self.capacity, self.dim), initializer="zeros", name="embeddings"
         )
@@ -112,11 +144,20 @@ class DynamicEmbedding(keras.layers.Layer):
             self.rows_used.assign_add(n)
             return tf.ensure_shape(self.index.lookup(ids), [None])
 
+    @staticmethod
+    def ids(inputs: Any) -> tf.Tensor:
+        """The int64 ids of the layer's inputs (strings hashed by ``string_ids``)."""
+        inputs = tf.convert_to_tensor(inputs)
+        if inputs.dtype == tf.string:
+            return string_ids(inputs)
+        return tf.cast(inputs, tf.int64)
+
     def call(self, inputs: Any) -> tf.Tensor:
-        ids = inputs
-        if ids.dtype == tf.string:
-            ids = string_ids(ids)
-        ids = tf.cast(ids, tf.int64)
+        ids = self.ids(inputs)
+        if self._row_cache is not None:  # ids -> the slots the worker put their rows in
+            slots = self._row_cache.table.lookup(ids)
+            slots.set_shape(ids.shape)
+            return tf.gather(self.embeddings.value, slots)
         flat = tf.reshape(ids, [-1])
         unique, where = tf.unique(flat)
         slots = tf.gather(self._slots(unique), where)

@@ -55,18 +55,10 @@ def check_variables(model: keras.Model, name: str | None = None) -> None:
     Both services build the model through ``build_model``, so a server refuses at start and a
     worker before its hello. Checked: every trainable variable has a dtype of
     ``TRAINABLE_DTYPES``, no two share a path (tensors are named by path on the wire and
-    in checkpoints), and no layer is a ``DynamicEmbedding`` (servers do not hold dynamic
-    tables yet). Non-trainable variables of any dtype are allowed: they stay in each
+    in checkpoints). Non-trainable variables of any dtype are allowed: they stay in each
     process as ``build`` made them (downpour neither sends nor checkpoints them).
     """
     label = f"model {name!r}" if name else "the model"
-    dynamic = [x.name for x in model._flatten_layers() if isinstance(x, DynamicEmbedding)]
-    if dynamic:
-        raise ValueError(
-            f"{label}: {', '.join(dynamic)} is a downpour.layers.DynamicEmbedding; such a "
-            "model trains in one process (model.fit), but downpour's servers do not serve "
-            "dynamic tables yet: fold the ids into a keras.layers.Embedding's range meanwhile"
-        )
     seen: set[str] = set()
     for v in model.trainable_variables:
         dtype = str(v.dtype)
@@ -153,13 +145,19 @@ def zero_inputs(model: keras.Model) -> Any:
     return tf.nest.map_structure(zeros, struct)
 
 
-def embedding_tables(model: keras.Model) -> dict[str, keras.layers.Embedding]:
-    """The model's Embedding layers by their table's variable path (nested models too)."""
-    found: dict[str, keras.layers.Embedding] = {}
+def embedding_tables(model: keras.Model) -> dict[str, keras.layers.Layer]:
+    """The model's Embedding and DynamicEmbedding layers by their table's variable path
+    (nested models too)."""
+    found: dict[str, keras.layers.Layer] = {}
     for layer in model._flatten_layers(include_self=False):  # Keras's own layer walk
-        if isinstance(layer, keras.layers.Embedding):
+        if isinstance(layer, keras.layers.Embedding | DynamicEmbedding):
             found[layer.embeddings.path] = layer
     return found
+
+
+def dynamic_tables(model: keras.Model) -> dict[str, DynamicEmbedding]:
+    """The model's DynamicEmbedding layers by their table's variable path."""
+    return {p: x for p, x in embedding_tables(model).items() if isinstance(x, DynamicEmbedding)}
 
 
 def evaluate(spec: ModelSpec, model: keras.Model, x: Any, y: np.ndarray | None = None) -> float:

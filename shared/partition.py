@@ -15,6 +15,11 @@ The rule (greedy by bytes, as DistBelief balanced its shards):
    shard with the fewest bytes so far (ties to the lower shard index).
 3. Within a shard, parts are ordered by variable index: that is the order on the wire.
 
+A dynamic table (``downpour.layers.DynamicEmbedding``: rows keyed by ids of any value) is not
+split by rows and counts in no shard's share: every shard holds one part of it, the ids
+``hashing.id_shard`` routes there, under ``name#k`` (``name`` alone with one shard). Its ids
+travel as they are (``Keyed``), never rebased.
+
 A whole variable travels under its own name; a row range under ``name[start:stop]``. The
 optimizers the server offers (Adam, Adagrad, SGD, lazy Adam) are element-wise (row-wise for
 a table), so a sharded update is the same arithmetic as an unsharded one. A row pull of a
@@ -31,40 +36,70 @@ from typing import Any
 
 import numpy as np
 
-from downpour.wire import Sparse, Tensor
+from downpour.hashing import id_shard
+from downpour.wire import Keyed, Sparse, Tensor
 
 
 @dataclass(frozen=True)
 class Part:
-    """One piece of one variable: rows ``start:stop`` of variable ``var`` (all rows if whole)."""
+    """One piece of one variable: rows ``start:stop`` of variable ``var`` (all rows if whole);
+    for a ``dynamic`` table, the ids of shard ``start`` of ``stop`` (``hashing.id_shard``)."""
 
     var: int
     name: str
     start: int
     stop: int
-    shape: tuple[int, ...]  # the whole variable's shape
+    shape: tuple[int, ...]  # the whole variable's shape (a dynamic table's: as declared)
     dtype: str
     whole: bool
+    dynamic: bool = False
 
     @property
     def wire_name(self) -> str:
-        """The tensor name on the wire: the variable's, or ``name[start:stop]`` for a slice."""
+        """The tensor name on the wire: the variable's, ``name[start:stop]`` for a slice,
+        ``name#k`` for shard k's ids of a dynamic table."""
+        if self.dynamic and not self.whole:
+            return f"{self.name}#{self.start}"
         return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
 
     @property
     def part_shape(self) -> tuple[int, ...]:
-        """This piece's shape."""
-        if self.whole:
+        """This piece's shape (a dynamic table's: its declared shape)."""
+        if self.whole or self.dynamic:
             return self.shape
         return (self.stop - self.start, *self.shape[1:])
 
     @property
     def nbytes(self) -> int:
-        """This piece's size in bytes."""
+        """This piece's size in bytes (a dynamic table's grows with its rows: 0 here)."""
+        if self.dynamic:
+            return 0
         return int(np.prod(self.part_shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def mine(self, ids: np.ndarray) -> np.ndarray:
+        """Which of these global row ids (int64) this piece holds (a bool mask)."""
+        if self.dynamic:
+            return id_shard(ids, self.stop) == self.start
+        if self.whole:
+            return np.ones(ids.shape, bool)
+        return (ids >= self.start) & (ids < self.stop)
+
+    def local(self, ids: np.ndarray) -> np.ndarray:
+        """Global row ids of this piece as the shard addresses them (rebased to a slice's
+        first row; a dynamic table's ids as they are)."""
+        return ids if self.whole or self.dynamic else ids - self.start
+
+    def global_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The inverse of ``local``."""
+        return ids if self.whole or self.dynamic else ids + self.start
 
     def take(self, a: Tensor) -> Tensor:
         """This piece of a full-variable gradient: a row view (no copy) or the sparse rows."""
+        if self.dynamic:
+            if not isinstance(a, Keyed):
+                raise ValueError(f"{self.name}: a dynamic table's gradient must be Keyed rows")
+            keep = self.mine(a.indices)
+            return a if keep.all() else Keyed(a.indices[keep], a.values[keep], a.dense_shape)
         if self.whole:
             return a
         if isinstance(a, Sparse):
@@ -91,7 +126,10 @@ class Partition:
         doc = [
             self.fingerprint,
             self.num_shards,
-            [[[p.name, p.start, p.stop] for p in parts] for parts in self.shards],
+            [
+                [[p.name, p.start, p.stop, *(["dynamic"] if p.dynamic else [])] for p in parts]
+                for parts in self.shards
+            ],
         ]
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
 
@@ -131,14 +169,7 @@ class Partition:
         (shard index, part, the ids in that part rebased to its first row, int64), for every
         part of the variable (an empty id list where none fall)."""
         ids = np.asarray(ids, dtype=np.int64)
-        out = []
-        for k, p in self.parts_of(var):
-            if p.whole:
-                out.append((k, p, ids))
-            else:
-                mine = ids[(ids >= p.start) & (ids < p.stop)]
-                out.append((k, p, mine - p.start))
-        return out
+        return [(k, p, p.local(ids[p.mine(ids)])) for k, p in self.parts_of(var)]
 
     def describe(self) -> str:
         """A table of the partition, for ``downpour server --show-partition``."""
@@ -164,14 +195,17 @@ def make_partition(
     dtypes: Sequence[str | np.dtype],
     num_shards: int,
     fingerprint: str,
+    dynamic: Sequence[bool] = (),
 ) -> Partition:
-    """The partition of these variables over ``num_shards`` shards (see the module docstring)."""
+    """The partition of these variables over ``num_shards`` shards (see the module docstring);
+    ``dynamic``: which variables are dynamic tables (none by default)."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     dts = [np.dtype(d).name for d in dtypes]
+    keyed = set(i for i, d in enumerate(dynamic) if d)
     sizes = [
-        int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
-        for s, d in zip(shapes, dts, strict=True)
+        0 if i in keyed else int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+        for i, (s, d) in enumerate(zip(shapes, dts, strict=True))
     ]
     share = sum(sizes) / num_shards
     loads = [0] * num_shards
@@ -179,7 +213,11 @@ def make_partition(
     whole: list[int] = []
     for i, (name, shape, dt, size) in enumerate(zip(names, shapes, dts, sizes, strict=True)):
         rows = shape[0] if shape else 0
-        if num_shards > 1 and size > share and rows >= 2:
+        if i in keyed:
+            for k in range(num_shards):
+                part = Part(i, name, k, num_shards, tuple(shape), dt, num_shards == 1, True)
+                assigned[k].append(part)
+        elif num_shards > 1 and size > share and rows >= 2:
             pieces = min(num_shards, rows)
             for k in range(pieces):
                 start, stop = k * rows // pieces, (k + 1) * rows // pieces

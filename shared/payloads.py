@@ -1,6 +1,6 @@
-"""The tensor values a message carries: plain arrays, ``Sparse`` rows, ``FlatSparse``
-elements, ``BFloat16`` tensors and ``SparseBF16`` rows, the dtypes the wire allows, and
-helpers on them.
+"""The tensor values a message carries: plain arrays, ``Sparse`` rows, ``Keyed`` rows of a
+dynamic table, ``FlatSparse`` elements, ``BFloat16`` tensors and ``SparseBF16`` /
+``KeyedBF16`` rows, the dtypes the wire allows, and helpers on them.
 ``downpour.wire`` re-exports all of it; import it from there.
 """
 
@@ -57,6 +57,16 @@ class Sparse:
         out = np.zeros(self.dense_shape, dtype=self.values.dtype)
         np.add.at(out, self.indices, self.values)
         return out
+
+
+@dataclass(frozen=True)
+class Keyed(Sparse):
+    """Rows of a dynamic table (``downpour.layers.DynamicEmbedding``): ``indices`` are ids,
+    any int64 value, not row numbers below ``dense_shape[0]`` (the table's declared shape,
+    which ids do not index). What a ``keyed`` tensor encodes from and decodes to."""
+
+    def to_dense(self) -> np.ndarray:
+        raise ValueError("the rows of a dynamic table are keyed by id and have no dense form")
 
 
 @dataclass(frozen=True)
@@ -145,8 +155,18 @@ class SparseBF16:
         return Sparse(self.indices, self.values.astype(self.dtype), self.dense_shape).to_dense()
 
 
+@dataclass(frozen=True)
+class KeyedBF16(SparseBF16):
+    """``Keyed`` rows with their values in bfloat16 (a row pull of a dynamic table under
+    ``--pull-compress bf16``); decodes to ``Keyed``."""
+
+    def to_dense(self) -> np.ndarray:
+        raise ValueError("the rows of a dynamic table are keyed by id and have no dense form")
+
+
 Tensor = np.ndarray | Sparse  # a gradient as the worker computes it
 WireTensor = np.ndarray | Sparse | FlatSparse | BFloat16 | SparseBF16  # what a Message may carry
+# (Keyed and KeyedBF16 are a Sparse and a SparseBF16)
 
 
 def all_finite(a: np.ndarray) -> bool:
@@ -175,7 +195,9 @@ def as_bf16(t: np.ndarray | Sparse) -> np.ndarray | Sparse | BFloat16 | SparseBF
     values = t.values if isinstance(t, Sparse) else t
     if values.dtype.name not in BF16_DTYPES or values.dtype == np.float16:
         return t
-    return SparseBF16.from_sparse(t) if isinstance(t, Sparse) else BFloat16.from_array(t)
+    if isinstance(t, Sparse):
+        return (KeyedBF16 if isinstance(t, Keyed) else SparseBF16).from_sparse(t)
+    return BFloat16.from_array(t)
 
 
 def densify(t: WireTensor, out: np.ndarray | None = None) -> np.ndarray:

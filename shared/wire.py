@@ -5,7 +5,8 @@ A message is one ZeroMQ multipart message::
     frame 0         header: a msgpack map, at most ``Limits.max_header_bytes``
     frame 1 .. n    tensor payloads in descriptor order, raw little-endian C-order bytes:
                     a ``dense`` or ``bf16`` tensor takes one frame, a ``sparse``,
-                    ``sparse_bf16`` or ``topk`` tensor two (indices, then values)
+                    ``sparse_bf16``, ``keyed``, ``keyed_bf16`` or ``topk`` tensor two
+                    (indices, then values)
 
 Header map (string keys; msgpack ext types are refused, nothing is ever unpickled)::
 
@@ -24,8 +25,8 @@ Tensor descriptor::
     dtype         str    numpy dtype name from ALLOWED_DTYPES: the logical dtype, the one
                          the decoded tensor has (bf16: one of BF16_DTYPES)
     shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
-    encoding      str    "dense" | "sparse" | "bf16" | "topk" | "sparse_bf16": a name in
-                         ``CODECS``
+    encoding      str    "dense" | "sparse" | "bf16" | "topk" | "sparse_bf16" | "keyed" |
+                         "keyed_bf16": a name in ``CODECS``
     nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize;
                          bf16: prod(shape) * 2; sparse, topk, sparse_bf16: see nnz
     nnz           int    sparse, topk, sparse_bf16 only. sparse: rows present, values
@@ -35,8 +36,8 @@ Tensor descriptor::
                          values frame is (nnz,) of dtype
     index_dtype   str    sparse, topk, sparse_bf16 only: "int32" | "int64"; indices frame
                          is (nnz,). sparse, sparse_bf16: row numbers in [0, shape[0]);
-                         topk: positions in the C-order flattened tensor, in
-                         [0, prod(shape))
+                         keyed, keyed_bf16: ids, any value; topk: positions in the
+                         C-order flattened tensor, in [0, prod(shape))
 
 Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
 ``--pull-compress``)::
@@ -53,6 +54,11 @@ Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
              of a row reply to a pull asking for "bf16"): the same indices frame, then a
              values frame of nnz * prod(shape[1:]) little-endian 2-byte values. Decodes to
              ``Sparse`` whose values are a fresh array of the logical dtype
+    keyed    rows of a dynamic table (``downpour.layers.DynamicEmbedding``): ``sparse``
+             whose indices are ids of any int64 (or int32) value, not row numbers; the
+             shape is the table's declared one. Decodes to ``Keyed``
+    keyed_bf16
+             ``keyed`` rows with bf16 values, as ``sparse_bf16``; decodes to ``Keyed``
     Each encoding is one codec in ``CODECS`` (``downpour.codecs``), the table encode and
     decode both go through; a server's hello reply lists them as its "encodings". An
     encoding the receiver has no codec for is refused as "bad_header".
@@ -173,6 +179,8 @@ from downpour.codecs import (
     CODECS,
     DENSE,
     ENCODINGS,
+    KEYED,
+    KEYED_BF16,
     SPARSE,
     SPARSE_BF16,
     TOPK,
@@ -188,6 +196,8 @@ from downpour.payloads import (
     INDEX_DTYPES,
     BFloat16,
     FlatSparse,
+    Keyed,
+    KeyedBF16,
     Sparse,
     SparseBF16,
     Tensor,
@@ -288,6 +298,8 @@ __all__ = [
     "R_WRONG_SOCKET",
     "SPARSE",
     "SPARSE_BF16",
+    "KEYED",
+    "KEYED_BF16",
     "SPLIT",
     "STATUS",
     "STATUS_LIMITS",
@@ -303,6 +315,8 @@ __all__ = [
     "HeartbeatRequest",
     "HelloReply",
     "HelloRequest",
+    "Keyed",
+    "KeyedBF16",
     "Limits",
     "Message",
     "ProtocolError",

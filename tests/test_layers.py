@@ -8,10 +8,7 @@ import pytest
 import tensorflow as tf
 
 from downpour import initial
-from downpour.data import Dataset
 from downpour.layers import DynamicEmbedding, string_ids
-from downpour.models import build_model
-from downpour.spec import ModelSpec
 
 HUGE = np.array([-(2**63), 2**63 - 1, 0, -1, 123456789012345, -987654321098], np.int64)
 
@@ -88,13 +85,3 @@ def test_more_ids_than_capacity_fail_naming_the_layer() -> None:
 def test_an_initialiser_drawn_whole_is_refused() -> None:
     with pytest.raises(ValueError, match="draws a whole table at once"):
         DynamicEmbedding(4, embeddings_initializer="orthogonal")
-
-
-def test_downpour_refuses_to_serve_a_dynamic_table_yet() -> None:
-    def data(_d: str | None) -> Dataset:
-        x, y = np.zeros((4, 3), np.int64), np.zeros((4, 1), np.float32)
-        return Dataset(x, y, x, y)
-
-    spec = ModelSpec(name="dyn", build=_model, load_data=data)
-    with pytest.raises(ValueError, match="items is a downpour.layers.DynamicEmbedding"):
-        build_model(spec)

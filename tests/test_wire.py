@@ -56,11 +56,13 @@ from downpour.wire import (
     STATUS,
     WEIGHTS,
     Codec,
+    Keyed,
     Limits,
     Message,
     ProtocolError,
     Sparse,
     all_finite,
+    as_bf16,
     decode,
     encode,
     error_message,
@@ -350,6 +352,25 @@ def test_sparse_roundtrip(index_dtype: str) -> None:
     expected = np.zeros((5, 3), np.float32)
     expected[3], expected[0], expected[2] = vals[0], vals[1], vals[2]
     np.testing.assert_array_equal(out.to_dense(), expected)
+
+
+def test_keyed_rows_carry_ids_of_any_value() -> None:
+    """A dynamic table's rows: ids negative, huge or past the declared rows come back exactly,
+    as ``Keyed``, also with bf16 values; the same ids as ``sparse`` rows are refused."""
+    ids = np.array([-(2**63), -1, 2**63 - 1, 10**6], np.int64)
+    vals = np.arange(12, dtype=np.float32).reshape(4, 3)
+    out = roundtrip(Message(PUSH, tensors={"t": Keyed(ids, vals, (8, 3))})).tensors["t"]
+    assert isinstance(out, Keyed) and tuple(out.dense_shape) == (8, 3)
+    np.testing.assert_array_equal(out.indices, ids)
+    np.testing.assert_array_equal(out.values, vals)
+    half = roundtrip(Message(PUSH, tensors={"t": as_bf16(Keyed(ids, vals, (8, 3)))})).tensors["t"]
+    assert isinstance(half, Keyed) and half.values.dtype == np.float32
+    np.testing.assert_array_equal(half.indices, ids)
+    np.testing.assert_array_equal(half.values, vals)  # small integers are exact in bf16
+    frames = encode(Message(PUSH, tensors={"t": Sparse(ids, vals, (8, 3))}))
+    rejects(frames, R_SHAPE)
+    with pytest.raises(ValueError, match="keyed by id"):
+        out.to_dense()
 
 
 def test_sparse_descriptor_and_frames() -> None:
@@ -998,7 +1019,11 @@ def test_unknown_encoding(encoding: Any) -> None:
 
 
 def test_the_codec_table_is_the_list_of_encodings() -> None:
-    assert ENCODINGS == frozenset(CODECS) == {"dense", "sparse", "bf16", "topk", "sparse_bf16"}
+    assert (
+        ENCODINGS
+        == frozenset(CODECS)
+        == {*("dense", "sparse", "bf16", "topk", "sparse_bf16", "keyed", "keyed_bf16")}
+    )
     for name, codec in CODECS.items():
         assert codec.name == name
 

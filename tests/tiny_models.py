@@ -13,6 +13,8 @@ import tensorflow as tf
 
 from downpour import ModelSpec
 from downpour.data import Dataset
+from downpour.hashing import mix64
+from downpour.layers import DynamicEmbedding
 from downpour.models_tf1 import Tf1Graph, finish
 
 
@@ -73,6 +75,7 @@ def counting() -> ModelSpec:
 
 
 EMBED_VOCAB = 5000
+DYNAMIC_ROWS = 1000  # a worker's rows of the dynamic table (the data has 200 distinct ids)
 
 
 def embedding_tf1_graph() -> Tf1Graph:
@@ -246,12 +249,15 @@ def _arrange(form: str, tokens: Any, side: Any) -> Any:
     return {"ids": {"tokens": tokens}, "side": side}
 
 
-def _form_model(form: str) -> keras.Model:
-    tokens = keras.Input((6,), dtype="int32", name="tokens")
+def _form_model(form: str, dynamic: bool = False) -> keras.Model:
+    tokens = keras.Input((6,), dtype="int64" if dynamic else "int32", name="tokens")
     side = keras.Input((2,), name="side")
-    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(
-        keras.layers.Embedding(EMBED_VOCAB, 8, name="embed")(tokens)
+    table = (
+        DynamicEmbedding(8, capacity=DYNAMIC_ROWS, name="embed")
+        if dynamic
+        else keras.layers.Embedding(EMBED_VOCAB, 8, name="embed")
     )
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(table(tokens))
     if form == "tensor":
         return keras.Model(tokens, keras.layers.Dense(4, name="logits")(pooled), name=form)
     h = keras.layers.Concatenate(name="join")([pooled, side])
@@ -260,21 +266,30 @@ def _form_model(form: str) -> keras.Model:
     return keras.Model(_arrange(form, tokens, side) if form != "dict" else inputs, out, name=form)
 
 
-def embedding_form(form: str) -> ModelSpec:
-    """The embedding classifier taking its features as ``form`` (one of ``FORMS``)."""
+def hashed(tokens: np.ndarray) -> np.ndarray:
+    """Token ids as 64-bit hashes (negative and huge values among them): ids a dynamic
+    table takes and a fixed one cannot."""
+    return mix64(tokens.astype(np.uint64) + np.uint64(12345)).view(np.int64)
+
+
+def embedding_form(form: str, dynamic: bool = False) -> ModelSpec:
+    """The embedding classifier taking its features as ``form`` (one of ``FORMS``); with
+    ``dynamic``, its table is a ``DynamicEmbedding`` fed hashed ids."""
+    ids = hashed if dynamic else (lambda t: t)
 
     def input_fn(ctx: Any) -> tf.data.Dataset:
         tokens, side, y = _form_data(600, 3)
-        ds = tf.data.Dataset.from_tensor_slices((_arrange(form, tokens, side), y))
+        ds = tf.data.Dataset.from_tensor_slices((_arrange(form, ids(tokens), side), y))
         return ctx.shard(ds).batch(ctx.batch_size)
 
     def held_out_fn(ctx: Any) -> tf.data.Dataset:
         tokens, side, y = _form_data(200, 4)
-        return tf.data.Dataset.from_tensor_slices((_arrange(form, tokens, side), y)).batch(100)
+        features = _arrange(form, ids(tokens), side)
+        return tf.data.Dataset.from_tensor_slices((features, y)).batch(100)
 
     return ModelSpec(
-        name=f"embedding_{form}",
-        build=lambda: _form_model(form),
+        name=f"{'dynamic' if dynamic else 'embedding'}_{form}",
+        build=lambda: _form_model(form, dynamic),
         input_fn=input_fn,
         held_out_fn=held_out_fn,
         batch_size=20,

@@ -18,6 +18,11 @@ split variable as ``model/<path>[start:stop]``; ``--state-dir`` is then given on
 and the parts are joined by the row ranges each checkpoint records
 (``downpour.server.layout``), whatever number of shards wrote them. Rows no checkpoint holds
 are an error naming the variable.
+
+A model with ``downpour.layers.DynamicEmbedding`` layers exports to a SavedModel directory
+whose lookups read each table's rows from every shard's checkpoint (``export_dynamic``); with
+``--delta-from`` a full export of it, ``--out`` is instead a delta directory: the rows changed
+since that export and the ids gone (``export_delta``).
 """
 
 from __future__ import annotations
@@ -268,6 +273,7 @@ def export(
     model_ref: str | None = None,
     data_dir: str | None = None,
     verify: bool = True,
+    delta_from: str | None = None,
 ) -> ExportResult:
     """Export the newest checkpoint(s) of ``state_dirs`` to ``out``; see the module docstring.
 
@@ -285,12 +291,23 @@ def export(
     checkpoints = load_checkpoints(state_dirs)
     check_shards(checkpoints)
     meta = checkpoints[0].meta
+    if delta_from is not None:
+        check_delta_from(delta_from, meta)
     ref, spec = resolve_spec(model_ref, meta)
     try:
         model = build_model(spec)
     except ValueError as exc:
         raise ExportError(f"model {ref}: {exc}") from None
-    variables = list(model.trainable_variables)
+    from downpour.cli.export_dynamic import dense_variables, dynamic_layers
+
+    dynamic = dynamic_layers(model)
+    fixed = {id(v) for v in dense_variables(model)}
+    variables = [v for v in model.trainable_variables if id(v) in fixed]
+    if (dynamic or delta_from) and out.suffix == ".keras":
+        raise ExportError("a model with dynamic tables exports to a SavedModel directory: "
+                          "an --out without .keras")  # fmt: skip
+    if delta_from is not None and not dynamic:
+        raise ExportError(f"--delta-from: model {ref} has no dynamic table (DynamicEmbedding)")
     fp = fingerprint(variables)
     for c in checkpoints:
         if c.meta.get("fingerprint") != fp:
@@ -315,6 +332,8 @@ def export(
             ) from None
 
     try:
+        if dynamic:
+            return _export_tables(spec, model, out, ref, checkpoints, data_dir, verify, delta_from)
         return _write_and_verify(spec, model, out, ref, checkpoints, recalibrated, data_dir, verify)
     except BaseException as exc:  # nothing half-written stays behind, whatever stopped it
         _remove(out)
@@ -347,8 +366,6 @@ def _write_and_verify(
     verify: bool,
 ) -> ExportResult:
     """Write ``out`` and, with ``verify``, load it back and compare (see ``export``)."""
-    from downpour.pipeline import build_dataset, context, resolve_inputs
-
     try:
         fmt = write_model(model, out)
     except (OSError, ValueError, TypeError, NotImplementedError) as exc:
@@ -366,6 +383,31 @@ def _write_and_verify(
     )
     if not verify:
         return result
+    ds, held, sample = held_out_sample(spec, data_dir, out)
+    try:
+        fn = reload_fn(out, result.format)
+    except Exception as exc:  # noqa: BLE001 - any load failure is reported, with the reason
+        if result.custom_objects:
+            why = (
+                f"it needs the model's own classes {result.custom_objects}: export a SavedModel "
+                "directory instead (an --out without .keras), or register the classes with "
+                "@keras.saving.register_keras_serializable() and import them before loading"
+            )
+        else:
+            why = " ".join(str(exc).split())[:500]
+        raise ExportError(f"{out} was written but does not load back: {why}") from None
+    compare(result, np.asarray(model(sample, training=False)), np.asarray(fn(sample)))
+    if held:
+        labels, outputs = zip(*((np.asarray(y), np.asarray(fn(f))) for f, y in ds), strict=True)
+        result.accuracy = spec.metric(np.concatenate(labels), np.concatenate(outputs))
+        result.metric = spec.metric_name
+    return result
+
+
+def held_out_sample(spec: ModelSpec, data_dir: str | None, out: Path) -> tuple[Any, bool, Any]:
+    """(dataset, whether it is the held-out set, a batch of up to 256 of its features) to
+    check the written ``out`` with; ExportError when the data does not load or is empty."""
+    from downpour.pipeline import build_dataset, context, resolve_inputs
 
     try:
         inputs = resolve_inputs(spec, data_dir)
@@ -381,32 +423,81 @@ def _write_and_verify(
             f"{out} was written, but the model's data for checking it does not load: {exc} "
             "(pass --data-dir, or --no-verify)"
         ) from None
-    try:
-        fn = reload_fn(out, result.format)
-    except Exception as exc:  # noqa: BLE001 - any load failure is reported, with the reason
-        if result.custom_objects:
-            why = (
-                f"it needs the model's own classes {result.custom_objects}: export a SavedModel "
-                "directory instead (an --out without .keras), or register the classes with "
-                "@keras.saving.register_keras_serializable() and import them before loading"
-            )
-        else:
-            why = " ".join(str(exc).split())[:500]
-        raise ExportError(f"{out} was written but does not load back: {why}") from None
     if sample is None:
         raise ExportError(f"{out} was written, but the model's data has no example to check it")
-    want = np.asarray(model(sample, training=False))
-    got = np.asarray(fn(sample))
+    return ds, held, sample
+
+
+def compare(result: ExportResult, want: np.ndarray, got: np.ndarray) -> None:
+    """Record the reloaded outputs' distance from the expected ones in ``result``;
+    ExportError beyond ``RTOL``."""
     result.max_abs_diff = float(np.max(np.abs(got.astype(np.float64) - want))) if len(got) else 0.0
     if result.max_abs_diff > RTOL * (1.0 + float(np.max(np.abs(want), initial=0.0))):
         raise ExportError(
-            f"{out}: the reloaded model's outputs differ from the checkpoint's by "
+            f"{result.path}: the reloaded model's outputs differ from the checkpoint's by "
             f"{result.max_abs_diff:g}"
         )
-    if held:
-        labels, outputs = zip(*((np.asarray(y), np.asarray(fn(f))) for f, y in ds), strict=True)
-        result.accuracy = spec.metric(np.concatenate(labels), np.concatenate(outputs))
-        result.metric = spec.metric_name
+
+
+def check_delta_from(delta_from: str, meta: dict[str, Any]) -> None:
+    """ExportError unless ``delta_from`` is a full export of the checkpoints' model."""
+    from downpour.cli.export_dynamic import ServingError, read_export
+
+    try:
+        old, _ = read_export(delta_from)
+    except ServingError as exc:
+        raise ExportError(f"--delta-from {exc}") from None
+    if old["fingerprint"] != meta.get("fingerprint"):
+        raise ExportError(
+            f"--delta-from {delta_from} is an export of model {old['model']!r} (fingerprint "
+            f"{old['fingerprint']}); the checkpoints are of {meta.get('model')!r} (fingerprint "
+            f"{meta.get('fingerprint')})"
+        )
+
+
+def _export_tables(
+    spec: ModelSpec,
+    model: keras.Model,
+    out: Path,
+    ref: str,
+    checkpoints: Sequence[Checkpoint],
+    data_dir: str | None,
+    verify: bool,
+    delta_from: str | None,
+) -> ExportResult:
+    """Write the serving export of a model with dynamic tables, or with ``delta_from`` the
+    delta from that export; with ``verify`` the export is loaded back and its outputs on
+    held-out examples compared with the model holding the tables' rows."""
+    import tensorflow as tf
+
+    from downpour.cli import export_dynamic as dyn
+    from downpour.cli.export_delta import write_delta
+    from downpour.models import fingerprint
+
+    fixed = dyn.dense_variables(model)
+    fp = fingerprint([v for v in fixed if v.trainable])
+    ordered = sorted(checkpoints, key=lambda c: int(c.meta.get("shard", 0)))
+    versions = [c.version for c in ordered]
+    try:
+        tables = {p: dyn.as_table(s) for p, s in dyn.tables_from_checkpoints(ordered).items()}
+        if delta_from is not None:
+            dense = {v.path: np.asarray(v.numpy()) for v in fixed}
+            write_delta(delta_from, out, tables, dense, versions, fp)
+        else:
+            dyn.write_export(model, tables, out, versions, fp, spec.name)
+    except dyn.ServingError as exc:
+        raise ExportError(str(exc)) from None
+    result = ExportResult(
+        path=out,
+        format="delta" if delta_from is not None else "saved_model",
+        model_ref=ref,
+        checkpoints=[(str(c.path), c.version) for c in ordered],
+    )
+    if verify and delta_from is None:
+        _, _, sample = held_out_sample(spec, data_dir, out)
+        loaded = tf.saved_model.load(str(out))
+        got = np.asarray(loaded.serve(tf.nest.map_structure(tf.convert_to_tensor, sample)))
+        compare(result, dyn.reference_outputs(model, tables, sample), got)
     return result
 
 
@@ -438,6 +529,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not load the written file back and score it on the held-out set",
     )
+    p.add_argument(
+        "--delta-from",
+        metavar="EXPORT_DIR",
+        help="a model with dynamic tables: write to --out not a full export but the delta "
+        "from this full export of the same model (rows changed since, ids evicted since, "
+        "dense variables); apply it with downpour.cli.export_delta.apply_delta",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -447,13 +545,21 @@ def main(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:  # leave an embedding program's logging alone
         setup_logging("export", "INFO", "text")
     try:
-        r = export(args.state_dir, args.out, args.model, args.data_dir, not args.no_verify)
+        r = export(
+            args.state_dir,
+            args.out,
+            args.model,
+            args.data_dir,
+            not args.no_verify,
+            args.delta_from,
+        )
     except ExportError as exc:
         print(f"downpour export: {exc}", file=sys.stderr)
         return 2
     for path, version in r.checkpoints:
         print(f"checkpoint {path} (version {version})")
-    kind = "Keras archive" if r.format == "keras" else "SavedModel directory"
+    kinds = {"keras": "Keras archive", "delta": "delta export directory"}
+    kind = kinds.get(r.format, "SavedModel directory")
     print(f"model {r.model_ref}: wrote {kind} {r.path}")
     if r.custom_objects and r.format == "keras":
         print(f"note: loading {r.path} needs these classes importable: {r.custom_objects}")

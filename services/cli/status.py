@@ -107,12 +107,27 @@ def render(doc: dict[str, Any]) -> str:
     ]
     if doc.get("row_detection"):
         lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")
+    for path, t in sorted((doc.get("dynamic_tables") or {}).items()):
+        lines.append(_table_line(path, t))
     if (ev := _eval_line(doc)) is not None:
         lines.append(ev)
     lines += ["", WORKER_HEADER]
     for wid, w in sorted(doc.get("workers", {}).items()):
         lines.append(_worker_row(wid, w))
     return "\n".join(lines)
+
+
+def _table_line(path: str, t: dict[str, Any]) -> str:
+    """One dynamic table: its rows, memory, admission and evictions."""
+    cap = t.get("capacity")
+    return (
+        f"dynamic table {path}: {t.get('live_rows', 0):,} rows"
+        + (f" of {cap:,}" if cap else "")
+        + f", {t.get('bytes', 0) / 1e6:,.1f} MB ({t.get('optimizer')}); "
+        f"admitted {t.get('admitted', 0):,} (after {t.get('admit_after', 1)} sightings), "
+        f"refused {t.get('refused', 0):,} gradient rows; evicted {t.get('evicted_idle', 0):,} "
+        f"idle, {t.get('evicted_capacity', 0):,} for capacity ({t.get('evict_policy')})"
+    )
 
 
 def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -159,7 +159,7 @@ class CheckpointStore:
 
 def _parts(state: Any) -> list[tuple[str, dict[str, Any] | None, Any]]:
     """(key, record, variable) of every array a checkpoint of this state holds."""
-    parts = state.partition.shards[state.shard]
+    parts = state.parts
     out = [
         (array_key(WEIGHTS, p.wire_name), part_record(p, WEIGHTS), v)
         for p, v in zip(parts, state.variables, strict=True)

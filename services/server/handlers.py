@@ -340,8 +340,8 @@ def check_rows(requested: Mapping[str, Any], state: ParameterState) -> dict[int,
     """A row request's ids -> {variable index: its unique ids, sorted int64}. ``wire.decode``
     has bounded each list by ``max_pull_rows``; here every name must be a row-sparse variable
     of the state (``rows_unknown``, ``rows_dense``), its ids a dense 1-D int32/int64 list
-    (``bad_header``, ``rows_dtype``) of its rows (``rows_negative``, ``rows_range``). Nothing
-    is gathered before every table passed."""
+    (``bad_header``, ``rows_dtype``) of its rows (``rows_negative``, ``rows_range``; a
+    dynamic table's ids are any int64). Nothing is gathered before every table passed."""
     out: dict[int, np.ndarray] = {}
     for name, ids in requested.items():
         i = state.index.get(name)
@@ -360,7 +360,7 @@ def check_rows(requested: Mapping[str, Any], state: ParameterState) -> dict[int,
                 wire.R_ROWS_DTYPE,
                 f"row ids for {name!r} are {ids.dtype} of shape {ids.shape}, not int32/int64 1-D",
             )
-        if ids.size:
+        if ids.size and not state.dynamic[i]:  # a dynamic table's ids are any int64
             low, high = int(ids.min()), int(ids.max())
             if low < 0:
                 raise ProtocolError(wire.R_ROWS_NEGATIVE, f"row id {low} of {name!r} is negative")
@@ -393,7 +393,8 @@ def row_reply(
     for i, name in enumerate(state.names):
         ids = rows.get(i)
         if ids is not None:
-            t = wire.Sparse(ids, state.gather(i, ids), state.shapes[i])
+            kind = wire.Keyed if state.dynamic[i] else wire.Sparse
+            t = kind(ids, state.gather(i, ids), state.shapes[i])
             tensors[name] = wire.as_bf16(t) if bf16 else t
             counters["rows_served"] += len(ids)
             if isinstance(tensors[name], wire.SparseBF16):
@@ -661,8 +662,14 @@ def check_gradients(
             wire.R_COUNT, f"{len(msg.tensors)} tensors, model has {len(state.names)}"
         )
     grads: list[np.ndarray | wire.Sparse] = []
-    for (name, t), want, shape, dtype, sparse in zip(
-        msg.tensors.items(), state.names, state.shapes, state.dtypes, state.sparse, strict=True
+    for (name, t), want, shape, dtype, sparse, dynamic in zip(
+        msg.tensors.items(),
+        state.names,
+        state.shapes,
+        state.dtypes,
+        state.sparse,
+        state.dynamic,
+        strict=True,
     ):
         if name != want:
             raise ProtocolError(wire.R_NAME, f"tensor {name!r} where {want!r} was expected")
@@ -672,7 +679,17 @@ def check_gradients(
         got_dtype = wire.logical_dtype(t)
         if got_dtype != dtype:
             raise ProtocolError(wire.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
-        if sparse and keep_sparse and isinstance(t, wire.Sparse):
+        if dynamic:
+            if not isinstance(t, wire.Keyed):
+                raise ProtocolError(
+                    wire.R_SHAPE, f"{name!r} is a dynamic table: its rows travel keyed by id"
+                )
+            grads.append(t)
+        elif isinstance(t, wire.Keyed):
+            raise ProtocolError(
+                wire.R_SHAPE, f"{name!r} is not a dynamic table: its rows travel by row number"
+            )
+        elif sparse and keep_sparse and isinstance(t, wire.Sparse):
             grads.append(t)  # applied to the rows it touches only
         else:
             grads.append(wire.densify(t))

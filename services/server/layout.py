@@ -189,7 +189,7 @@ def partition_over(partition: Partition, num_shards: int) -> Partition:
     vs = [found[i] for i in sorted(found)]
     return make_partition(
         [p.name for p in vs], [p.shape for p in vs], [p.dtype for p in vs], num_shards,
-        partition.fingerprint,
+        partition.fingerprint, [p.dynamic for p in vs],
     )  # fmt: skip
 
 

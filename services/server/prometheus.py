@@ -26,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from downpour import metrics as m
 from downpour.server.dispatch import COUNTER_NAMES as DISPATCH_EVENTS
+from downpour.server.dynamic import COUNTERS as TABLE_EVENTS
 
 log = logging.getLogger("downpour.server")
 
@@ -103,6 +104,34 @@ class SnapshotCollector(Collector):
         yield from self._registry(doc.get("registry"))
         yield from self._checkpoints(doc.get("checkpoints"))
         yield from self._dispatch(doc.get("dispatch"))
+        yield from self._tables(doc.get("dynamic_tables") or {})
+
+    def _tables(self, tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        """The dynamic tables: live rows and bytes, and their events by kind."""
+        if not tables:
+            return
+        rows = GaugeMetricFamily(
+            "downpour_dynamic_table_rows", "Live rows of a dynamic table.", labels=["table"]
+        )
+        nbytes = GaugeMetricFamily(
+            "downpour_dynamic_table_bytes",
+            "Bytes of a dynamic table: rows, slots, id index, admission sketch.",
+            labels=["table"],
+            unit="bytes",
+        )
+        events = CounterMetricFamily(
+            "downpour_dynamic_table_events",
+            "Dynamic table events: inserted, admitted, refused (gradient rows of ids not yet "
+            "admitted), evicted_idle, evicted_capacity, bad_input.",
+            labels=["table", "event"],
+        )
+        for path, t in sorted(tables.items()):
+            rows.add_metric([path], float(t.get("live_rows", 0)))
+            nbytes.add_metric([path], float(t.get("bytes", 0)))
+            for event in TABLE_EVENTS:
+                if (v := _number(t.get(event))) is not None:
+                    events.add_metric([path, event], v)
+        yield from (rows, nbytes, events)
 
     def _staleness(self, st: dict[str, Any] | None) -> Iterator[Metric]:
         if not st:

@@ -207,7 +207,7 @@ def source_pieces(ckpts: Sequence[Checkpoint], state: Any) -> list[Piece]:
 
 def _plan(state: Any, pieces: Sequence[Piece]) -> tuple[list, dict[str, Any]]:
     """(variable, copies, shape, dtype) per target array, and each scalar's new value."""
-    parts = state.partition.shards[state.shard]
+    parts = state.parts
     slots, scalars = optimizer_slots(state.optimizer, state.variables)
     targets = [(WEIGHTS, i, v) for i, v in enumerate(state.variables)] + slots
     plans = []

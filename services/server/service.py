@@ -57,12 +57,12 @@ from downpour.server.handlers import (
     socket_bounds,
 )
 from downpour.server.observe import Observers
-from downpour.server.policies import parse_policy
+from downpour.server.policies import Policy, SyncPolicy, parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.reshard import find_sources, restore_set
 from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
-from downpour.server.state import ParameterState
+from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
 from downpour.spec import ModelSpec
@@ -73,6 +73,40 @@ STATUS_BOUND = Bound(1, STATUS_MAX_BYTES)  # a status request is one small heade
 __all__ = ["Server", "ServerConfig"]
 
 log = logging.getLogger("downpour.server")
+
+
+def check_dynamic(state: ParameterState, policy: Policy, config: ServerConfig) -> None:
+    """Refuse, naming the setting, what a model with dynamic tables cannot run with; say at
+    warning level when their rows are updated by another optimizer than ``--optimizer``."""
+    if not state.tables:
+        return
+    names = ", ".join(sorted(state.tables))
+    if isinstance(policy, SyncPolicy) or policy.wants_weights or policy.extrapolates:
+        raise ValueError(
+            f"--policy {policy.spec} cannot apply the dynamic tables {names}: it sums "
+            "gradients densely or reads whole weights; use async, ssp:K, bounded:K or "
+            "staleness-aware"
+        )
+    if policy.sets_momentum:
+        raise ValueError(
+            f"--policy {policy.spec} changes Adam's beta_1, which the dynamic tables {names} "
+            "do not follow; use async, ssp:K, bounded:K or staleness-aware"
+        )
+    if config.eval_every:
+        raise ValueError(
+            f"--eval-every evaluates the model in the server, whose dynamic tables ({names}) "
+            "it does not hold as variables; workers report their held-out score, and "
+            "`downpour export` writes the model to evaluate"
+        )
+    kind = DYNAMIC_OPTIMIZER[config.optimizer]
+    if kind != config.optimizer:
+        log.warning(
+            "dynamic tables %s are updated by %s (--optimizer %s): rows and moments change "
+            "only where a gradient touches them",
+            names,
+            kind,
+            config.optimizer,
+        )
 
 
 class Server:
@@ -93,7 +127,14 @@ class Server:
             config.seed,
             shard=config.shard,
             num_shards=config.num_shards,
+            table_options=TableOptions(
+                config.admit_after,
+                config.table_capacity,
+                config.evict_policy,
+                config.evict_idle_versions,
+            ),
         )
+        check_dynamic(self.state, self.policy, config)
         if self.policy.sets_momentum and self.state.momentum is None:
             raise ValueError(
                 f"--policy {self.policy.spec} sets the optimizer's beta_1: it needs "

@@ -36,6 +36,7 @@ from downpour.transport import is_loopback
 
 OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
 MAX_PULL_ROWS = 1 << 20
+ADMIT_MAX = 255  # a count-min sketch counter saturates there (downpour.server.dynamic_sketch)
 
 
 def policy_text(text: str) -> str:
@@ -53,6 +54,7 @@ _SEC = "security (see docs: security.md)"
 _CKPT = "checkpoints"
 _WORKERS = "workers"
 _OBS = "observability (see docs: observability.md)"
+_DYN = "dynamic tables (see docs: models.md)"
 
 OPTIMIZER = Option(
     "optimizer",
@@ -122,6 +124,41 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         MAX_PULL_ROWS,
         "most row ids a row pull may ask of one table; a larger request is refused (rows_too_many)",
         _NET,
+        type=at_least(1),
+        metavar="N",
+    ),
+    Option(
+        "admit_after",
+        1,
+        "a dynamic table stores an id's row once the id was seen N times (counted in a "
+        "count-min sketch); before, it reads its initial value and its gradients are dropped "
+        "(counted: refused)",
+        _DYN,
+        type=at_least(1),
+        metavar="N",
+    ),
+    Option(
+        "table_capacity",
+        None,
+        "rows a dynamic table keeps on this shard at most; past it the table evicts down to "
+        "90 percent of it by --evict-policy (default: no bound)",
+        _DYN,
+        type=at_least(1),
+        metavar="ROWS",
+    ),
+    Option(
+        "evict_policy",
+        "lru",
+        "which rows a full dynamic table evicts first: least recently updated (lru) or least "
+        "often touched (lfu)",
+        _DYN,
+        choices=("lru", "lfu"),
+    ),
+    Option(
+        "evict_idle_versions",
+        None,
+        "evict a dynamic table's rows not updated for this many versions (default: never)",
+        _DYN,
         type=at_least(1),
         metavar="N",
     ),
@@ -294,6 +331,10 @@ def validate_server(cfg: ServerConfig) -> None:
     if cfg.num_shards > 1 and cfg.eval_every:
         problems.append(
             "--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it"
+        )
+    if cfg.admit_after > ADMIT_MAX:
+        problems.append(
+            f"--admit-after counts up to {ADMIT_MAX} sightings of an id, not {cfg.admit_after}"
         )
     if cfg.restore_from and not cfg.state_dir:
         problems.append("--restore-from needs --state-dir: where the resharded state goes")

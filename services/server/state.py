@@ -31,23 +31,55 @@ import numpy as np
 import tensorflow as tf
 
 from downpour import initial
+from downpour.layers import DynamicEmbedding, served
 from downpour.models import (
     define_model,
     describe_variables,
+    dynamic_tables,
     embedding_tables,
     evaluate,
     fingerprint,
     zero_inputs,
 )
 from downpour.partition import Part, Partition, make_partition
+from downpour.server.dynamic import DynamicTable
+from downpour.server.dynamic_store import RowOptimizer
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
 from downpour.tensors import aligned_empty
-from downpour.wire import Sparse, all_finite, dedupe_rows
+from downpour.wire import Keyed, Sparse, all_finite, dedupe_rows
 
 log = logging.getLogger("downpour.server")
 
 STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float32 stay in L2
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """How a server keeps its dynamic tables' rows (``--admit-after``, ``--table-capacity``,
+    ``--evict-policy``, ``--evict-idle-versions``; ``downpour.server.dynamic``)."""
+
+    admit_after: int = 1
+    capacity: int | None = None
+    policy: str = "lru"
+    idle_versions: int | None = None
+
+
+DYNAMIC_OPTIMIZER = {
+    "adam": "lazy_adam",
+    "lazy_adam": "lazy_adam",
+    "adagrad": "adagrad",
+    "sgd": "sgd",
+}
+
+
+class _Unheld:
+    """What a server's ``DynamicEmbedding`` reads in place of rows: none (the shard's
+    ``DynamicTable`` holds them); an id -> slot table for tracing the model."""
+
+    def __init__(self, layer: DynamicEmbedding) -> None:
+        self.capacity = layer.capacity
+        self.table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int32, default_value=-1)
 
 
 @dataclass(frozen=True)
@@ -184,29 +216,38 @@ class ParameterState:
         shard: int = 0,
         num_shards: int = 1,
         sparse_apply: bool = True,
+        table_options: TableOptions | None = None,
     ) -> None:
         if not 0 <= shard < num_shards:  # this class's own arguments (the settings' check
             # of --shard against --num-shards is validate_server's)
             raise ValueError(f"shard must be in 0..{num_shards - 1}, got {shard}")
         self.spec = spec
         self.shard = shard
+        self.learning_rate = float(learning_rate)
+        self.optimizer_name = optimizer
+        self.table_options = table_options or TableOptions()
         parts, row_sparse = self._build(spec, seed, shard, num_shards, sparse_apply)
         self.names = [p.wire_name for p in parts]
+        self.dynamic = [p.dynamic for p in parts]
+        # wire index -> this shard's TF variable (fixed parts) or dynamic table
+        self._var = dict(zip(self._fixed, self.variables, strict=True))
+        self._table = {i: self.tables[self.partition_paths[parts[i].var]] for i in self._keyed}
         # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
         # the rows a push touched. Their row count varies per push, which XLA would compile
         # anew for each size, so such a model's step runs as a graph without XLA.
-        self.sparse = [row_sparse[p.var] for p in parts]
+        self.sparse = [row_sparse[p.var] or p.dynamic for p in parts]
         self.jit = jit and not any(self.sparse)
-        self.shapes = [tuple(int(d) for d in v.shape) for v in self.variables]
-        self.dtypes = [np.dtype(str(v.dtype)) for v in self.variables]
+        self.shapes = [
+            tuple(int(d) for d in (p.shape if p.dynamic else self._var[i].shape))
+            for i, p in enumerate(parts)
+        ]
+        self.dtypes = [np.dtype(p.dtype) for p in parts]
         self.payload_bytes = sum(
             int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)
         )
-        self.learning_rate = float(learning_rate)
-        self.optimizer_name = optimizer
         self.optimizer = make_optimizer(optimizer, learning_rate)
         # row-sparse tables updated row-wise here (downpour.server.rows), the rest by Keras
-        self.row_wise = [s and optimizer in ROW_WISE for s in self.sparse]
+        self.row_wise = [self.sparse[i] and optimizer in ROW_WISE for i in self._fixed]
         self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
         self.optimizer.build(self.variables)
         self.slot_bytes = sum(  # the optimizer's arrays the size of a variable (not scalars)
@@ -223,11 +264,7 @@ class ParameterState:
         self._snap_version = -1
         self._snap: list[np.ndarray | None] = []
         self._snapshot: tuple[int, list[np.ndarray]] | None = None
-        self._gathers = {
-            i: _gather_fn(v)
-            for i, (v, sparse) in enumerate(zip(self.variables, self.sparse, strict=True))
-            if sparse
-        }
+        self._gathers = {i: _gather_fn(v) for i, v in self._var.items() if self.sparse[i]}
         # One staging buffer per dense variable, reused by every apply (the step is
         # synchronous); a row-sparse one is fed its rows, never staged: a zero-stride view
         # standing for its shape and dtype, holding no memory.
@@ -245,8 +282,10 @@ class ParameterState:
         whole model unsharded): sets the model's identity, ``partition``, ``model`` and
         ``variables``; returns this shard's parts and which of the model's variables are
         row-sparse."""
-        model = define_model(spec, seed)  # declared, not allocated (downpour.initial)
+        with served(_Unheld):  # a DynamicEmbedding's rows are this shard's DynamicTable's
+            model = define_model(spec, seed)  # declared, not allocated (downpour.initial)
         full = list(model.trainable_variables)
+        layers = dynamic_tables(model)
         # None with --sparse-apply off: nothing served by row, by the operator's choice
         self.row_sparsity = sparse_gradients(model) if sparse_apply else None
         row_sparse = self.row_sparsity.sparse if self.row_sparsity else [False] * len(full)
@@ -258,22 +297,61 @@ class ParameterState:
             [str(v.dtype) for v in full],
             num_shards,
             self.fingerprint,
+            [v.path in layers for v in full],
         )
+        self.partition_paths = [v.path for v in full]
         parts = self.partition.shards[shard]
-        self.model: keras.Model | None = model if num_shards == 1 else None
+        self._fixed = [i for i, p in enumerate(parts) if not p.dynamic]
+        self._keyed = [i for i, p in enumerate(parts) if p.dynamic]
+        self.parts = [parts[i] for i in self._fixed]  # what checkpoints hold as arrays
+        self.tables = {full[parts[i].var].path: self._new_table(layers[full[parts[i].var].path])
+                       for i in self._keyed}  # fmt: skip
+        # a shard evaluates nothing; nor does a server whose rows are in dynamic tables
+        self.model: keras.Model | None = model if num_shards == 1 and not layers else None
         if num_shards == 1:
-            initial.materialize_model(model, seed)
-            self.variables = full
+            for v in full:
+                if initial.deferred(v) and v.path not in layers:
+                    initial.materialize(v, seed)
+            self.variables = [full[p.var] for p in self.parts]
         else:
-            self.variables = _own_parts(full, parts, seed, shard)
+            self.variables = _own_parts(full, self.parts, seed, shard)
         return parts, row_sparse
+
+    def _new_table(self, layer: DynamicEmbedding) -> DynamicTable:
+        """This shard's empty store of ``layer``'s rows."""
+        return DynamicTable(layer.name, layer.dim, **self._table_config(layer))
+
+    def _table_config(self, layer: DynamicEmbedding) -> dict[str, object]:
+        o = self.table_options
+        return {
+            "optimizer": RowOptimizer(DYNAMIC_OPTIMIZER[self.optimizer_name]),
+            "rule": layer.rule,
+            "seed": layer.seed,
+            "admit_after": o.admit_after,
+            "capacity": o.capacity,
+            "policy": o.policy,
+        }
+
+    def table_config(self, path: str) -> dict[str, object]:
+        """The keyword arguments that rebuild table ``path`` (``DynamicTable.from_state``)."""
+        table = self.tables[path]
+        o = self.table_options
+        return {
+            "optimizer": table.opt,
+            "rule": table.rule,
+            "seed": table.seed,
+            "admit_after": o.admit_after,
+            "capacity": o.capacity,
+            "policy": o.policy,
+        }
 
     def _trace_apply_step(self) -> tf.types.experimental.ConcreteFunction:
         """The compiled apply step, traced here, once (see the module docstring)."""
         lr_dtype = tf.as_dtype(self.optimizer.learning_rate.dtype)
         self._base_lr = tf.constant(self.learning_rate, lr_dtype)
         signature = [tf.TensorSpec((), lr_dtype)]
-        for shape, v, sparse in zip(self.shapes, self.variables, self.sparse, strict=True):
+        fixed = [(self.shapes[i], self._var[i], self.sparse[i]) for i in self._fixed]
+        for shape, v, sparse in fixed:
             if sparse:  # unique row indices, and those rows' values
                 signature += [
                     tf.TensorSpec((None,), tf.int64),
@@ -288,8 +366,7 @@ class ParameterState:
             self.optimizer.learning_rate.assign(lr)  # this update's rate (staleness policies)
             it = iter(flat)
             grads = [  # the flat inputs, in order: one tensor per dense variable, two per sparse
-                _slices(it, shape) if sparse else next(it)
-                for shape, sparse in zip(self.shapes, self.sparse, strict=True)
+                _slices(it, shape) if sparse else next(it) for shape, _, sparse in fixed
             ]
             rest = []
             for g, v, row_wise in zip(grads, self.variables, self.row_wise, strict=True):
@@ -346,7 +423,8 @@ class ParameterState:
         dense array that was not staged is still compared with its buffer's shape, as
         ``np.copyto`` would broadcast a wrong one silently (no pass over the data)."""
         tensors = []
-        for name, buf, g, sparse in zip(self.names, self._staging, grads, self.sparse, strict=True):
+        for i in self._fixed:
+            name, buf, g, sparse = self.names[i], self._staging[i], grads[i], self.sparse[i]
             if sparse:
                 if isinstance(g, Sparse):
                     assert tuple(g.dense_shape) == buf.shape, (name, g.dense_shape)
@@ -370,18 +448,32 @@ class ParameterState:
             lr = self._base_lr
         else:
             lr = tf.constant(self.learning_rate * float(lr_scale), self._base_lr.dtype)
-        self._apply_step(lr, *self._feed(grads))
+        step = self._apply_step(lr, *self._feed(grads))
         self.version += 1
+        if self._keyed:
+            self._apply_tables(grads, float(lr.numpy()), int(step.numpy()))
         return self.version
+
+    def _apply_tables(self, grads: Sequence[np.ndarray | Sparse], lr: float, step: int) -> None:
+        """The dynamic tables' rows of this update (``Keyed``: checked by the gradient
+        handler), at this version; then the rows idle too long are evicted."""
+        for i in self._keyed:
+            g = grads[i]
+            assert isinstance(g, Keyed), self.names[i]
+            table = self._table[i]
+            table.apply(np.asarray(g.indices), np.asarray(g.values), lr, self.version, step)
+            idle = self.table_options.idle_versions
+            if idle is not None and self.version % max(1, idle // 8) == 0:
+                table.evict_idle(self.version, idle)
 
     def _arrays(self, which: Sequence[int]) -> list[np.ndarray | None]:
         """This version's snapshot list, with the variables ``which`` filled in."""
         if self._snap_version != self.version:
             self._snap_version = self.version
-            self._snap = [None] * len(self.variables)
+            self._snap = [None] * len(self.names)
         for i in which:
             if self._snap[i] is None:
-                self._snap[i] = self.variables[i].numpy()
+                self._snap[i] = self._var[i].numpy()
         return self._snap
 
     def set_momentum(self, beta_1: float) -> bool:
@@ -399,12 +491,48 @@ class ParameterState:
         for whole pulls, evaluation and tests; a row pull uses ``dense_weights`` and
         ``gather``."""
         if self._snapshot is None or self._snapshot[0] != self.version:
-            arrays = self._arrays(range(len(self.variables)))
+            self._arrays(self._fixed)
+            arrays = [
+                self._snap[i] if i in self._var else self._no_rows(i)
+                for i in range(len(self.names))
+            ]
             self._snapshot = (self.version, [a for a in arrays if a is not None])
         return self._snapshot
 
-    def array(self, i: int) -> np.ndarray:
+    def held_bytes(self) -> tuple[int, int]:
+        """(parameter bytes, optimizer slot bytes) this shard holds now: its variables and
+        their slots, and its dynamic tables' live rows and their slots."""
+        fixed = sum(int(np.prod(self.shapes[i])) * self.dtypes[i].itemsize for i in self._fixed)
+        stats = [t.stats() for t in self.tables.values()]
+        return (
+            fixed + sum(s["bytes_rows"] for s in stats),
+            self.slot_bytes + sum(s["bytes_slots"] for s in stats),
+        )
+
+    def table_status(self) -> dict[str, dict[str, object]]:
+        """Per dynamic table (by path): its live rows, bytes, counters and settings."""
+        o = self.table_options
+        return {
+            path: t.stats()
+            | {
+                "optimizer": t.opt.kind,
+                "admit_after": o.admit_after,
+                "capacity": o.capacity,
+                "evict_policy": o.policy,
+                "evict_idle_versions": o.idle_versions,
+            }
+            for path, t in self.tables.items()
+        }
+
+    def _no_rows(self, i: int) -> Keyed:
+        """Dynamic table ``i`` in a whole pull: no rows (they go by id, ``gather``)."""
+        empty = np.zeros((0, *self.shapes[i][1:]), self.dtypes[i])
+        return Keyed(np.zeros(0, np.int64), empty, self.shapes[i])
+
+    def array(self, i: int) -> np.ndarray | Keyed:
         """Variable ``i`` at this version (a snapshot shared by every pull of it)."""
+        if i in self._table:
+            return self._no_rows(i)
         a = self._arrays((i,))[i]
         assert a is not None
         return a
@@ -412,13 +540,16 @@ class ParameterState:
     def dense_weights(self) -> tuple[int, list[np.ndarray | None]]:
         """(version, arrays) of the variables that are not row-sparse; None for row-sparse
         ones, which are not snapshotted: a row pull gathers their rows (``gather``)."""
-        dense = [i for i, sparse in enumerate(self.sparse) if not sparse]
+        dense = [i for i in self._fixed if not self.sparse[i]]
         arrays = self._arrays(dense)
         return self.version, [None if s else a for a, s in zip(arrays, self.sparse, strict=True)]
 
     def gather(self, i: int, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` (int64, in range: the caller checks) of row-sparse variable ``i`` at
-        this version, as a fresh array: O(len(ids)), the table is not copied."""
+        this version, as a fresh array: O(len(ids)), the table is not copied. A dynamic
+        table's ids are any int64; one it does not hold reads its initial value."""
+        if i in self._table:
+            return self._table[i].gather(ids)
         return self._gathers[i](tf.constant(ids, tf.int64)).numpy()
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:

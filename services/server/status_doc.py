@@ -30,14 +30,15 @@ def build_status(
     ``started`` (wall clock ``started_wall``); the checkpoint, evaluation and authentication
     sections come from their owners."""
     state, stats = ctx.state, ctx.stats
+    held, slots = state.held_bytes()
     return {
         "service": "server",
         "protocol": wire.PROTOCOL_VERSION,
         "model": ctx.model,
         "fingerprint": state.fingerprint,
         **ctx.shard,
-        "shard_bytes": state.payload_bytes,
-        "slot_bytes": state.slot_bytes,
+        "shard_bytes": held,
+        "slot_bytes": slots,
         "peak_rss_mib": peak_rss_mib(),
         "version": state.version,
         "updates_applied": state.version,
@@ -51,6 +52,7 @@ def build_status(
         "policy": {**ctx.policy.describe(), "learning_rate": state.learning_rate},
         "row_tables": [n for n, sparse in zip(state.names, state.sparse, strict=True) if sparse],
         "row_detection": None if state.row_sparsity is None else state.row_sparsity.problem,
+        "dynamic_tables": state.table_status(),
         "rejected": _rejected(ctx),
         "rejected_total": stats.rejected.total() + stats.counters["status_oversize"],
         **security.status_fields(auth),

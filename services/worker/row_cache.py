@@ -38,8 +38,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour.layers import DynamicEmbedding, served
 from downpour.models import model_inputs
-from downpour.wire import Sparse
+from downpour.partition import Part
+from downpour.wire import Keyed, Sparse
 from downpour.worker.errors import WorkerError
 
 _scope = threading.local()  # .capacity: --row-cache-rows of the build running on this thread
@@ -53,7 +55,10 @@ class RowCache:
     """The cache of one table: ``capacity`` slots of its ``rows`` x ``dim`` table (see the
     module docstring for the id -> slot map and the eviction rule)."""
 
-    def __init__(self, rows: int, dim: int, capacity: int) -> None:
+    def __init__(self, rows: int, dim: int, capacity: int, keyed: bool = False) -> None:
+        """``keyed``: the cache of a dynamic table, whose ids are any int64 and whose
+        gradient goes out as ``Keyed`` rows; ``rows`` is then its declared row count."""
+        self.keyed = keyed
         self.rows = rows
         self.dim = dim
         self.capacity = capacity
@@ -148,9 +153,11 @@ class RowCache:
             self.needed[placed] = np.maximum(self.needed[placed], until)
         return slots
 
-    def forget(self, start: int, stop: int) -> None:
-        """Rows ``start:stop`` count as never fetched (their shard restarted)."""
-        mine = (self.slot_ids >= start) & (self.slot_ids < stop)
+    def forget(self, part: Part) -> None:
+        """The cached rows of ``part`` count as never fetched (its shard restarted)."""
+        held = self.slot_ids >= 0
+        mine = np.zeros(self.capacity, bool)
+        mine[held] = part.mine(self.slot_ids[held])
         self.fetched[mine] = -1
 
     def gradient(self, g: Any) -> Sparse:
@@ -162,7 +169,8 @@ class RowCache:
                 "tables whose gradient touches only the gathered rows"
             )
         slots = g.indices.numpy()
-        return Sparse(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
+        kind = Keyed if self.keyed else Sparse
+        return kind(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
 
 
 class _CachedEmbedding:
@@ -213,13 +221,26 @@ def _scoped_build(self: keras.layers.Embedding, input_shape: Any = None) -> None
     return cached.build(self, input_shape)
 
 
+def _dynamic_cache(capacity: int | None) -> Any:
+    """The row-cache factory for a worker's dynamic tables: the layer's ``capacity`` rows,
+    at most ``capacity`` (``--row-cache-rows``) when given."""
+
+    def make(layer: DynamicEmbedding) -> RowCache:
+        held = layer.capacity if capacity is None else min(layer.capacity, capacity)
+        return RowCache(layer.capacity, layer.dim, held, keyed=True)
+
+    return make
+
+
 @contextlib.contextmanager
 def row_cache_scope(capacity: int | None) -> Iterator[None]:
     """Build models inside: Embeddings of more than ``capacity`` rows built on this thread
-    become row caches (None: an ordinary build)."""
+    become row caches (None: Embeddings build as usual), and every ``DynamicEmbedding``
+    holds a cache of pulled rows (``downpour.layers.served``)."""
     global _patch_users
     if capacity is None:
-        yield
+        with served(_dynamic_cache(None)):
+            yield
         return
     with _patch_lock:
         if _patch_users == 0:
@@ -227,7 +248,8 @@ def row_cache_scope(capacity: int | None) -> Iterator[None]:
         _patch_users += 1
     _scope.capacity = capacity
     try:
-        yield
+        with served(_dynamic_cache(capacity)):
+            yield
     finally:
         _scope.capacity = None
         with _patch_lock:
@@ -242,6 +264,7 @@ def _cached_layers(model: keras.Model) -> list[Any]:
         layer
         for layer in model._flatten_layers(include_self=False)
         if isinstance(layer, _CachedEmbedding)
+        or (isinstance(layer, DynamicEmbedding) and layer._row_cache is not None)
     ]
 
 
@@ -260,10 +283,10 @@ def id_extractor(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> ke
 
 def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:
     """Per Embedding the extractor reaches (its outputs are their inputs), the unique int64
-    ids a batch with ``features`` gathers."""
+    ids a batch with ``features`` gathers (strings hashed as a ``DynamicEmbedding`` does)."""
     outs = extractor(features, training=False)
     outs = outs if isinstance(outs, list | tuple) else [outs]
-    return [tf.unique(tf.reshape(tf.cast(o, tf.int64), [-1]))[0] for o in outs]
+    return [tf.unique(tf.reshape(DynamicEmbedding.ids(o), [-1]))[0] for o in outs]
 
 
 def logical_shapes(

@@ -209,7 +209,7 @@ class RowPlan:
         steps = [ahead] * len(versions) if isinstance(ahead, int) else list(ahead)
         for table, table_ids in zip(self.tables, ids, strict=True):
             for k, part, local in self.partition.route_rows(table.var, table_ids):
-                fetched = table.fetched_at(local + part.start)
+                fetched = table.fetched_at(part.global_rows(local))
                 stale = (fetched < 0) | (fetched < versions[k] + steps[k] - self.staleness)
                 out[k][part.wire_name] = local[stale]  # never fetched (-1) is always stale
         return out
@@ -236,7 +236,7 @@ class RowPlan:
                 if k != shard:
                     continue
                 if table.cache is not None:
-                    table.cache.forget(part.start, part.stop)
+                    table.cache.forget(part)
                 else:
                     assert table.fetched is not None
                     table.fetched[part.start : part.stop] = -1
@@ -269,7 +269,7 @@ class RowPlan:
                 )
             return self._install_cached(table, part, tensor, version, scatter, current)
         if isinstance(tensor, wire.Sparse):
-            rows = np.asarray(tensor.indices, np.int64) + part.start
+            rows = part.global_rows(np.asarray(tensor.indices, np.int64))
             values = np.asarray(tensor.values)
             nbytes = tensor.indices.nbytes + values.nbytes
         else:
@@ -300,7 +300,7 @@ class RowPlan:
         written there; rows cached at a newer version are kept."""
         cache = table.cache
         assert cache is not None
-        rows = np.asarray(tensor.indices, np.int64) + part.start
+        rows = part.global_rows(np.asarray(tensor.indices, np.int64))
         values = np.asarray(tensor.values)
         nbytes = tensor.indices.nbytes + values.nbytes
         keep = cache.fetched_at(rows) <= version

@@ -107,6 +107,12 @@ class Worker:
         with row_cache_scope(config.row_cache_rows):  # big Embeddings as row caches
             self.model = build_model(spec)
         self.caches = caches_of(self.model)
+        dynamic = sorted(p for p, c in self.caches.items() if c.keyed)
+        if dynamic and (config.row_pulls != "auto" or config.graph != "tf2"):
+            raise WorkerError(
+                f"model {spec.name!r} has dynamic tables ({', '.join(dynamic)}), whose rows "
+                "a worker pulls by id: they need --row-pulls auto and --graph tf2"
+            )
         self.dispatched = config.data_dispatch == "server"
         universe = None
         if self.dispatched:  # the whole data, probed for what the server is to divide
@@ -183,7 +189,8 @@ class Worker:
             int(np.prod(sh)) * np.dtype(d).itemsize for sh, d in zip(shapes, dtypes, strict=True)
         )
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.payload_bytes)
-        return make_partition(self.names, shapes, dtypes, num_shards, self.fingerprint)
+        dynamic = [v.path in self.caches and self.caches[v.path].keyed for v in variables]
+        return make_partition(self.names, shapes, dtypes, num_shards, self.fingerprint, dynamic)
 
     def _connect(self) -> ShardSet:
         """Clients for every shard (no message sent yet)."""
