@@ -239,12 +239,3 @@ def make_partition(
             )
         parts.sort(key=lambda p: (p.var, p.start))
     return Partition(num_shards, tuple(tuple(p) for p in assigned), fingerprint)
-
-
-def id_shard(ids: np.ndarray, num_shards: int) -> np.ndarray:
-    """The shard (int64) that holds each int64 id of a dynamic table: ``mix64(id) % S``."""
-    from downpour.initial import mix64
-
-    return (mix64(np.asarray(ids, np.int64).view(np.uint64)) % np.uint64(num_shards)).astype(
-        np.int64
-    )

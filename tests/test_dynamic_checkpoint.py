@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from downpour.partition import id_shard
+from downpour.hashing import id_shard
 from downpour.server.checkpoint import Checkpoint, CheckpointStore
 from downpour.server.dynamic import COUNTERS, DynamicTable
 from downpour.server.dynamic_checkpoint import (

@@ -10,7 +10,7 @@ which keys initial values), ``dim``, ``dtype``, ``optimizer``, ``slots``, ``rows
 
 Restoring (``load_tables``, then ``restore_tables`` installs them): the set is this shard's own
 checkpoint or one checkpoint of each old shard. Each of the shard's tables keeps the saved ids
-``partition.id_shard(ids, S) == shard`` (S the new shard count) with their rows, slots,
+``hashing.id_shard(ids, S) == shard`` (S the new shard count) with their rows, slots,
 versions and counts. An id of old shard ``k`` (of S') is on new shard ``s`` only if
 ``k = s (mod gcd(S, S'))``, so only those old shards are read (just the own one when S = S').
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from downpour.partition import id_shard
+from downpour.hashing import id_shard
 from downpour.server.checkpoint import Checkpoint
 from downpour.server.dynamic import COUNTERS, EVICT_TO, DynamicTable
 from downpour.server.dynamic_sketch import SATURATE
