@@ -288,3 +288,83 @@ def test_a_record_less_checkpoint_reads_past_the_tables_arrays() -> None:
               np.zeros(0, np.int64)}  # fmt: skip
     pieces, unknown = pieces_from_parts(0, arrays, part.shards[0])
     assert [p.key for p in pieces] == ["model/w"] and unknown == []
+
+
+# ---------------------------------------------------------------- through ParameterState
+
+
+def _states(n: int, seed: int = 5) -> list[Any]:
+    from tiny_models import embedding_form
+
+    from downpour.server.state import ParameterState, TableOptions
+
+    spec, options = embedding_form("dict", dynamic=True), TableOptions(admit_after=2)
+    return [ParameterState(spec, "adam", 0.05, seed=seed, jit=False, shard=k, num_shards=n,
+                           table_options=options) for k in range(n)]  # fmt: skip
+
+
+def _push(states: list[Any], steps: range) -> None:
+    """Seeded full gradient lists (the table's rows keyed by id), each shard its piece."""
+    from downpour.wire import Keyed
+
+    part = states[0].partition
+    variables = {p.var: p for parts in part.shards for p in parts}
+    for step in steps:
+        rng, grads = np.random.default_rng(step), []
+        for _, p in sorted(variables.items()):
+            if p.dynamic:
+                ids = _batch(step, "users/embeddings")[0]
+                rows = rng.standard_normal((ids.size, p.shape[1])).astype(p.dtype)
+                grads.append(Keyed(ids, rows, p.shape))
+            else:
+                grads.append(rng.standard_normal(p.shape).astype(p.dtype))
+        for st, piece in zip(states, part.split(grads), strict=True):
+            st.apply(piece)
+
+
+def test_a_parameter_state_checkpoint_restores_its_tables_onto_another_shard_count(
+    tmp_path: Path,
+) -> None:
+    """Written as the server writes (``capture`` and ``capture_tables``, one version), read
+    by ``restore_set`` on 3 shards: the tables' union equals the 2 old shards', the fixed
+    variables come back too, and training goes on alike."""
+    from test_reshard import _joined
+
+    from downpour.server.checkpoint import capture, records
+    from downpour.server.reshard import restore_set
+
+    def write(states: list[Any], root: Path) -> list[Checkpoint]:
+        out = []
+        for st in states:
+            tables, table_records = capture_tables(st)
+            meta = {"fingerprint": st.fingerprint, "shard": st.shard, "num_shards": 2,
+                    "partition": st.partition.digest, "arrays": records(st),
+                    TABLES_META: table_records}  # fmt: skip
+            store = CheckpointStore(root / f"shard-{st.shard}")
+            store.write(st.version, capture(st) | tables, meta)
+            out.append(store.latest())
+        return out
+
+    before = _states(2)
+    _push(before, range(5))
+    after = _states(3, seed=99)
+    ckpts = write(before, tmp_path)
+    for st in after:
+        assert restore_set(st, ckpts).version == 5
+    (path,) = before[0].tables
+    assert path == "embed/embeddings"
+    olds = [st.tables[path].export_state() for st in before]
+    news = [st.tables[path].export_state() for st in after]
+    assert all((id_shard(e["ids"], 3) == k).all() and e["ids"].size for k, e in enumerate(news))
+    _assert_equal_states(_by_id(news), _by_id(olds))
+    want, got = _joined(before), _joined(after)
+    assert want and all(np.array_equal(got[k], want[k]) for k in want)
+
+    _push(before, range(5, 7))
+    _push(after, range(5, 7))
+    olds = [st.tables[path].export_state() for st in before]
+    news = [st.tables[path].export_state() for st in after]
+    old_ids, new_ids = _by_id(olds)["ids"], _by_id(news)["ids"]
+    assert np.array_equal(new_ids, old_ids)  # the same ids admitted since the restore
+    for f, a in _by_id(olds).items():
+        np.testing.assert_allclose(_by_id(news)[f], a, rtol=1e-6, atol=1e-7, err_msg=f)

@@ -12,10 +12,12 @@ Which checkpoints a shard restores from (``find_sources``):
 
 How (``restore_set``): each of the shard's parts, its weights and every optimizer slot, is
 put together from the old arrays that overlap its rows (``layout.plan_rows``), reading only
-those rows (the archives are memory-mapped, ``downpour.server.npz``). Everything is checked
-first (model fingerprint, rows no checkpoint holds, overlapping pieces, shapes, dtypes,
-missing slots); a refused restore assigns nothing. The learning rate is not restored: the one
-configured at start wins.
+those rows (the archives are memory-mapped, ``downpour.server.npz``). Each dynamic table is
+rebuilt from the saved ids that are this shard's now, from every old shard
+(``downpour.server.dynamic_checkpoint``). Everything is checked first (model fingerprint, rows
+no checkpoint holds, overlapping pieces, shapes, dtypes, missing slots, tables that disagree
+with the model); a refused restore assigns nothing. The learning rate is not restored: the
+one configured at start wins.
 
 When the old shards stopped at different versions (each checkpoints on its own), the rule is:
 
@@ -40,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from downpour.server.checkpoint import Checkpoint, CheckpointStore
+from downpour.server.dynamic_checkpoint import load_tables
 from downpour.server.layout import (
     WEIGHTS,
     Piece,
@@ -240,11 +243,13 @@ def restore_set(state: Any, ckpts: Sequence[Checkpoint]) -> Restored:
     _check_set(ckpts, state)
     pieces = source_pieces(ckpts, state)
     plans, scalars = _plan(state, pieces)
+    tables = load_tables(state, ckpts)
     arrays = [c.arrays for c in ckpts]
     for var, copies, shape, dtype in plans:
         var.assign(assemble(copies, arrays, shape, dtype))
     for var, found in scalars.values():
         var.assign(max(np.asarray(arrays[pc.source][pc.key]) for pc in found))
+    state.tables.update(tables)
     state.version = max(c.version for c in ckpts)
     workers: dict[str, int] = {}
     for c in ckpts:

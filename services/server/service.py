@@ -44,6 +44,7 @@ from downpour.server.checkpoint import (
     restore_dispatcher,
 )
 from downpour.server.dispatch import Dispatcher
+from downpour.server.dynamic_checkpoint import TABLES_META, capture_tables
 from downpour.server.handlers import (
     HandlerContext,
     Rejection,
@@ -272,10 +273,13 @@ class Server:
         if cp is None or not (final or cp.due(self.state.version, mark)):
             return
         arrays = capture(self.state)
+        tables, table_records = capture_tables(self.state)  # the same version, by id
+        arrays |= tables
+        meta = {**self._checkpoint_meta(), TABLES_META: table_records}
         if final:
-            cp.write_now(self.state.version, arrays, self._checkpoint_meta(), mark)
+            cp.write_now(self.state.version, arrays, meta, mark)
         else:
-            cp.submit(self.state.version, arrays, self._checkpoint_meta(), mark)
+            cp.submit(self.state.version, arrays, meta, mark)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -229,9 +229,10 @@ class ParameterState:
         parts, row_sparse = self._build(spec, seed, shard, num_shards, sparse_apply)
         self.names = [p.wire_name for p in parts]
         self.dynamic = [p.dynamic for p in parts]
-        # wire index -> this shard's TF variable (fixed parts) or dynamic table
+        # wire index -> this shard's TF variable (fixed parts) or dynamic table's path (the
+        # table is looked up in ``tables`` on each use: a restore replaces it there)
         self._var = dict(zip(self._fixed, self.variables, strict=True))
-        self._table = {i: self.tables[self.partition_paths[parts[i].var]] for i in self._keyed}
+        self._table_path = {i: self.partition_paths[parts[i].var] for i in self._keyed}
         # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
         # the rows a push touched. Their row count varies per push, which XLA would compile
         # anew for each size, so such a model's step runs as a graph without XLA.
@@ -460,7 +461,7 @@ class ParameterState:
         for i in self._keyed:
             g = grads[i]
             assert isinstance(g, Keyed), self.names[i]
-            table = self._table[i]
+            table = self.tables[self._table_path[i]]
             table.apply(np.asarray(g.indices), np.asarray(g.values), lr, self.version, step)
             idle = self.table_options.idle_versions
             if idle is not None and self.version % max(1, idle // 8) == 0:
@@ -531,7 +532,7 @@ class ParameterState:
 
     def array(self, i: int) -> np.ndarray | Keyed:
         """Variable ``i`` at this version (a snapshot shared by every pull of it)."""
-        if i in self._table:
+        if i in self._table_path:
             return self._no_rows(i)
         a = self._arrays((i,))[i]
         assert a is not None
@@ -548,8 +549,8 @@ class ParameterState:
         """Rows ``ids`` (int64, in range: the caller checks) of row-sparse variable ``i`` at
         this version, as a fresh array: O(len(ids)), the table is not copied. A dynamic
         table's ids are any int64; one it does not hold reads its initial value."""
-        if i in self._table:
-            return self._table[i].gather(ids)
+        if i in self._table_path:
+            return self.tables[self._table_path[i]].gather(ids)
         return self._gathers[i](tf.constant(ids, tf.int64)).numpy()
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
