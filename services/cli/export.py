@@ -308,7 +308,7 @@ def export(
                           "an --out without .keras")  # fmt: skip
     if delta_from is not None and not dynamic:
         raise ExportError(f"--delta-from: model {ref} has no dynamic table (DynamicEmbedding)")
-    fp = fingerprint(variables)
+    fp = fingerprint(model.trainable_variables)  # a dynamic table's as declared, as servers do
     for c in checkpoints:
         if c.meta.get("fingerprint") != fp:
             raise ExportError(
@@ -475,7 +475,7 @@ def _export_tables(
     from downpour.models import fingerprint
 
     fixed = dyn.dense_variables(model)
-    fp = fingerprint([v for v in fixed if v.trainable])
+    fp = fingerprint(model.trainable_variables)
     ordered = sorted(checkpoints, key=lambda c: int(c.meta.get("shard", 0)))
     versions = [c.version for c in ordered]
     try:

@@ -56,9 +56,10 @@ def _shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
 
 def changed_rows(table: Table, old_ids: np.ndarray, since: Sequence[int]) -> np.ndarray:
     """Mask of ``table``'s ids that are new since a full export holding ``old_ids`` or were
-    updated at or after their shard's version in ``since``."""
+    updated after their shard's version in ``since`` (a row carries the version its last
+    update made, so a full export at version v holds every row stamped v or less)."""
     shard_since = np.asarray(since, np.int64)[_shards(table.ids, len(since))]
-    return (table.versions >= shard_since) | ~np.isin(table.ids, old_ids)
+    return (table.versions > shard_since) | ~np.isin(table.ids, old_ids)
 
 
 def write_delta(
