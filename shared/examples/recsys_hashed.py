@@ -33,7 +33,6 @@ from downpour import ModelSpec
 from downpour.examples.clicks import HASHED, ClickConfig
 from downpour.examples.recsys import (
     DIM,
-    LR,
     as_strings,
     factor_model,
     make_spec,
@@ -95,16 +94,9 @@ def _build(model_spec: ModelSpec) -> keras.Model:
     return model_spec.build()
 
 
-def train_one_process(
-    model_spec: ModelSpec,
-    epochs: int,
-    *,
-    lr: float = LR,
-    data_dir: str | None = None,
-    seed: int = 0,
-) -> float:
-    """recsys's ``train_one_process`` on a model of this module: the held-out AUC."""
-    return train_recsys(model_spec, epochs, lr=lr, data_dir=data_dir, seed=seed, build=_build)
+train_one_process = functools.partial(train_recsys, build=_build)
+"""recsys's ``train_one_process`` (same arguments) on a model of this module, built by
+``_build``: the held-out AUC."""
 
 
 def main(argv: list[str] | None = None) -> int:
