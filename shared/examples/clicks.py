@@ -32,8 +32,7 @@ every process for the same ``ClickConfig``. Each event is one impression ``(user
 ``clicks.json`` (the config and counts) instead of ``dataset.json``; each record is a
 ``tf.train.Example`` with int64 ``user``, ``item``, ``id`` and a float ``click``.
 
-This module imports TensorFlow only to write or read records and to hash ids
-(``downpour.initial.mix64``).
+This module imports TensorFlow only to write or read records.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from downpour.examples.records import HELD_OUT, TRAIN, shard_name
+from downpour.hashing import mix64
 from downpour.spec import auc
 
 CLICKS_META = "clicks.json"
@@ -79,6 +79,7 @@ class ClickConfig:
 
 SMALL = ClickConfig()  # downpour.examples.recsys:spec
 LARGE = ClickConfig(users=100_000, items=50_000, events=2_000_000, held_out=100_000)  # :large
+_ROLE_SALT = {"user": 0x243F6A8885A308D3, "item": 0x13198A2E03707344}  # digits of pi
 HASHED = ClickConfig(users=1_000_000, items=50_000, hashed=True)  # recsys_hashed:spec
 
 
@@ -87,9 +88,7 @@ def hashed_ids(index: np.ndarray, role: str, seed: int = 0) -> np.ndarray:
     ``seed``: ``mix64(index ^ salt)``, a bijection of 64-bit words, so distinct indexes keep
     distinct ids and the ids spread over all of int64; the salt, itself mixed from (role,
     seed), keeps the ids of other roles and seeds apart."""
-    from downpour.initial import mix64, name_key
-
-    key = np.array([name_key(f"clicks.{role}") ^ (seed & 0xFFFF_FFFF_FFFF_FFFF)], np.uint64)
+    key = np.array([_ROLE_SALT[role] ^ (seed & 0xFFFF_FFFF_FFFF_FFFF)], np.uint64)
     salt = mix64(key)[0]
     return mix64(np.asarray(index, np.int64).view(np.uint64) ^ salt).view(np.int64)
 

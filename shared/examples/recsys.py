@@ -218,16 +218,14 @@ def train_one_process(
     lr: float = LR,
     data_dir: str | None = None,
     seed: int = 0,
-    build: Callable[[ModelSpec], keras.Model] | None = None,
 ) -> float:
     """Train ``model_spec`` in this process for ``epochs`` passes over the whole training
     split (Adam at ``lr``, the server's optimizer, one update per batch as one worker makes
-    them) from the same initialisation as the server's (``downpour.models.build_model``, or
-    ``build`` when given); return the held-out AUC."""
+    them) from the same initialisation as the server's; return the held-out AUC."""
     from downpour.models import build_model as build_seeded
     from downpour.models import evaluate
 
-    model = (build or build_seeded)(model_spec)  # the initialisation the server uses
+    model = build_seeded(model_spec)  # the initialisation the server uses
     optimizer = keras.optimizers.Adam(learning_rate=lr)
     optimizer.build(model.trainable_variables)
     variables = model.trainable_variables
@@ -260,16 +258,14 @@ def one_process_parser(prog: str, doc: str, epochs: int) -> argparse.ArgumentPar
     return p
 
 
-def report(
-    config: ClickConfig, model_spec: ModelSpec, args: argparse.Namespace, **train: Any
-) -> int:
+def report(config: ClickConfig, model_spec: ModelSpec, args: argparse.Namespace) -> int:
     """Print the oracle and popularity AUC of ``config``'s log (generated in memory: not when
     reading files) and the held-out AUC of ``model_spec`` trained in this one process as
-    ``args`` say (``train``: more keywords of ``train_one_process``)."""
+    ``args`` say."""
     if args.data_dir is None:
         log = click_log(config)
         print(f"oracle AUC {log.oracle_auc():.4f}, popularity AUC {log.popularity_auc():.4f}")
-    got = train_one_process(model_spec, args.epochs, lr=args.lr, data_dir=args.data_dir, **train)
+    got = train_one_process(model_spec, args.epochs, lr=args.lr, data_dir=args.data_dir)
     print(f"one-process held-out auc: {got:.4f}")
     return 0
 
