@@ -127,7 +127,11 @@ def _add_clicks(sub: Any) -> None:
     p = sub.add_parser("clicks", help="write the synthetic click log", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
-    p.add_argument("--large", action="store_true", help="the size of recsys:large")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--large", action="store_true", help="the size of recsys:large")
+    size.add_argument(
+        "--hashed", action="store_true", help="recsys_hashed's log: 64-bit hashed ids"
+    )
     for name, what in (
         ("users", "user ids"),
         ("items", "item ids"),
@@ -138,7 +142,7 @@ def _add_clicks(sub: Any) -> None:
             f"--{name.replace('_', '-')}",
             type=_at_least_1,
             metavar="N",
-            help=f"{what} ({getattr(d, name)}; with --large, recsys:large's)",
+            help=f"{what} ({getattr(d, name)}; with --large or --hashed, that log's)",
         )
     p.add_argument("--exponent", type=_positive, help=f"Zipf exponent of the ids ({d.exponent})")
     p.add_argument("--shards", type=_at_least_1, default=4, metavar="N", help="training files (4)")
@@ -147,18 +151,19 @@ def _add_clicks(sub: Any) -> None:
 
 
 def clicks_config(args: argparse.Namespace) -> Any:
-    """The ``ClickConfig`` the ``clicks`` options describe (``--large``: recsys:large's, with
-    any option given on top)."""
+    """The ``ClickConfig`` the ``clicks`` options describe (``--large``: recsys:large's,
+    ``--hashed``: recsys_hashed's, with any option given on top)."""
     from dataclasses import replace
 
-    from downpour.examples.clicks import LARGE, SMALL
+    from downpour.examples.clicks import HASHED, LARGE, SMALL
 
     given = {
         k: getattr(args, k)
         for k in ("users", "items", "events", "held_out", "exponent")
         if getattr(args, k) is not None
     }
-    return replace(LARGE if args.large else SMALL, seed=args.seed, **given)
+    base = LARGE if args.large else HASHED if args.hashed else SMALL
+    return replace(base, seed=args.seed, **given)
 
 
 def _at_least_1(text: str) -> int:

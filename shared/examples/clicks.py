@@ -17,6 +17,13 @@ every process for the same ``ClickConfig``. Each event is one impression ``(user
   true ``z`` (the noise and the Bernoulli draw are unpredictable, and ``sigmoid(z + e)``'s mean
   is monotone in ``z``): ``oracle_auc`` is the exact AUC of ``z`` on the held-out labels.
   A model that learns only item popularity reaches ``popularity_auc`` (the AUC of ``i_b``).
+- **Ids can be 64-bit hashes.** With ``hashed=True`` the ids a model sees (``split``, the
+  files) are ``hashed_ids`` of the indexes: a fixed seeded bijection of 64-bit words viewed
+  as int64 (negative and huge values included), so the ids come from a space of 2**64, far
+  larger than any table, as hashed user and item ids do; the planted truth, the Zipf law and
+  the AUCs are those of the indexes. ``HASHED`` is a log with a long tail: a million users
+  and 50,000 items for 240,000 impressions, so most ids are seen once and new ones keep
+  arriving (what a dynamic table's admission is for).
 - **The held-out split is disjoint.** ``held_out`` events, chosen by a seeded permutation,
   are held out; every event has an ``id`` (its index in the log) and the two splits share none.
 
@@ -38,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from downpour.examples.records import HELD_OUT, TRAIN, shard_name
+from downpour.hashing import mix64
 from downpour.spec import auc
 
 CLICKS_META = "clicks.json"
@@ -58,6 +66,7 @@ class ClickConfig:
     offset: float = -0.5  # added to every logit: sets the click rate
     noise: float = 0.5  # std of the per-event logit noise
     seed: int = 0
+    hashed: bool = False  # the ids a model sees are hashed_ids of the indexes
 
     def __post_init__(self) -> None:
         if min(self.users, self.items, self.rank) < 1:
@@ -70,15 +79,29 @@ class ClickConfig:
 
 SMALL = ClickConfig()  # downpour.examples.recsys:spec
 LARGE = ClickConfig(users=100_000, items=50_000, events=2_000_000, held_out=100_000)  # :large
+_ROLE_SALT = {"user": 0x243F6A8885A308D3, "item": 0x13198A2E03707344}  # digits of pi
+HASHED = ClickConfig(users=1_000_000, items=50_000, hashed=True)  # recsys_hashed:spec
+
+
+def hashed_ids(index: np.ndarray, role: str, seed: int = 0) -> np.ndarray:
+    """The 64-bit ids (int64) of ``role``'s (``"user"``, ``"item"``) indexes in a log seeded
+    ``seed``: ``mix64(index ^ salt)``, a bijection of 64-bit words, so distinct indexes keep
+    distinct ids and the ids spread over all of int64; the salt, itself mixed from (role,
+    seed), keeps the ids of other roles and seeds apart."""
+    key = np.array([_ROLE_SALT[role] ^ (seed & 0xFFFF_FFFF_FFFF_FFFF)], np.uint64)
+    salt = mix64(key)[0]
+    return mix64(np.asarray(index, np.int64).view(np.uint64) ^ salt).view(np.int64)
 
 
 @dataclass(frozen=True)
 class ClickLog:
     """One generated log: the events of both splits and the planted truth.
 
-    ``train`` and ``test`` are index arrays into the event arrays ``user``, ``item``,
-    ``click`` (float32 0/1) and ``logit`` (the true ``z``, without noise); ``bias`` holds the
-    planted item biases.
+    ``train`` and ``test`` are index arrays into the event arrays ``user``, ``item`` (the
+    indexes of the planted truth, ``0..users-1`` and ``0..items-1``), ``click`` (float32 0/1)
+    and ``logit`` (the true ``z``, without noise); ``bias`` holds the planted item biases.
+    ``split`` gives the ids a model sees: the indexes, or their ``hashed_ids`` when
+    ``config.hashed``.
     """
 
     config: ClickConfig
@@ -93,8 +116,11 @@ class ClickLog:
     def split(self, part: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """``({"user", "item", "id"}, clicks)`` of ``"train"`` or ``"held_out"``."""
         idx = self.train if part == TRAIN else self.test
-        features = {"user": self.user[idx], "item": self.item[idx], "id": idx.astype(np.int64)}
-        return features, self.click[idx]
+        user, item = self.user[idx], self.item[idx]
+        if self.config.hashed:
+            seed = self.config.seed
+            user, item = hashed_ids(user, "user", seed), hashed_ids(item, "item", seed)
+        return {"user": user, "item": item, "id": idx.astype(np.int64)}, self.click[idx]
 
     def oracle_auc(self) -> float:
         """The best achievable held-out AUC: the true logit's (see the module)."""

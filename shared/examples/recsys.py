@@ -32,12 +32,21 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
 
 from downpour import InputContext, ModelSpec
-from downpour.examples.clicks import LARGE, SMALL, ClickConfig, ClickLog, generate, read_config
+from downpour.examples.clicks import (
+    HASHED,
+    LARGE,
+    SMALL,
+    ClickConfig,
+    ClickLog,
+    generate,
+    read_config,
+)
 from downpour.examples.records import HELD_OUT, TRAIN, split_files
 from downpour.spec import auc, binary_logits_loss
 
@@ -62,10 +71,18 @@ def build_model(users: int, items: int, dim: int = DIM) -> keras.Model:
     i = keras.layers.Embedding(items, dim, embeddings_initializer=init, name="item_factors")(item)
     ub = keras.layers.Embedding(users, 1, embeddings_initializer="zeros", name="user_bias")(user)
     ib = keras.layers.Embedding(items, 1, embeddings_initializer="zeros", name="item_bias")(item)
+    return factor_model(user, item, (u, i, ub, ib), "recsys")
+
+
+def factor_model(user: Any, item: Any, rows: tuple[Any, ...], name: str) -> keras.Model:
+    """The model over inputs ``user`` and ``item`` whose embedded ``rows`` are (user factors,
+    item factors, user bias, item bias): ``logit = w · [dot(user, item), user_bias,
+    item_bias] + b``, ``w`` starting at ones and ``b`` at zero."""
+    u, i, ub, ib = rows
     dot = keras.layers.Dot(axes=1, name="dot")([u, i])
     parts = keras.layers.Concatenate(name="parts")([dot, ub, ib])
     logit = keras.layers.Dense(1, kernel_initializer="ones", name="logit")(parts)
-    return keras.Model({"user": user, "item": item}, logit, name="recsys")
+    return keras.Model({"user": user, "item": item}, logit, name=name)
 
 
 @functools.cache
@@ -86,18 +103,35 @@ def _parse(serialized: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
     return {"user": ex["user"], "item": ex["item"]}, ex["click"]
 
 
+def _ids_kind(config: ClickConfig) -> str:
+    return "hashed ids" if config.hashed else "ids"
+
+
 def _check_files(config: ClickConfig, data_dir: str) -> None:
     found = read_config(data_dir)
-    if (found.users, found.items) != (config.users, config.items):
+    if (found.users, found.items, found.hashed) != (config.users, config.items, config.hashed):
+        flag = " --hashed" if config == HASHED else " --large" if config == LARGE else ""
         raise ValueError(
-            f"{data_dir} holds a log of {found.users} users x {found.items} items; this model's "
-            f"tables are {config.users} x {config.items} (write it with `downpour data clicks "
-            f"DIR{' --large' if config == LARGE else ''}`)"
+            f"{data_dir} holds a log of {found.users} users x {found.items} items "
+            f"({_ids_kind(found)}); this model's is {config.users} x {config.items} "
+            f"({_ids_kind(config)}) (write it with `downpour data clicks DIR{flag}`)"
         )
 
 
-def make_input_fn(config: ClickConfig) -> Callable[[InputContext], tf.data.Dataset]:
-    """One epoch of this worker's training events (see the module)."""
+def as_strings(features: dict[str, tf.Tensor], clicks: tf.Tensor) -> tuple[dict, tf.Tensor]:
+    """A batch with its user and item ids as decimal strings: the ids of a model that takes
+    strings (``make_spec(..., features=as_strings)``)."""
+    return {k: tf.strings.as_string(v) for k, v in features.items()}, clicks
+
+
+Features = Callable[[dict[str, tf.Tensor], tf.Tensor], tuple[dict, tf.Tensor]]
+
+
+def make_input_fn(
+    config: ClickConfig, features: Features | None = None
+) -> Callable[[InputContext], tf.data.Dataset]:
+    """One epoch of this worker's training events (see the module), each batch mapped by
+    ``features`` when given."""
 
     def input_fn(ctx: InputContext) -> tf.data.Dataset:
         seed = ctx.seed + ctx.epoch
@@ -111,31 +145,44 @@ def make_input_fn(config: ClickConfig) -> Callable[[InputContext], tf.data.Datas
             ds = _memory(click_log(config), TRAIN)
             ds = ds.shuffle(ds.cardinality(), seed=seed, reshuffle_each_iteration=False)
             ds = ctx.shard(ds).batch(ctx.batch_size)
+        ds = ds.map(features) if features else ds
         return ds.prefetch(tf.data.AUTOTUNE)
 
     return input_fn
 
 
-def make_held_out_fn(config: ClickConfig) -> Callable[[InputContext], tf.data.Dataset]:
-    """Every held-out event, in order, in batches of EVAL_BATCH."""
+def make_held_out_fn(
+    config: ClickConfig, features: Features | None = None
+) -> Callable[[InputContext], tf.data.Dataset]:
+    """Every held-out event, in order, in batches of EVAL_BATCH (mapped by ``features``)."""
 
     def held_out_fn(ctx: InputContext) -> tf.data.Dataset:
         if ctx.data_dir:
             _check_files(config, ctx.data_dir)
             files = split_files(ctx.data_dir, HELD_OUT, "tfrecord")
-            return tf.data.TFRecordDataset(files).batch(EVAL_BATCH).map(_parse)
-        return _memory(click_log(config), HELD_OUT).batch(EVAL_BATCH)
+            ds = tf.data.TFRecordDataset(files).batch(EVAL_BATCH).map(_parse)
+        else:
+            ds = _memory(click_log(config), HELD_OUT).batch(EVAL_BATCH)
+        return ds.map(features) if features else ds
 
     return held_out_fn
 
 
-def make_spec(config: ClickConfig, name: str, dim: int = DIM) -> ModelSpec:
-    """The example's ModelSpec for a log of ``config``'s shape."""
+def make_spec(
+    config: ClickConfig,
+    name: str,
+    dim: int = DIM,
+    *,
+    build: Callable[[], keras.Model] | None = None,
+    features: Features | None = None,
+) -> ModelSpec:
+    """The example's ModelSpec for a log of ``config``'s shape: ``build_model``'s tables of
+    its sizes, or the model ``build`` makes; ``features`` maps every batch."""
     return ModelSpec(
         name=name,
-        build=functools.partial(build_model, config.users, config.items, dim),
-        input_fn=make_input_fn(config),
-        held_out_fn=make_held_out_fn(config),
+        build=build or functools.partial(build_model, config.users, config.items, dim),
+        input_fn=make_input_fn(config, features),
+        held_out_fn=make_held_out_fn(config, features),
         loss=binary_logits_loss,
         metric=auc,
         metric_name="auc",
@@ -178,7 +225,7 @@ def train_one_process(
     from downpour.models import build_model as build_seeded
     from downpour.models import evaluate
 
-    model = build_seeded(model_spec)  # the initialisation seed the server uses
+    model = build_seeded(model_spec)  # the initialisation the server uses
     optimizer = keras.optimizers.Adam(learning_rate=lr)
     optimizer.build(model.trainable_variables)
     variables = model.trainable_variables
@@ -199,24 +246,38 @@ def train_one_process(
     return float(evaluate(model_spec, model, model_spec.held_out_fn(ctx)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m downpour.examples.recsys``: the log's oracle and popularity AUC, and the
-    held-out AUC of the model trained in this one process."""
-    p = argparse.ArgumentParser(prog="python -m downpour.examples.recsys", description=__doc__)
+def one_process_parser(prog: str, doc: str, epochs: int) -> argparse.ArgumentParser:
+    """The options of a one-process run (``--epochs``, ``--lr``, ``--data-dir``)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--large", action="store_true", help="the large spec (100k x 50k)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the training split (2)")
+    p.add_argument(
+        "--epochs", type=int, default=epochs, help=f"passes over the training split ({epochs})"
+    )
     p.add_argument("--lr", type=float, default=LR, help=f"Adam learning rate ({LR})")
     p.add_argument("--data-dir", help="read the files `downpour data clicks` wrote")
-    args = p.parse_args(argv)
-    config = LARGE if args.large else SMALL
-    model_spec = large() if args.large else spec()
+    return p
+
+
+def report(config: ClickConfig, model_spec: ModelSpec, args: argparse.Namespace) -> int:
+    """Print the oracle and popularity AUC of ``config``'s log (generated in memory: not when
+    reading files) and the held-out AUC of ``model_spec`` trained in this one process as
+    ``args`` say."""
     if args.data_dir is None:
         log = click_log(config)
         print(f"oracle AUC {log.oracle_auc():.4f}, popularity AUC {log.popularity_auc():.4f}")
     got = train_one_process(model_spec, args.epochs, lr=args.lr, data_dir=args.data_dir)
     print(f"one-process held-out auc: {got:.4f}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m downpour.examples.recsys``: the log's oracle and popularity AUC, and the
+    held-out AUC of the model trained in this one process."""
+    p = one_process_parser("python -m downpour.examples.recsys", __doc__, epochs=2)
+    p.add_argument("--large", action="store_true", help="the large spec (100k x 50k)")
+    args = p.parse_args(argv)
+    config, model_spec = (LARGE, large()) if args.large else (SMALL, spec())
+    return report(config, model_spec, args)
 
 
 if __name__ == "__main__":
