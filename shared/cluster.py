@@ -22,10 +22,11 @@ evaluator, tests, benchmarks). Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,8 +51,11 @@ class Incompatible(Exception):
     """
 
 
-def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
-    """The partition of a model's trainable variables over ``num_shards`` shards."""
+def partition_of(
+    variables: Sequence[Any], num_shards: int, dynamic: Collection[str] = ()
+) -> Partition:
+    """The partition of a model's trainable variables over ``num_shards`` shards;
+    ``dynamic``: the paths of its dynamic tables (``models.dynamic_tables``)."""
     from downpour.models import fingerprint  # Keras: only callers holding a model pay for it
 
     return make_partition(
@@ -60,6 +64,7 @@ def partition_of(variables: Sequence[Any], num_shards: int) -> Partition:
         [str(v.dtype) for v in variables],
         num_shards,
         fingerprint(variables),
+        [v.path in dynamic for v in variables],
     )
 
 
@@ -443,6 +448,29 @@ class ShardSet:
                 s.push.close(push_linger_s)
 
 
+@contextlib.contextmanager
+def connected(
+    endpoints: Sequence[str],
+    variables: Sequence[Any],
+    keys: security.ClientKeys | None = None,
+    timeout_s: float = 30.0,
+    sender: str = "probe",
+    dynamic: Collection[str] = (),
+) -> Iterator[ShardSet]:
+    """A ``ShardSet`` of a model's shards for pulls outside training (one retry each);
+    ``endpoints`` are the shards' REP endpoints (tcp://host:port) in shard order,
+    ``dynamic`` the paths of the model's dynamic tables."""
+    part = partition_of(variables, len(endpoints), dynamic)
+    ctx = make_context()
+    hosts = [_host_port(e) for e in endpoints]
+    shards = ShardSet(ctx, hosts, part, sender=sender, keys=keys, timeout_s=timeout_s, retries=1)
+    try:
+        yield shards
+    finally:
+        shards.close()
+        ctx.term()
+
+
 def pull_full(
     endpoints: Sequence[str],
     variables: Sequence[Any],
@@ -453,16 +481,9 @@ def pull_full(
     """(each shard's version, the whole model's weights in variable order), pulled from every
     shard concurrently. ``endpoints`` are the shards' REP endpoints (tcp://host:port) in
     shard order."""
-    part = partition_of(variables, len(endpoints))
-    ctx = make_context()
-    hosts = [_host_port(e) for e in endpoints]
-    shards = ShardSet(ctx, hosts, part, sender=sender, keys=keys, timeout_s=timeout_s, retries=1)
-    try:
+    with connected(endpoints, variables, keys, timeout_s, sender) as shards:
         replies = shards.pull_all()
         return [w.version for w in replies], [np.array(a) for a in shards.join()]
-    finally:
-        shards.close()
-        ctx.term()
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:

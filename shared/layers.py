@@ -164,6 +164,24 @@ class DynamicEmbedding(keras.layers.Layer):
         rows = keras.ops.take(self.embeddings, slots, axis=0)
         return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
 
+    def hold(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Hold exactly ``rows`` for the unique int64 ``ids`` (at most ``capacity``), nothing
+        else: how a copy of the model outside training reads rows pulled from the servers
+        (``downpour.scoring``). A built layer that is not a worker's."""
+        if self._row_cache is not None:
+            raise ValueError(f"DynamicEmbedding {self.name!r}: a worker's rows are its cache's")
+        n = int(ids.size)
+        if n > self.capacity:
+            raise ValueError(
+                f"DynamicEmbedding {self.name!r} holds at most {self.capacity} ids, not {n}"
+            )
+        self.index.remove(self.index.export()[0])
+        self.index.insert(tf.constant(ids, tf.int64), tf.range(n, dtype=tf.int64))
+        self.embeddings.value.scatter_update(
+            tf.IndexedSlices(tf.constant(rows, self.embeddings.dtype), tf.range(n))
+        )
+        self.rows_used.assign(n)
+
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         return (*input_shape, self.dim)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from downpour import initial
 from downpour.data import load_mnist
@@ -125,6 +126,22 @@ def model_inputs(model: keras.Model) -> Any:
         if struct is not None:
             return struct
     return None
+
+
+def id_extractor(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> keras.Model:
+    """A model from ``model``'s inputs, in their own structure (a tensor, a list, a dict,
+    nested), to the inputs of ``layers``: run on a batch's features it gives the ids each
+    Embedding gathers, without the rest of the model. ValueError / TypeError /
+    AttributeError when the model has no graph of layers (subclassed)."""
+    return keras.Model(model_inputs(model), [layer.input for layer in layers])
+
+
+def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:
+    """Per Embedding the extractor reaches (its outputs are their inputs), the unique int64
+    ids a batch with ``features`` gathers (strings hashed as a ``DynamicEmbedding`` does)."""
+    outs = extractor(features, training=False)
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    return [tf.unique(tf.reshape(DynamicEmbedding.ids(o), [-1]))[0] for o in outs]
 
 
 def zero_inputs(model: keras.Model) -> Any:

@@ -143,11 +143,12 @@ class Partition:
 
     def join(self, per_shard: Sequence[Sequence[Any]], n_vars: int) -> list[Any]:
         """Full variables from each shard's arrays (wire order); slices are concatenated.
-        A variable whose pieces are None (a table kept by row, not as arrays) joins to None."""
+        A variable whose pieces are None (a table kept by row, not as arrays) or a dynamic
+        table joins to None."""
         pieces: list[list[tuple[int, Any]]] = [[] for _ in range(n_vars)]
         for parts, arrays in zip(self.shards, per_shard, strict=True):
             for p, a in zip(parts, arrays, strict=True):
-                pieces[p.var].append((p.start, a))
+                pieces[p.var].append((p.start, None if p.dynamic else a))
         out: list[Any] = []
         for i, ps in enumerate(pieces):
             if not ps:

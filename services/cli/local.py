@@ -149,20 +149,19 @@ class Evaluator:
     ) -> tuple[int, float]:
         """(server version, held-out metric) with the server's current weights; ``port`` is
         a list of the shards' ports in shard order for a sharded server (version: shard 0's)."""
-        from downpour.cluster import pull_full
         from downpour.models import evaluate, recalibrate_batchnorm
+        from downpour.scoring import load_and_score
+
+        def score(batches: Any) -> float:
+            recalibrate_batchnorm(self.model, self.bn_batches)  # no-op without BatchNorm
+            return evaluate(self.spec, self.model, batches)
 
         ports = port if isinstance(port, list) else [port]
-        versions, arrays = pull_full(
-            [tcp(host, p) for p in ports],
-            self.model.trainable_variables,
-            keys,
-            sender="run-local-eval",
+        endpoints = [tcp(host, p) for p in ports]
+        versions, metric = load_and_score(
+            endpoints, self.model, score, self.held_out, keys, "run-local-eval"
         )
-        for v, a in zip(self.model.trainable_variables, arrays, strict=True):
-            v.assign(a)
-        recalibrate_batchnorm(self.model, self.bn_batches)  # no-op without BatchNormalization
-        return versions[0], evaluate(self.spec, self.model, self.held_out)
+        return versions[0], metric
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from downpour.layers import DynamicEmbedding, served
-from downpour.models import model_inputs
+from downpour.models import gathered_ids, id_extractor
 from downpour.partition import Part
 from downpour.wire import Keyed, Sparse
 from downpour.worker.errors import WorkerError
@@ -271,22 +271,6 @@ def _cached_layers(model: keras.Model) -> list[Any]:
 def caches_of(model: keras.Model) -> dict[str, RowCache]:
     """The model's row caches by their variable's path."""
     return {layer.embeddings.path: layer._row_cache for layer in _cached_layers(model)}
-
-
-def id_extractor(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> keras.Model:
-    """A model from ``model``'s inputs, in their own structure (a tensor, a list, a dict,
-    nested), to the inputs of ``layers``: run on a batch's features it gives the ids each
-    Embedding gathers, without the rest of the model. ValueError / TypeError /
-    AttributeError when the model has no graph of layers (subclassed)."""
-    return keras.Model(model_inputs(model), [layer.input for layer in layers])
-
-
-def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:
-    """Per Embedding the extractor reaches (its outputs are their inputs), the unique int64
-    ids a batch with ``features`` gathers (strings hashed as a ``DynamicEmbedding`` does)."""
-    outs = extractor(features, training=False)
-    outs = outs if isinstance(outs, list | tuple) else [outs]
-    return [tf.unique(tf.reshape(DynamicEmbedding.ids(o), [-1]))[0] for o in outs]
 
 
 def logical_shapes(

@@ -45,10 +45,10 @@ import numpy as np
 import tensorflow as tf
 
 from downpour import wire
-from downpour.models import embedding_tables
+from downpour.models import embedding_tables, gathered_ids, id_extractor
 from downpour.partition import Part, Partition
 from downpour.worker.errors import WorkerError
-from downpour.worker.row_cache import RowCache, gathered_ids, id_extractor
+from downpour.worker.row_cache import RowCache
 
 log = logging.getLogger("downpour.worker")
 
