@@ -112,6 +112,13 @@ class Part:
         return a[self.start : self.stop]
 
 
+def message_bytes(shape: Sequence[int], dtype: str | np.dtype, dynamic: bool = False) -> int:
+    """The most bytes a variable's tensor takes in a message (its limits): its dense bytes;
+    a dynamic table's declared rows travel keyed, each with its int64 id."""
+    rows = int(shape[0]) if dynamic and len(shape) else 0
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 8 * rows
+
+
 @dataclass(frozen=True)
 class Partition:
     """Which parts each shard holds; ``shards[i]`` is shard i's parts in wire order."""

@@ -249,11 +249,11 @@ def _arrange(form: str, tokens: Any, side: Any) -> Any:
     return {"ids": {"tokens": tokens}, "side": side}
 
 
-def _form_model(form: str, dynamic: bool = False) -> keras.Model:
+def _form_model(form: str, dynamic: bool = False, rows: int = DYNAMIC_ROWS) -> keras.Model:
     tokens = keras.Input((6,), dtype="int64" if dynamic else "int32", name="tokens")
     side = keras.Input((2,), name="side")
     table = (
-        DynamicEmbedding(8, capacity=DYNAMIC_ROWS, name="embed")
+        DynamicEmbedding(8, capacity=rows, name="embed")
         if dynamic
         else keras.layers.Embedding(EMBED_VOCAB, 8, name="embed")
     )
@@ -272,9 +272,10 @@ def hashed(tokens: np.ndarray) -> np.ndarray:
     return mix64(tokens.astype(np.uint64) + np.uint64(12345)).view(np.int64)
 
 
-def embedding_form(form: str, dynamic: bool = False) -> ModelSpec:
+def embedding_form(form: str, dynamic: bool = False, rows: int = DYNAMIC_ROWS) -> ModelSpec:
     """The embedding classifier taking its features as ``form`` (one of ``FORMS``); with
-    ``dynamic``, its table is a ``DynamicEmbedding`` fed hashed ids."""
+    ``dynamic``, its table is a ``DynamicEmbedding`` of ``rows`` rows a worker holds, fed
+    hashed ids."""
     ids = hashed if dynamic else (lambda t: t)
 
     def input_fn(ctx: Any) -> tf.data.Dataset:
@@ -289,7 +290,7 @@ def embedding_form(form: str, dynamic: bool = False) -> ModelSpec:
 
     return ModelSpec(
         name=f"{'dynamic' if dynamic else 'embedding'}_{form}",
-        build=lambda: _form_model(form, dynamic),
+        build=lambda: _form_model(form, dynamic, rows),
         input_fn=input_fn,
         held_out_fn=held_out_fn,
         batch_size=20,
@@ -346,3 +347,16 @@ def lambda_mlp() -> ModelSpec:
         return keras.Model(inp, keras.layers.Dense(4, name="logits")(h), name="lambda_mlp")
 
     return ModelSpec(name="lambda_mlp", build=build, load_data=lambda _d: blobs(), batch_size=32)
+
+
+def dynamic_tensor() -> ModelSpec:
+    return embedding_form("tensor", dynamic=True)
+
+
+def dynamic_dict() -> ModelSpec:
+    return embedding_form("dict", dynamic=True)
+
+
+def dynamic_wide() -> ModelSpec:
+    """The dynamic table whose workers hold 100,000 rows: pushes of that many ids fit."""
+    return embedding_form("tensor", dynamic=True, rows=100_000)

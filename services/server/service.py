@@ -331,7 +331,7 @@ class Server:
             self.spec.name,
             self.config.shard,
             self.config.num_shards,
-            len(self.state.variables),
+            len(self.state.names),
             self.state.payload_bytes / 1e6,
             self.state.fingerprint[:12],
             self.config.host,

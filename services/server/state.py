@@ -41,7 +41,7 @@ from downpour.models import (
     fingerprint,
     zero_inputs,
 )
-from downpour.partition import Part, Partition, make_partition
+from downpour.partition import Part, Partition, make_partition, message_bytes
 from downpour.server.dynamic import DynamicTable
 from downpour.server.dynamic_store import RowOptimizer
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
@@ -244,7 +244,8 @@ class ParameterState:
         ]
         self.dtypes = [np.dtype(p.dtype) for p in parts]
         self.payload_bytes = sum(
-            int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes, strict=True)
+            message_bytes(s, d, dyn)
+            for s, d, dyn in zip(self.shapes, self.dtypes, self.dynamic, strict=True)
         )
         self.optimizer = make_optimizer(optimizer, learning_rate)
         # row-sparse tables updated row-wise here (downpour.server.rows), the rest by Keras

@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from downpour import wire
@@ -41,7 +40,7 @@ from downpour.inputs import InputContext
 from downpour.logs import set_log_context, stop_on_signals
 from downpour.metrics import Rate, new_worker_stats, peak_rss_mib, reported_counts
 from downpour.models import build_model, evaluate, fingerprint_of
-from downpour.partition import Partition, make_partition
+from downpour.partition import Partition, make_partition, message_bytes
 from downpour.pipeline import (
     InputError,
     Inputs,
@@ -185,11 +184,11 @@ class Worker:
         self.fingerprint = fingerprint_of(
             [(n, list(sh), d) for n, sh, d in zip(self.names, shapes, dtypes, strict=True)]
         )
+        dynamic = [v.path in self.caches and self.caches[v.path].keyed for v in variables]
         self.payload_bytes = sum(
-            int(np.prod(sh)) * np.dtype(d).itemsize for sh, d in zip(shapes, dtypes, strict=True)
+            message_bytes(sh, d, dyn) for sh, d, dyn in zip(shapes, dtypes, dynamic, strict=True)
         )
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.payload_bytes)
-        dynamic = [v.path in self.caches and self.caches[v.path].keyed for v in variables]
         return make_partition(self.names, shapes, dtypes, num_shards, self.fingerprint, dynamic)
 
     def _connect(self) -> ShardSet:
