@@ -1,0 +1,164 @@
+"""A server's dynamic tables through its handlers and its state: admission, eviction by
+idleness and by capacity (counted, re-touched ids starting again from their initial values),
+hostile row requests and pushes refused and counted with nothing changed, and the tables in
+``downpour status`` and on ``/metrics``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import wait_until
+from inproc import serving, train
+from test_row_pulls import frames
+from tiny_models import embedding_form, hashed
+
+from downpour import wire
+from downpour.cli.status import fetch_status, render
+from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
+from downpour.server.policies import parse_policy
+from downpour.server.prometheus import render_text
+from downpour.server.registry import WorkerRegistry
+from downpour.server.state import ParameterState, TableOptions
+
+TABLE = "embed/embeddings"
+LR = 0.5
+SPEC = embedding_form("tensor", dynamic=True)
+IDS = hashed(np.arange(20))
+
+
+def state_of(**options: Any) -> ParameterState:
+    return ParameterState(SPEC, "sgd", LR, table_options=TableOptions(**options))
+
+
+def push(state: ParameterState, ids: np.ndarray, value: float = 1.0) -> None:
+    """One update: these ids' rows get gradient ``value``, the dense variables zeros."""
+    grads = [
+        wire.Keyed(ids, np.full((ids.size, 8), value, np.float32), shape) if dyn
+        else np.zeros(shape, np.float32)
+        for shape, dyn in zip(state.shapes, state.dynamic, strict=True)
+    ]  # fmt: skip
+    state.apply(grads)
+
+
+def test_an_id_seen_fewer_times_than_admit_after_has_no_row_and_its_gradients_are_dropped() -> None:
+    state = state_of(admit_after=3)
+    table = state.tables[TABLE]
+    one = IDS[:1]
+    initial = state.gather(0, one)
+    push(state, one)
+    push(state, one)
+    assert len(table) == 0 and table.counters["refused"] == 2
+    np.testing.assert_array_equal(state.gather(0, one), initial)  # both gradients dropped
+    push(state, one)  # the third sighting creates the row and applies that gradient only
+    assert len(table) == 1 and table.counters["admitted"] == 1
+    np.testing.assert_allclose(state.gather(0, one), initial - LR, rtol=1e-6)
+
+
+def test_rows_idle_for_n_versions_are_evicted_and_start_again_from_their_initial_value() -> None:
+    state = state_of(idle_versions=4)
+    table = state.tables[TABLE]
+    cold, hot = IDS[:1], IDS[1:2]
+    initial = state.gather(0, cold)
+    push(state, cold)
+    for _ in range(5):
+        push(state, hot)
+    assert table.counters["evicted_idle"] == 1 and len(table) == 1  # cold went, hot stays
+    np.testing.assert_array_equal(state.gather(0, cold), initial)
+    push(state, cold)
+    np.testing.assert_allclose(state.gather(0, cold), initial - LR, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_full_table_evicts_by_its_policy_and_counts_it(policy: str) -> None:
+    state = state_of(capacity=10, policy=policy)
+    table = state.tables[TABLE]
+    often = IDS[:1]
+    for _ in range(3):
+        push(state, often)  # touched three times, first
+    push(state, IDS[1:12])  # 12 live rows: down to 9
+    assert len(table) == 9 and table.counters["evicted_capacity"] == 3
+    kept = set(table.export_state()["ids"].tolist())
+    # lru: the least recently updated go first (often, then three of the batch); lfu: the
+    # least often touched (three of the batch), so often stays
+    assert (int(often[0]) in kept) == (policy == "lfu")
+
+
+def make_ctx(**options: Any) -> HandlerContext:
+    state = state_of(**options)
+    return HandlerContext(
+        state=state,
+        policy=parse_policy("async"),
+        registry=WorkerRegistry(missing_after_s=10.0, gone_after_s=60.0),
+        model=SPEC.name,
+        incarnation="inc-1",
+        shard={"shard": 0, "num_shards": 1, "partition": state.partition.digest},
+        push_port=6001,
+        status_port=6002,
+        limits=wire.DEFAULT_LIMITS.for_payload(state.payload_bytes),
+        request_limits=wire.Limits(max_pull_rows=1000),
+    )
+
+
+def _push_frames(ctx: HandlerContext, table: Any, seq: int = 1) -> list[bytes]:
+    tensors = {
+        n: table if dyn else np.zeros(s, np.float32)
+        for n, s, dyn in zip(ctx.state.names, ctx.state.shapes, ctx.state.dynamic, strict=True)
+    }
+    return frames(wire.push_message("w0", seq, 0, wire.PushBody(), tensors))
+
+
+def test_every_int64_is_an_id_and_hostile_requests_are_refused_counted_and_change_nothing() -> None:
+    ctx = make_ctx()
+    extremes = np.array([-(2**63), -1, 0, 2**63 - 1], np.int64)
+    reply = wire.decode(frames(handle_request(frames(wire.pull_request("w0", None, {
+        TABLE: extremes})), ctx).message))  # fmt: skip
+    assert isinstance(reply.tensors[TABLE], wire.Keyed)
+    np.testing.assert_array_equal(reply.tensors[TABLE].indices, np.sort(extremes))
+    hostile = {
+        wire.R_ROWS_DTYPE: {TABLE: np.array([1.5, 2.5])},
+        wire.R_ROWS_TOO_MANY: {TABLE: np.arange(1001, dtype=np.int64)},
+    }
+    for code, rows in hostile.items():
+        raw = frames(wire.pull_request("w0", None, rows))
+        got = wire.decode(frames(handle_request(raw, ctx).message))
+        assert got.type == wire.ERROR and got.body["code"] == code, got.body
+    nested = frames(wire.pull_request("w0", None, {TABLE: np.zeros((2, 2), np.int64)}))
+    got = wire.decode(frames(handle_request(nested, ctx).message))
+    assert got.body["code"] == wire.R_ROWS_DTYPE
+    ids = IDS[:2]
+    bad_pushes = [
+        wire.Keyed(ids, np.full((2, 8), np.nan, np.float32), (1000, 8)),  # NaN
+        wire.Keyed(ids, np.ones((2, 8), np.float64), (1000, 8)),  # dtype
+        wire.Sparse(np.array([0, 1]), np.ones((2, 8), np.float32), (1000, 8)),  # not keyed
+        np.ones((1000, 8), np.float32),  # whole
+    ]
+    for seq, t in enumerate(bad_pushes, 1):
+        outcome = handle_gradients(_push_frames(ctx, t, seq), ctx)
+        assert outcome.decision is None, t
+    assert sum(ctx.stats.rejected.values()) == 4 + len(hostile) + 1
+    assert ctx.state.version == 0 and len(ctx.state.tables[TABLE]) == 0
+    good = wire.Keyed(ids, np.ones((2, 8), np.float32), (1000, 8))
+    assert handle_gradients(_push_frames(ctx, good, 9), ctx).decision is not None
+    assert ctx.state.version == 1 and len(ctx.state.tables[TABLE]) == 2
+
+
+def test_status_and_metrics_show_each_dynamic_table() -> None:
+    spec = embedding_form("dict", dynamic=True)
+    with serving(spec, optimizer="adagrad", learning_rate=LR, admit_after=2,
+                 table_capacity=50) as server:  # fmt: skip
+        train(server.port, spec, steps=20, worker_id="w", n_fetch=1)
+        doc = wait_until(
+            lambda: (d := fetch_status(server.status))["version"] == 20 and d, 30, "the applies"
+        )
+        table = doc["dynamic_tables"][TABLE]
+        assert 0 < table["live_rows"] <= 50 and table["evicted_capacity"] > 0
+        assert table["refused"] > 0 and table["admitted"] == table["inserted"] > 0
+        assert table["optimizer"] == "adagrad" and table["admit_after"] == 2
+        assert doc["shard_bytes"] >= table["bytes_rows"] > 0
+        assert f"dynamic table {TABLE}: {table['live_rows']:,} rows of 50" in render(doc)
+        text = render_text(lambda: doc)
+        assert f'downpour_dynamic_table_rows{{table="{TABLE}"}} {float(table["live_rows"])}' in text
+        line = f'downpour_dynamic_table_events_total{{event="refused",table="{TABLE}"}}'
+        assert line in text
