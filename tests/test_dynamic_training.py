@@ -19,6 +19,7 @@ from downpour.hashing import id_shard
 from downpour.layers import DynamicEmbedding
 from downpour.models import build_model
 from downpour.server.state import ParameterState
+from downpour.wire import Keyed
 
 TABLE = "embed/embeddings"
 STEPS = 60  # two epochs of the 600 examples
@@ -118,3 +119,34 @@ def test_adam_updates_dynamic_rows_lazily_and_says_so(caplog: pytest.LogCaptureF
     ):
         assert server.server.state.tables[TABLE].opt.kind == "lazy_adam"
     assert "updated by lazy_adam (--optimizer adam)" in caplog.text
+
+
+def test_an_ids_initial_row_does_not_depend_on_the_order_ids_are_first_touched() -> None:
+    """Two servers create the same ids in opposite orders, in different pushes: each id's
+    first row is its initial value minus its one update, the same on both."""
+    spec = embedding_form("tensor", dynamic=True)
+    ids = hashed(np.arange(40))
+    rows = []
+    for order in (ids, ids[::-1]):
+        state = ParameterState(spec, "sgd", 0.5)
+        for part in np.array_split(order, 4):
+            grads = [
+                Keyed(part, np.ones((part.size, 8), np.float32), sh) if dyn
+                else np.zeros(sh, np.float32)
+                for sh, dyn in zip(state.shapes, state.dynamic, strict=True)
+            ]  # fmt: skip
+            state.apply(grads)
+        rows.append(state.gather(0, ids))
+    np.testing.assert_array_equal(rows[0], rows[1])
+    layer_rows = build_model(spec).layers[1](ids[None, :]).numpy()[0]
+    np.testing.assert_allclose(rows[0], layer_rows - 0.5, rtol=1e-6)
+
+
+def test_a_row_cache_smaller_than_the_layer_and_a_staleness_bound_work_for_dynamic_tables() -> None:
+    spec = embedding_form("dict", dynamic=True)
+    with serving(spec, optimizer="adagrad", learning_rate=0.5) as server:
+        summary = train(server.port, spec, steps=STEPS, worker_id="w", n_fetch=2,
+                        row_cache_rows=150, row_staleness=2)  # fmt: skip
+    assert summary["row_cache_rows"] == 150 and summary["rows_pulled"] > 0
+    assert summary["row_hits"] > 0  # rows reused from the cache within the staleness bound
+    assert summary["held_out"] is not None and summary["held_out"] > 0.9
