@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 from conftest import wait_until
 from inproc import serving, train
-from test_row_pulls import frames
+from test_row_pulls import frames, make_ctx
 from tiny_models import embedding_form, hashed
 
 from downpour import wire
 from downpour.cli.status import fetch_status, render
 from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
-from downpour.server.policies import parse_policy
 from downpour.server.prometheus import render_text
-from downpour.server.registry import WorkerRegistry
 from downpour.server.state import ParameterState, TableOptions
 
 TABLE = "embed/embeddings"
@@ -85,22 +83,6 @@ def test_a_full_table_evicts_by_its_policy_and_counts_it(policy: str) -> None:
     assert (int(often[0]) in kept) == (policy == "lfu")
 
 
-def make_ctx(**options: Any) -> HandlerContext:
-    state = state_of(**options)
-    return HandlerContext(
-        state=state,
-        policy=parse_policy("async"),
-        registry=WorkerRegistry(missing_after_s=10.0, gone_after_s=60.0),
-        model=SPEC.name,
-        incarnation="inc-1",
-        shard={"shard": 0, "num_shards": 1, "partition": state.partition.digest},
-        push_port=6001,
-        status_port=6002,
-        limits=wire.DEFAULT_LIMITS.for_payload(state.payload_bytes),
-        request_limits=wire.Limits(max_pull_rows=1000),
-    )
-
-
 def _push_frames(ctx: HandlerContext, table: Any, seq: int = 1) -> list[bytes]:
     tensors = {
         n: table if dyn else np.zeros(s, np.float32)
@@ -110,7 +92,7 @@ def _push_frames(ctx: HandlerContext, table: Any, seq: int = 1) -> list[bytes]:
 
 
 def test_every_int64_is_an_id_and_hostile_requests_are_refused_counted_and_change_nothing() -> None:
-    ctx = make_ctx()
+    ctx = make_ctx("tiny_models:dynamic_tensor", max_pull_rows=1000)
     extremes = np.array([-(2**63), -1, 0, 2**63 - 1], np.int64)
     reply = wire.decode(frames(handle_request(frames(wire.pull_request("w0", None, {
         TABLE: extremes})), ctx).message))  # fmt: skip
