@@ -150,3 +150,15 @@ def test_a_row_cache_smaller_than_the_layer_and_a_staleness_bound_work_for_dynam
     assert summary["row_cache_rows"] == 150 and summary["rows_pulled"] > 0
     assert summary["row_hits"] > 0  # rows reused from the cache within the staleness bound
     assert summary["held_out"] is not None and summary["held_out"] > 0.9
+
+
+def test_accumulated_pushes_keep_dynamic_rows_keyed() -> None:
+    """--n-push 3: three steps' rows in one push, each id once, applied without a refusal."""
+    spec = embedding_form("dict", dynamic=True)
+    with serving(spec, optimizer="adagrad", learning_rate=0.5) as server:
+        summary = train(server.port, spec, steps=30, worker_id="w", n_fetch=1, n_push=3)
+        doc = wait_until(
+            lambda: (d := fetch_status(server.status))["version"] == 10 and d, 30, "the applies"
+        )
+    assert summary["pushes"] == 10 and doc["rejected_total"] == 0
+    assert doc["dynamic_tables"][TABLE]["live_rows"] > 0

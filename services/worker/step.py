@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from downpour.spec import ModelSpec
 from downpour.tensors import as_array, to_tensor
-from downpour.wire import Sparse, Tensor
+from downpour.wire import Keyed, Sparse, Tensor, dedupe_rows
 from downpour.worker.row_cache import RowCache
 
 
@@ -170,14 +170,14 @@ class Accumulator:
         self.total, self.count = None, 0
         if n == 1:
             return total
-        return [_scale(g, 1.0 / n) for g in total]
+        return [_scale(_merged(g), 1.0 / n) for g in total]
 
 
 def _add(a: Tensor, b: Tensor) -> Tensor:
     if isinstance(a, Sparse) or isinstance(b, Sparse):
         a = a if isinstance(a, Sparse) else _as_sparse(a)
         b = b if isinstance(b, Sparse) else _as_sparse(b)
-        return Sparse(
+        return type(a)(  # a dynamic table's rows stay Keyed
             np.concatenate([a.indices, b.indices]),
             np.concatenate([a.values, b.values]),
             a.dense_shape,
@@ -189,7 +189,15 @@ def _as_sparse(a: np.ndarray) -> Sparse:
     return Sparse(np.arange(a.shape[0], dtype=np.int64), a, a.shape)
 
 
+def _merged(g: Tensor) -> Tensor:
+    """A dynamic table's accumulated rows with each id once, their rows summed: a push
+    carries each id of its batches once."""
+    if isinstance(g, Keyed):
+        return Keyed(*dedupe_rows(g.indices, g.values), g.dense_shape)
+    return g
+
+
 def _scale(g: Tensor, s: float) -> Tensor:
     if isinstance(g, Sparse):
-        return Sparse(g.indices, (g.values * s).astype(g.values.dtype), g.dense_shape)
+        return type(g)(g.indices, (g.values * s).astype(g.values.dtype), g.dense_shape)
     return (g * s).astype(g.dtype)
