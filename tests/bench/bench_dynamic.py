@@ -22,8 +22,8 @@ Keys (``dynamic``):
   (target >= 0.8).
 
 A count the machine's available memory cannot hold is skipped, logged and listed under
-``skipped`` with the reason. ``python tests/bench/bench_dynamic.py [smoke|quick|full]`` runs
-the section alone.
+``skipped_sizes`` with the reason. ``python tests/bench/bench_dynamic.py [smoke|quick|full]``
+runs the section alone.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def table_rows(t: dict[str, Any]) -> list[str]:
     """This section's lines of the bench's Markdown table."""
     out = [
         f"| dynamic | new ids created per second on one shard ({t['dim']} wide, "
-        f"{t['optimizer']}; rounds {', '.join(f'{x:,}' for x in t['insert_rounds'])}) | "
+        f"{t['optimizer']}; rounds {' / '.join(f'{x:,}' for x in t['insert_rounds'])}) | "
         f"{t['insert_rows_per_s']:,.0f} rows/s |"
     ]
     for r, d in t.get("rss_detail", {}).items():
@@ -247,8 +247,8 @@ def table_rows(t: dict[str, Any]) -> list[str]:
         d = t["steps_detail"][r]
         out.append(
             f"| dynamic, pinned | 1 worker, server restored with {rows_label(int(r))} live rows "
-            f"x {t['steps_dim']} ({d['rows_per_step']:.0f} rows a step drawn over them) | "
-            f"{rate:.2f} steps/s |"
+            f"x {t['steps_dim']} ({d['rows_per_step']:.0f} rows pulled a step, drawn uniformly "
+            f"over them) | {rate:.2f} steps/s |"
         )
     if "flatness" in t:
         small, large = (rows_label(r) for r in t["flatness_rows"])
