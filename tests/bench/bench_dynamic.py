@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 from bench_sparse import rows_label
-from bench_util import Procs, child_env, log, median, meminfo_mib, section_main
+from bench_util import Procs, log, median, meminfo_mib, section_main
 from dynamic_model import DIM as DYNAMIC_DIM
 from dynamic_model import fresh_ids
 from dynamic_steps import ROW_BYTES, StepsPlan, steps_at
@@ -131,16 +130,10 @@ def child_main(rows: int) -> None:
     print(json.dumps(out))
 
 
-def rss_ratio(rows: int) -> dict[str, Any]:
+def rss_ratio(procs: Procs, rows: int) -> dict[str, Any]:
     """``child_main`` of ``rows`` in its own process; the ratios of its growth to raw bytes."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "child", str(rows)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=child_env(), timeout=CHILD_TIMEOUT_S, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"dynamic: {rows:,}-row process exited {done.returncode}: "
-                           f"{done.stderr[-2000:]}")  # fmt: skip
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    args = [str(Path(__file__).resolve()), "child", str(rows)]
+    got = procs.run_json(args, f"dynamic-memory-{rows}", timeout_s=CHILD_TIMEOUT_S)
     if got["stats"]["live_rows"] != rows:
         raise RuntimeError(f"dynamic: the process held {got['stats']['live_rows']} rows")
     raw = rows * DIM * 4 * (1 + SLOTS)
@@ -163,14 +156,14 @@ def fits(rows: int, row_bytes: int, copies: int, what: str, skipped: dict[str, s
     return False
 
 
-def memory(plan: DynamicPlan, skipped: dict[str, str]) -> dict[str, Any]:
+def memory(plan: DynamicPlan, procs: Procs, skipped: dict[str, str]) -> dict[str, Any]:
     """The ``bytes_per_live_row_ratio`` keys and their ``rss_detail``."""
     out: dict[str, Any] = {}
     detail = {}
     for rows in plan.live_rows:
         # rehash and batch peaks: twice the rows and slots
         if fits(rows, DIM * 4 * (1 + SLOTS), 2, f"memory at {rows_label(rows)} rows", skipped):
-            detail[str(rows)] = rss_ratio(rows)
+            detail[str(rows)] = rss_ratio(procs, rows)
             out[f"bytes_per_live_row_ratio_{rows_key(rows)}"] = detail[str(rows)]["ratio"]
     if detail:
         out["bytes_per_live_row_ratio"] = detail[max(detail, key=int)]["ratio"]
@@ -201,7 +194,7 @@ def run(plan_name: str, procs: Procs) -> dict[str, Any]:
     log(f"dynamic: {plan.rounds} rounds of {plan.insert_rows:,} new rows, {DIM} wide")
     result: dict[str, Any] = insert_rows_per_s(plan.insert_rows, plan.rounds)
     skipped: dict[str, str] = {}
-    result |= memory(plan, skipped)
+    result |= memory(plan, procs, skipped)
     result |= steps(plan, procs, skipped)
     return result | {
         "dim": DIM,

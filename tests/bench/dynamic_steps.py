@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ from typing import Any
 from bench_sparse import measure, rows_label
 from bench_util import (
     Procs,
-    child_env,
     host_cpus,
     log,
     server_ready,
@@ -97,16 +95,11 @@ def build_main(rows: int, state_dir: str) -> None:
     print(json.dumps(done))
 
 
-def build(rows: int, state_dir: Path) -> dict[str, Any]:
+def build(procs: Procs, rows: int, state_dir: Path) -> dict[str, Any]:
     """``build_main`` in its own process (bounded wait); its JSON line."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "build", str(rows), str(state_dir)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=child_env(), timeout=BUILD_TIMEOUT_S, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"dynamic: building {rows:,} rows exited {done.returncode}: "
-                           f"{done.stderr[-2000:]}")  # fmt: skip
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    script = str(Path(__file__).resolve())
+    args = [script, "build", str(rows), str(state_dir)]
+    got = procs.run_json(args, f"dynamic-build-{rows}", timeout_s=BUILD_TIMEOUT_S)
     if got["rows"] != rows:
         raise RuntimeError(f"dynamic: the builder's table held {got['rows']} rows, not {rows}")
     log(f"dynamic: {rows:,} live rows built in {got['fill_s']:.1f} s, checkpoint of "
@@ -122,7 +115,7 @@ def steps_at(plan: StepsPlan, procs: Procs, rows: int) -> dict[str, Any]:
     """Steps/s of one worker against a server restored with ``rows`` live rows (see the
     module), with the building and restoring figures."""
     state_dir = procs.logdir / f"dynamic-state-{rows}"
-    built = build(rows, state_dir)
+    built = build(procs, rows, state_dir)
     server = None
     try:
         settings = {
