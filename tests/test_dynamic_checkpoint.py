@@ -17,6 +17,7 @@ from downpour.server.checkpoint import Checkpoint, CheckpointStore
 from downpour.server.dynamic import COUNTERS, DynamicTable
 from downpour.server.dynamic_checkpoint import (
     TABLES_META,
+    capture_state,
     capture_tables,
     load_tables,
     restore_tables,
@@ -325,23 +326,20 @@ def _push(states: list[Any], steps: range) -> None:
 def test_a_parameter_state_checkpoint_restores_its_tables_onto_another_shard_count(
     tmp_path: Path,
 ) -> None:
-    """Written as the server writes (``capture`` and ``capture_tables``, one version), read
-    by ``restore_set`` on 3 shards: the tables' union equals the 2 old shards', the fixed
-    variables come back too, and training goes on alike."""
+    """Written as the server writes (``capture_state``: fixed variables and tables, one
+    version), read by ``restore_set`` on 3 shards: the tables' union equals the 2 old shards',
+    the fixed variables come back too, and training goes on alike."""
     from test_reshard import _joined
 
-    from downpour.server.checkpoint import capture, records
     from downpour.server.reshard import restore_set
 
     def write(states: list[Any], root: Path) -> list[Checkpoint]:
         out = []
         for st in states:
-            tables, table_records = capture_tables(st)
-            meta = {"fingerprint": st.fingerprint, "shard": st.shard, "num_shards": 2,
-                    "partition": st.partition.digest, "arrays": records(st),
-                    TABLES_META: table_records}  # fmt: skip
+            arrays, meta = capture_state(st)
+            assert meta["num_shards"] == 2 and meta[TABLES_META]
             store = CheckpointStore(root / f"shard-{st.shard}")
-            store.write(st.version, capture(st) | tables, meta)
+            store.write(st.version, arrays, meta)
             out.append(store.latest())
         return out
 

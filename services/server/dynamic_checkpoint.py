@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from downpour.hashing import id_shard
-from downpour.server.checkpoint import Checkpoint
+from downpour.server.checkpoint import Checkpoint, capture, records
 from downpour.server.dynamic import COUNTERS, EVICT_TO, DynamicTable
 from downpour.server.dynamic_sketch import SATURATE
 from downpour.server.layout import DYNAMIC_PREFIX
@@ -82,6 +82,24 @@ def capture_tables(state: Any) -> tuple[dict[str, np.ndarray], dict[str, dict[st
             "fields": sorted(exported),
         }
     return arrays, records
+
+
+def capture_state(state: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(arrays, metadata) of one checkpoint of ``state``: its fixed variables and slots
+    (``checkpoint.capture``) and its tables by id (``capture_tables``), of one version, and
+    what a restore checks them by: the model fingerprint, the shard layout and the ``arrays``
+    and ``tables`` records. Called between applies (the server's loop thread); the caller adds
+    the metadata that is not the state's (model name, workers' sequence numbers, ...)."""
+    tables, table_records = capture_tables(state)
+    meta = {
+        "fingerprint": state.fingerprint,
+        "shard": state.shard,
+        "num_shards": state.partition.num_shards,
+        "partition": state.partition.digest,
+        "arrays": records(state),
+        TABLES_META: table_records,
+    }
+    return capture(state) | tables, meta
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,10 @@ from downpour.receive import Bound, Oversize, recv_bounded
 from downpour.server.checkpoint import (
     CheckpointStore,
     CheckpointWriter,
-    capture,
-    records,
     restore_dispatcher,
 )
 from downpour.server.dispatch import Dispatcher
-from downpour.server.dynamic_checkpoint import TABLES_META, capture_tables
+from downpour.server.dynamic_checkpoint import capture_state
 from downpour.server.handlers import (
     HandlerContext,
     Rejection,
@@ -248,13 +246,11 @@ class Server:
                 )
 
     def _checkpoint_meta(self) -> dict[str, Any]:
+        """The checkpoint metadata that is the server's, not its state's (``capture_state``)."""
         return {
-            "fingerprint": self.state.fingerprint,
             "model": self.spec.name,
             "model_ref": self.config.model_ref,
             "workers": self.registry.last_seqs(),
-            "arrays": records(self.state),
-            **self.shard_fields(),
             **({"dispatch": self.dispatcher.state()} if self.dispatcher is not None else {}),
         }
 
@@ -272,10 +268,8 @@ class Server:
         mark = None if self.dispatcher is None else self.dispatcher.counters["acked"]
         if cp is None or not (final or cp.due(self.state.version, mark)):
             return
-        arrays = capture(self.state)
-        tables, table_records = capture_tables(self.state)  # the same version, by id
-        arrays |= tables
-        meta = {**self._checkpoint_meta(), TABLES_META: table_records}
+        arrays, meta = capture_state(self.state)  # fixed variables and tables, one version
+        meta |= self._checkpoint_meta()
         if final:
             cp.write_now(self.state.version, arrays, meta, mark)
         else:

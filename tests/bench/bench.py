@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench.py [--quick | --smoke] [--out bench-results.json]
 
-Twelve sections, the first ten on the default Deep-MNIST model (13.1 MB of float32
+Thirteen sections, the first ten on the default Deep-MNIST model (13.1 MB of float32
 parameters), each with warm-up and the median of several repetitions, the compared variants
 interleaved or run back to back so that machine noise hits them alike (ratios, not absolute
 times, are the result). Sections marked *pinned* emulate separate hosts: each process on its
@@ -32,6 +32,10 @@ own core (worker side core 0, server side core 1), TensorFlow's thread pools siz
 12. tables: a 10M x 64 embedding table (Adagrad) over 2 and 4 shards started at once: each
     shard's peak resident set over the TensorFlow process baseline, per byte of its slice and
     slots, and its seconds from start to ready (``bench_tables``)
+13. dynamic: one shard's dynamic table: new ids created per second, resident memory per live
+    row over its raw row and slot bytes, and one worker's steps/s against a server restored
+    with 1M, 5M and 20M live rows (the largest that fits), ids drawn over them
+    (``bench_dynamic``)
 
 Prints a table with the issue's targets and writes the JSON document (see ``REQUIRED``).
 Modes: full (default, about 25 min on 2 cores); ``--quick`` (one round of the headline
@@ -58,6 +62,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the sibling bench modules
 
+import bench_dynamic  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_fetch  # noqa: E402
 import bench_goodput  # noqa: E402
@@ -123,7 +128,11 @@ REQUIRED: dict[str, list[str]] = {
     "link_1gbit": ["dense_steps_per_s", "bf16_steps_per_s", "topk_steps_per_s"],
     "sparse": ["pull_bytes_ratio", "flatness"],  # and every steps_per_s_by_rows value
     "tables": ["shard_rss_ratio_2", "shard_rss_ratio_4", "shard_start_s", "reshard_s_per_gb"],
+    # and every steps_per_s_by_live_rows value
+    "dynamic": ["insert_rows_per_s", "bytes_per_live_row_ratio", "flatness"],
 }
+# the sections' figures by size: every value must be a finite positive number too
+BY_SIZE = {"sparse": "steps_per_s_by_rows", "dynamic": "steps_per_s_by_live_rows"}
 
 
 LEAN_SKIP = "not measured by --quick (run the full bench)"
@@ -170,6 +179,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ("goodput pushpull_ratio_to_raw", g["pushpull_ratio_to_raw"], ">=", 0.90),
         *bench_sparse.targets(r["sparse"]),
         *bench_tables.targets(r["tables"]),
+        *bench_dynamic.targets(r["dynamic"]),
     ]
     if "ratio_1w_bf16_vs_local" in e:
         rows += [
@@ -366,6 +376,7 @@ def table(r: dict[str, Any]) -> str:
         *_fetch_rows(r["n_fetch_4"]),
         *bench_sparse.table_rows(r["sparse"]),
         *bench_tables.table_rows(r["tables"]),
+        *bench_dynamic.table_rows(r["dynamic"]),
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -389,14 +400,15 @@ def check(r: dict[str, Any]) -> list[str]:
             x = doc.get(k)
             if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
                 bad.append(f"{path}.{k}={x!r}")
-    for rows, x in section(r, "sparse").get("steps_per_s_by_rows", {None: None}).items():
-        if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
-            bad.append(f"sparse.steps_per_s_by_rows[{rows}]={x!r}")
+    for path, key in BY_SIZE.items():
+        for rows, x in section(r, path).get(key, {None: None}).items():
+            if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
+                bad.append(f"{path}.{key}[{rows}]={x!r}")
     return bad
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
-    """All twelve sections under ``plan``; child process logs go to ``logdir``."""
+    """All thirteen sections under ``plan``; child process logs go to ``logdir``."""
     t_start = time.monotonic()
     spec = load_spec("downpour.models:deep_mnist")
     data = load_mnist_5k()
@@ -411,7 +423,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
     timings = {}
     with Procs(logdir) as procs:
         t = time.monotonic()
-        log("[1/12] wire")
+        log("[1/13] wire")
         result["wire"] = bench_wire.run(names, grads, plan.wire_reps)
         w = result["wire"]
         result["wire_curve"] = {  # measured interleaved with the plaintext push above
@@ -423,52 +435,52 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         }
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
-        log("[2/12] seed gradients")
+        log("[2/13] seed gradients")
         result["seed_gradients"] = bench_seed.run(spec, data, plan.seed_reps)
         timings["seed_gradients"] = time.monotonic() - t
         t = time.monotonic()
-        log("[3/12] server")
+        log("[3/13] server")
         result["server"] = bench_server.run(plan, procs, spec, names, grads, result["wire"])
         timings["server"] = time.monotonic() - t
         t = time.monotonic()
-        log("[4/12] server, pinned")
+        log("[4/13] server, pinned")
         result["server"].update(bench_pinned.server(plan, procs))
         timings["server_pinned"] = time.monotonic() - t
         t = time.monotonic()
-        log("[5/12] end to end")
+        log("[5/13] end to end")
         if plan.lean:  # the pinned set-ups below measure local and 1 worker
             result["end_to_end"] = {"skipped": LEAN_SKIP}
         else:
             result["end_to_end"] = bench_e2e.run(plan, procs, spec, data)
         timings["end_to_end"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/12] end to end, pinned")
+        log("[6/13] end to end, pinned")
         result["end_to_end"]["pinned"] = bench_pinned.end_to_end(plan, procs)
         timings["end_to_end_pinned"] = time.monotonic() - t
         t = time.monotonic()
-        log("[6/12] end to end, pinned, --n-fetch 4")
+        log("[6/13] end to end, pinned, --n-fetch 4")
         if plan.lean:
             result["n_fetch_4"] = {"skipped": LEAN_SKIP}
         else:
             result["n_fetch_4"] = bench_fetch.run(plan, procs, result["end_to_end"]["pinned"])
         timings["n_fetch_4"] = time.monotonic() - t
         t = time.monotonic()
-        log("[7/12] shards")
+        log("[7/13] shards")
         if plan.lean:
             result["shards"] = {"skipped": LEAN_SKIP}
         else:
             result["shards"] = bench_shards.run(plan, procs, names, grads)
         timings["shards"] = time.monotonic() - t
         t = time.monotonic()
-        log("[8/12] input")
+        log("[8/13] input")
         result["input"] = bench_input.run(plan, procs)
         timings["input"] = time.monotonic() - t
         t = time.monotonic()
-        log("[9/12] goodput")
+        log("[9/13] goodput")
         result["goodput"] = bench_goodput.run(plan, procs, shapes)
         timings["goodput"] = time.monotonic() - t
         t = time.monotonic()
-        log("[10/12] shaped link")
+        log("[10/13] shaped link")
         if plan.lean:  # namespaces and three more workers: the full plan's
             log("shaped link: skipped by --quick")
             result["link_1gbit"] = {"skipped": LEAN_SKIP}
@@ -476,16 +488,20 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
             result["link_1gbit"] = bench_link.run(plan, procs)
         timings["link_1gbit"] = time.monotonic() - t
         t = time.monotonic()
-        log("[11/12] sparse")
+        log("[11/13] sparse")
         result["sparse"] = bench_sparse.run(plan.name, procs)
         timings["sparse"] = time.monotonic() - t
         t = time.monotonic()
-        log("[12/12] tables")
+        log("[12/13] tables")
         if plan.lean:  # three more sets of servers, each filling a 10M-row table
             result["tables"] = {"skipped": LEAN_SKIP}
         else:
             result["tables"] = bench_tables.run(plan.name, procs)
         timings["tables"] = time.monotonic() - t
+        t = time.monotonic()
+        log("[13/13] dynamic")
+        result["dynamic"] = bench_dynamic.run(plan.name, procs)
+        timings["dynamic"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}

@@ -11,16 +11,25 @@ Keys (``dynamic``):
   imported, builds a table of ``n`` live rows by ``apply`` as a server does, and measures it
   again: the growth over ``n`` x the raw bytes of a row and its slot (``DIM`` x 4 x 2)
   (target <= 1.5). ``rss_detail`` holds each process's figures: its ``VmHWM`` growth too (the
-  peak while building, index rehashes included) and the table's own ``stats()``.
+  peak while building, index rehashes included) and the table's own ``stats()``;
+  ``bytes_per_live_row_ratio``: the ratio at the largest count measured;
+* ``steps_per_s_by_live_rows``: one worker's steps/s against one shard whose table holds
+  ``n`` live rows (``dynamic_steps``: a checkpoint of ``n`` rows written as the server writes
+  it, restored by a real server, the worker's ids drawn uniformly over the live ones; steps/s
+  from the server's status after a warm-up), on ``dynamic_model``'s ``DYNAMIC_DIM``-wide table
+  (16: 20M rows and their slots are 2.56 GB);
+* ``flatness``: steps/s at the largest count measured over steps/s at the smallest
+  (target >= 0.8).
 
-``python tests/bench/bench_dynamic.py [smoke|quick|full]`` runs the section alone.
+A count the machine's available memory cannot hold is skipped, logged and listed under
+``skipped_sizes`` with the reason. ``python tests/bench/bench_dynamic.py [smoke|quick|full]``
+runs the section alone.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -28,38 +37,45 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_util import Procs, child_env, log, median, meminfo_mib, section_main
+from bench_sparse import rows_label
+from bench_util import Procs, log, median, meminfo_mib, section_main
+from dynamic_model import DIM as DYNAMIC_DIM
+from dynamic_model import fresh_ids
+from dynamic_steps import ROW_BYTES, StepsPlan, steps_at
 
 DIM = 64
 OPTIMIZER = "adagrad"
 SLOTS = 1  # Adagrad's accumulator: a row's slots are as many bytes as the row
 BATCH = 65_536  # fresh ids per apply
 TARGET_RATIO = 1.5
+TARGET_FLATNESS = 0.8
 CHILD_TIMEOUT_S = 1200.0  # 5M rows created by apply on a loaded 2-core machine
 CHILD_MIB = 1024  # a process with the server's imports, beside its table
 
 
 @dataclass(frozen=True)
 class DynamicPlan:
-    """The sizes of one bench plan: rows per insert round, rounds, live-row counts."""
+    """The sizes of one bench plan: rows per insert round, rounds, live-row counts of the
+    memory measurement, and the steps/s measurement's plan."""
 
     insert_rows: int
     rounds: int
     live_rows: tuple[int, ...]
+    steps: StepsPlan
 
 
 PLANS = {
-    "smoke": DynamicPlan(200_000, 2, (1_000_000,)),
-    "quick": DynamicPlan(500_000, 3, (1_000_000, 5_000_000)),
-    "full": DynamicPlan(1_000_000, 5, (1_000_000, 5_000_000)),
+    "smoke": DynamicPlan(200_000, 2, (1_000_000,), StepsPlan((100_000, 400_000), 3, 1, 1.0, 3)),
+    "quick": DynamicPlan(
+        500_000, 3, (1_000_000, 5_000_000), StepsPlan((1_000_000, 5_000_000), 6, 2, 1.5, 8)
+    ),
+    "full": DynamicPlan(
+        1_000_000,
+        5,
+        (1_000_000, 5_000_000),
+        StepsPlan((1_000_000, 5_000_000, 20_000_000), 20, 3, 4.0, 20),
+    ),
 }
-
-
-def fresh_ids(start: int, stop: int) -> np.ndarray:
-    """Distinct int64 ids spread over all of int64 (``mix64`` of a range is a bijection)."""
-    from downpour.initial import mix64
-
-    return mix64(np.arange(start, stop, dtype=np.uint64)).view(np.int64)
 
 
 def fill(table: Any, rows: int, start: int = 0) -> float:
@@ -114,16 +130,10 @@ def child_main(rows: int) -> None:
     print(json.dumps(out))
 
 
-def rss_ratio(rows: int) -> dict[str, Any]:
+def rss_ratio(procs: Procs, rows: int) -> dict[str, Any]:
     """``child_main`` of ``rows`` in its own process; the ratios of its growth to raw bytes."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "child", str(rows)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=child_env(), timeout=CHILD_TIMEOUT_S, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"dynamic: {rows:,}-row process exited {done.returncode}: "
-                           f"{done.stderr[-2000:]}")  # fmt: skip
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    args = [str(Path(__file__).resolve()), "child", str(rows)]
+    got = procs.run_json(args, f"dynamic-memory-{rows}", timeout_s=CHILD_TIMEOUT_S)
     if got["stats"]["live_rows"] != rows:
         raise RuntimeError(f"dynamic: the process held {got['stats']['live_rows']} rows")
     raw = rows * DIM * 4 * (1 + SLOTS)
@@ -134,28 +144,64 @@ def rss_ratio(rows: int) -> dict[str, Any]:
     return got
 
 
+def fits(rows: int, row_bytes: int, copies: int, what: str, skipped: dict[str, str]) -> bool:
+    """Whether a process with ``copies`` x ``rows`` x ``row_bytes`` beside ``CHILD_MIB`` fits
+    in the available memory; if not, the reason goes to ``skipped`` under ``what``, logged."""
+    need = CHILD_MIB + copies * rows * row_bytes / 2**20
+    have = meminfo_mib("MemAvailable")
+    if have >= need:
+        return True
+    skipped[what] = f"{have:.0f} MiB available, {need:.0f} needed"
+    log(f"dynamic: {what} skipped: {skipped[what]}")
+    return False
+
+
+def memory(plan: DynamicPlan, procs: Procs, skipped: dict[str, str]) -> dict[str, Any]:
+    """The ``bytes_per_live_row_ratio`` keys and their ``rss_detail``."""
+    out: dict[str, Any] = {}
+    detail = {}
+    for rows in plan.live_rows:
+        # rehash and batch peaks: twice the rows and slots
+        if fits(rows, DIM * 4 * (1 + SLOTS), 2, f"memory at {rows_label(rows)} rows", skipped):
+            detail[str(rows)] = rss_ratio(procs, rows)
+            out[f"bytes_per_live_row_ratio_{rows_key(rows)}"] = detail[str(rows)]["ratio"]
+    if detail:
+        out["bytes_per_live_row_ratio"] = detail[max(detail, key=int)]["ratio"]
+        out["bytes_per_live_row_ratio_rows"] = max(int(r) for r in detail)
+    return out | {"rss_detail": detail}
+
+
+def steps(plan: DynamicPlan, procs: Procs, skipped: dict[str, str]) -> dict[str, Any]:
+    """``steps_per_s_by_live_rows`` and ``flatness`` (largest over smallest count measured)."""
+    detail = {}
+    for rows in plan.steps.rows:
+        # the builder's table and its exported copy; the server's restore alike
+        if fits(rows, ROW_BYTES, 3, f"steps/s at {rows_label(rows)} rows", skipped):
+            detail[str(rows)] = steps_at(plan.steps, procs, rows)
+    rate = {r: d["steps_per_s"] for r, d in detail.items()}
+    out: dict[str, Any] = {"steps_per_s_by_live_rows": rate, "steps_detail": detail}
+    if len(rate) >= 2:
+        smallest, largest = min(rate, key=int), max(rate, key=int)
+        out["flatness"] = rate[largest] / rate[smallest]
+        out["flatness_rows"] = [int(smallest), int(largest)]
+    return out
+
+
 def run(plan_name: str, procs: Procs) -> dict[str, Any]:
     """The ``dynamic`` keys (see the module) under the bench plan ``plan_name``; a live-row
     count the machine's available memory cannot hold is skipped, saying so."""
-    del procs  # the measuring processes are short and waited for here
     plan = PLANS[plan_name]
     log(f"dynamic: {plan.rounds} rounds of {plan.insert_rows:,} new rows, {DIM} wide")
     result: dict[str, Any] = insert_rows_per_s(plan.insert_rows, plan.rounds)
-    detail, skipped = {}, {}
-    for rows in plan.live_rows:
-        need = CHILD_MIB + 2 * rows * DIM * 4 * (1 + SLOTS) / 2**20  # rehash and batch peaks
-        have = meminfo_mib("MemAvailable")
-        if have < need:
-            skipped[str(rows)] = f"{have:.0f} MiB available, {need:.0f} needed"
-            log(f"dynamic: {rows:,} live rows skipped: {skipped[str(rows)]}")
-            continue
-        detail[str(rows)] = rss_ratio(rows)
-        result[f"bytes_per_live_row_ratio_{rows_key(rows)}"] = detail[str(rows)]["ratio"]
-    return (
-        result
-        | {"dim": DIM, "optimizer": OPTIMIZER, "rss_detail": detail}
-        | ({"skipped": skipped} if skipped else {})
-    )
+    skipped: dict[str, str] = {}
+    result |= memory(plan, procs, skipped)
+    result |= steps(plan, procs, skipped)
+    return result | {
+        "dim": DIM,
+        "steps_dim": DYNAMIC_DIM,
+        "optimizer": OPTIMIZER,
+        "skipped_sizes": skipped,
+    }
 
 
 def rows_key(rows: int) -> str:
@@ -164,16 +210,51 @@ def rows_key(rows: int) -> str:
 
 
 def targets(t: dict[str, Any]) -> list[tuple[str, float, str, float]]:
-    """The issue's targets of this section: (name, value, op, bound) rows for ``bench.targets``."""
-    return [
-        (f"dynamic {k}", v, "<=", TARGET_RATIO)
-        for k, v in t.items()
-        if k.startswith("bytes_per_live_row_ratio_")
+    """The issue's targets of this section: (name, value, op, bound) rows for ``bench.targets``
+    (a figure not measured, every size skipped, has no row)."""
+    out = [
+        (f"dynamic bytes_per_live_row_ratio at {rows_label(int(r))} rows", d["ratio"], "<=",
+         TARGET_RATIO)
+        for r, d in t.get("rss_detail", {}).items()
+    ]  # fmt: skip
+    if "flatness" in t:
+        small, large = (rows_label(r) for r in t["flatness_rows"])
+        out.append((f"dynamic flatness {large} / {small} live rows", t["flatness"], ">=",
+                    TARGET_FLATNESS))  # fmt: skip
+    return out
+
+
+def table_rows(t: dict[str, Any]) -> list[str]:
+    """This section's lines of the bench's Markdown table."""
+    out = [
+        f"| dynamic | new ids created per second on one shard ({t['dim']} wide, "
+        f"{t['optimizer']}; rounds {' / '.join(f'{x:,}' for x in t['insert_rounds'])}) | "
+        f"{t['insert_rows_per_s']:,.0f} rows/s |"
     ]
+    for r, d in t.get("rss_detail", {}).items():
+        out.append(
+            f"| dynamic | {rows_label(int(r))} live rows x {t['dim']}: **resident memory growth "
+            f"/ raw row + slot bytes** (peak {d['hwm_ratio']:.2f}) | **{d['ratio']:.2f}** |"
+        )
+    for r, rate in t["steps_per_s_by_live_rows"].items():
+        d = t["steps_detail"][r]
+        out.append(
+            f"| dynamic, pinned | 1 worker, server restored with {rows_label(int(r))} live rows "
+            f"x {t['steps_dim']} ({d['rows_per_step']:.0f} rows pulled a step, drawn uniformly "
+            f"over them) | {rate:.2f} steps/s |"
+        )
+    if "flatness" in t:
+        small, large = (rows_label(r) for r in t["flatness_rows"])
+        out.append(
+            f"| dynamic, pinned | **steps/s at {large} / at {small} live rows** | "
+            f"**{t['flatness']:.2f}** |"
+        )
+    out += [f"| dynamic | {what} | skipped: {why} |" for what, why in t["skipped_sizes"].items()]
+    return out
 
 
 if __name__ == "__main__":  # [smoke|quick|full]: this section alone, as JSON
-    if sys.argv[1:2] == ["child"]:
+    if sys.argv[1:2] == ["child"]:  # the memory-measuring process
         child_main(int(sys.argv[2]))
     else:
         section_main("dynamic", run)

@@ -95,9 +95,9 @@ def _record(doc: dict[str, Any], wid: str) -> tuple[int, float, float]:
     )
 
 
-def _status(endpoint: str, proc: Any, procs: Procs) -> dict[str, Any]:
+def _status(endpoint: str, proc: Any, procs: Procs, what: str) -> dict[str, Any]:
     if proc.poll() is not None:
-        raise RuntimeError(f"sparse: worker exited with {proc.returncode}:\n{procs.log_tail(proc)}")
+        raise RuntimeError(f"{what}: worker exited with {proc.returncode}:\n{procs.log_tail(proc)}")
     return fetch_status(endpoint, timeout_s=30.0)
 
 
@@ -110,16 +110,18 @@ def measure(
     windows: int,
     window_s: float,
     min_steps: int,
+    what: str = "sparse",
 ) -> dict[str, Any]:
     """Steps/s and pulled bytes and rows per step of worker ``wid`` over ``windows`` windows
-    after ``warmup_steps`` steps; each window lasts ``window_s`` and ``min_steps`` steps."""
+    after ``warmup_steps`` steps; each window lasts ``window_s`` and ``min_steps`` steps.
+    ``what``: the section, in error messages."""
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
-    doc = _status(endpoint, proc, procs)
+    doc = _status(endpoint, proc, procs, what)
     while _record(doc, wid)[0] < warmup_steps:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"sparse: {wid} not warmed up in {WARMUP_TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"{what}: {wid} not warmed up in {WARMUP_TIMEOUT_S:.0f} s")
         time.sleep(0.2)  # polling the status socket for a bounded time
-        doc = _status(endpoint, proc, procs)
+        doc = _status(endpoint, proc, procs, what)
     rates, bytes_per_step, rows_per_step = [], [], []
     last = doc
     for _ in range(windows):
@@ -127,12 +129,12 @@ def measure(
         deadline = end + WINDOW_TIMEOUT_S
         while True:
             time.sleep(0.1)  # polling the status socket for a bounded time
-            doc = _status(endpoint, proc, procs)
+            doc = _status(endpoint, proc, procs, what)
             steps = _record(doc, wid)[0] - _record(last, wid)[0]
             if time.monotonic() >= end and steps >= min_steps:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sparse: {wid} made {steps} steps in a window")
+                raise RuntimeError(f"{what}: {wid} made {steps} steps in a window")
         (s1, b1, r1), (s0, b0, r0) = _record(doc, wid), _record(last, wid)
         rates.append((s1 - s0) / max(doc["uptime_s"] - last["uptime_s"], 1e-9))
         bytes_per_step.append((b1 - b0) / (s1 - s0))
