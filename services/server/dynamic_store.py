@@ -29,8 +29,15 @@ class Plan:
     parts: tuple[tuple[int, np.ndarray, np.ndarray], ...]
 
 
+GROW_EVERY = 8  # chunks of one size before the next chunk's size doubles
+
+
 class ChunkedStore:
-    """Per-slot fields ``name -> (shape of one entry, dtype)`` in chunks of ``chunk_rows``."""
+    """Per-slot fields ``name -> (shape of one entry, dtype)`` in chunks of ``chunk_rows``
+    slots, each size doubling after ``GROW_EVERY`` chunks of it: a table of n rows has about
+    ``GROW_EVERY * log2(n / chunk_rows)`` chunks, so a call whose rows are spread over the
+    whole table (random ids) groups them into few chunks at any size, while the space
+    allocated and not yet used stays under about 1 / GROW_EVERY of the table."""
 
     def __init__(self, fields: dict[str, tuple[tuple[int, ...], str]], chunk_rows: int) -> None:
         if chunk_rows < 1:
@@ -38,6 +45,8 @@ class ChunkedStore:
         self.fields = {k: (tuple(s), np.dtype(d)) for k, (s, d) in fields.items()}
         self.chunk_rows = chunk_rows
         self._chunks: dict[str, list[np.ndarray]] = {k: [] for k in fields}
+        self._starts = np.zeros(0, np.int64)  # each chunk's first slot
+        self._capacity = 0
         self._top = 0  # slots ever handed out: [0, top)
         self._free = np.empty(0, np.int64)  # freed slots, a stack
         self._nfree = 0
@@ -45,7 +54,7 @@ class ChunkedStore:
     @property
     def capacity(self) -> int:
         """Slots allocated in chunks."""
-        return len(next(iter(self._chunks.values()), [])) * self.chunk_rows
+        return self._capacity
 
     @property
     def in_use(self) -> int:
@@ -65,9 +74,12 @@ class ChunkedStore:
         self._nfree -= reuse
         fresh = np.arange(self._top, self._top + n - reuse, dtype=np.int64)
         self._top += fresh.size
-        while self.capacity < self._top:
+        while self._capacity < self._top:
+            size = self.chunk_rows << (self._starts.size // GROW_EVERY)
             for name, (shape, dtype) in self.fields.items():
-                self._chunks[name].append(np.zeros((self.chunk_rows, *shape), dtype))
+                self._chunks[name].append(np.zeros((size, *shape), dtype))
+            self._starts = np.append(self._starts, self._capacity)
+            self._capacity += size
         return np.concatenate([slots, fresh])
 
     def release(self, slots: np.ndarray) -> None:
@@ -82,9 +94,11 @@ class ChunkedStore:
 
     def plan(self, slots: np.ndarray) -> Plan:
         """Group ``slots`` by chunk for ``take`` and ``put``."""
-        chunk, offset = np.divmod(np.asarray(slots, np.int64), self.chunk_rows)
+        slots = np.asarray(slots, np.int64)
         if slots.size == 0:
             return Plan(0, ())
+        chunk = np.searchsorted(self._starts, slots, side="right") - 1
+        offset = slots - self._starts[chunk]
         if chunk.min() == chunk.max():
             return Plan(slots.size, ((int(chunk[0]), np.arange(slots.size), offset),))
         order = np.argsort(chunk, kind="stable")
