@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from downpour.server.checkpoint import Checkpoint, CheckpointStore
-from downpour.server.dynamic_checkpoint import load_tables
 from downpour.server.layout import (
     WEIGHTS,
     Piece,
@@ -243,6 +242,8 @@ def restore_set(state: Any, ckpts: Sequence[Checkpoint]) -> Restored:
     _check_set(ckpts, state)
     pieces = source_pieces(ckpts, state)
     plans, scalars = _plan(state, pieces)
+    from downpour.server.dynamic_checkpoint import load_tables  # TensorFlow: not at import
+
     tables = load_tables(state, ckpts)
     arrays = [c.arrays for c in ckpts]
     for var, copies, shape, dtype in plans:
