@@ -120,7 +120,7 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE",
         help=f"TOML settings file (or ${CONFIG_ENV}); precedence: flags > {ENV_PREFIX}* "
-        "environment > file > defaults; see `downpour config show`",
+        f"environment > {tf_config.TF_CONFIG_ENV} > file > defaults; see `downpour config show`",
     )
 
 

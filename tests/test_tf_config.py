@@ -23,7 +23,13 @@ from downpour.cli import job, local
 from downpour.server import main as server_main
 from downpour.server.settings import SERVER_OPTIONS
 from downpour.settings import ConfigError, Option, at_least
-from downpour.tf_config import TFConfig, from_environ, parse_tf_config, role_settings
+from downpour.tf_config import (
+    TFConfig,
+    from_environ,
+    parse_tf_config,
+    role_settings,
+    status_endpoints,
+)
 from downpour.worker import main as worker_main
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
 
@@ -130,6 +136,11 @@ def test_chief_master_and_evaluator_are_job_roles_with_the_ps_list(text: str, se
     implied = role_settings(tf, service)
     assert implied["server"] == ",".join(PS)
     assert implied["num_workers"] == len(tf.cluster.get("worker", ()))
+
+
+def test_the_status_endpoints_are_each_ps_entrys_port_plus_2() -> None:
+    tf = parse_tf_config(tf_config("chief", 0, chief=["c:1"], ps=["a:2222", "[::1]:3000"]))
+    assert status_endpoints(tf) == ["a:2224", "[::1]:3002"]
 
 
 def test_keys_tensorflow_reads_for_itself_are_accepted() -> None:
@@ -240,33 +251,22 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("service", ["server", "worker"])
-@pytest.mark.parametrize(("text", "message"), BAD)
-def test_a_malformed_tf_config_exits_2_naming_the_field(
-    service: str,
-    text: str,
-    message: str,
-    started: dict[str, dict[str, Any]],
-    environ: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    environ.setenv("TF_CONFIG", text)
-    assert downpour.cli.main([service]) == 2
-    assert message in capsys.readouterr().err
-    assert not started
+# the settings a task implies, asked of a service whose role it is not
+MISMATCHED = [
+    (tf_config("worker", 0), "server", 'task.type "worker" is the worker\'s task: run it'),
+    (tf_config("ps", 0), "worker", 'task.type "ps" is the server\'s task: run it with'),
+    (tf_config("chief", 0), "server", "run it with `downpour job`, not `downpour server`"),
+    (tf_config("evaluator", 0), "worker", 'task.type "evaluator" is the evaluator\'s task'),
+    (tf_config("ps", 0, ps=["a:65534"]), "server", "cluster.ps[0] port 65534: a ps task"),
+]
 
 
 @pytest.mark.parametrize(
     ("text", "service", "message"),
-    [
-        (tf_config("worker", 0), "server", 'task.type "worker" is the worker\'s task: run it'),
-        (tf_config("ps", 0), "worker", 'task.type "ps" is the server\'s task: run it with'),
-        (tf_config("chief", 0), "server", "run it with `downpour job`, not `downpour server`"),
-        (tf_config("evaluator", 0), "worker", 'task.type "evaluator" is the evaluator\'s task'),
-        (tf_config("ps", 0, ps=["a:65534"]), "server", "cluster.ps[0] port 65534: a ps task"),
-    ],
+    [(text, service, message) for text, message in BAD for service in ("server", "worker")]
+    + MISMATCHED,
 )
-def test_a_service_whose_role_the_task_is_not_exits_2(
+def test_a_malformed_or_mismatched_tf_config_exits_2_naming_the_field(
     text: str,
     service: str,
     message: str,
@@ -285,8 +285,8 @@ import json, sys
 from downpour import config
 from downpour.server.settings import SERVER_OPTIONS
 from downpour.settings import ConfigError
-from downpour.tf_config import from_environ, parse_tf_config, role_settings
-from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
+from downpour.tf_config import from_environ, role_settings
+from downpour.worker.settings import WORKER_OPTIONS
 
 good, bad = json.loads(sys.argv[1])
 tf = from_environ({"TF_CONFIG": good})
