@@ -5,8 +5,10 @@ Precedence, lowest first::
     1. built-in defaults       each ``Option``'s default (``downpour.settings``)
     2. a TOML file             ``--config FILE`` (or ``DOWNPOUR_CONFIG``); top-level keys, and
                                a ``[server]`` / ``[worker]`` table that wins for that service
-    3. environment variables   ``DOWNPOUR_<NAME>``, e.g. ``DOWNPOUR_PUSH_PORT=6000``
-    4. command-line flags      ``--push-port 6000``
+    3. ``TF_CONFIG``           the settings a server's or worker's task implies (its shard,
+                               ports, worker index, the ps list: ``downpour.tf_config``)
+    4. environment variables   ``DOWNPOUR_<NAME>``, e.g. ``DOWNPOUR_PUSH_PORT=6000``
+    5. command-line flags      ``--push-port 6000``
 
 A setting's NAME is its option's name (``push_port``; ``push-port`` is accepted in TOML). The
 options a service declares are its settings, so an option added to the table later is
@@ -30,6 +32,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from downpour import tf_config
 from downpour.settings import ENV_PREFIX, ConfigError, Option, add_options
 
 CONFIG_ENV = "DOWNPOUR_CONFIG"
@@ -46,7 +49,7 @@ class Setting:
     name: str
     flag: str
     value: Any
-    source: str  # "default", "file PATH", "env DOWNPOUR_X" or "flag --x"
+    source: str  # "default", "file PATH", "TF_CONFIG (ps 1)", "env DOWNPOUR_X" or "flag --x"
     allowed: str | None = None
     help: str | None = None
 
@@ -60,6 +63,7 @@ class Settings:
     config_file: str | None = None
     config_source: str | None = None
     ignored_env: list[str] = field(default_factory=list)
+    tf_task: str | None = None  # the TF_CONFIG task whose role gave settings, e.g. "ps 1"
 
     def values(self) -> dict[str, Any]:
         """Setting name -> effective value (what the service's config is built from)."""
@@ -71,6 +75,7 @@ class Settings:
             "service": self.service,
             "config_file": self.config_file,
             "config_source": self.config_source,
+            "tf_config_task": self.tf_task,
             "settings": {
                 n: {"value": s.value, "source": s.source, "flag": s.flag, "allowed": s.allowed}
                 for n, s in self.items.items()
@@ -88,12 +93,15 @@ class Settings:
         widths = [
             max(len(r[i]) for r in [("setting", "value", "source", ""), *rows]) for i in (0, 1, 2)
         ]
+        tf_layer = f" > {tf_config.TF_CONFIG_ENV}" if self.tf_task else ""
         head = (
             f"downpour {self.service}: effective settings "
-            f"(precedence: flag > env {ENV_PREFIX}* > file > default)\n"
+            f"(precedence: flag > env {ENV_PREFIX}*{tf_layer} > file > default)\n"
             f"config file: {self.config_file or 'none'}"
             + (f" (from {self.config_source})" if self.config_source else "")
         )
+        if self.tf_task:
+            head += f"\n{tf_config.TF_CONFIG_ENV}: task {self.tf_task}"
         lines = [head, ""]
         lines.append(
             f"{'setting':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  allowed"
@@ -112,7 +120,7 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE",
         help=f"TOML settings file (or ${CONFIG_ENV}); precedence: flags > {ENV_PREFIX}* "
-        "environment > file > defaults; see `downpour config show`",
+        f"environment > {tf_config.TF_CONFIG_ENV} > file > defaults; see `downpour config show`",
     )
 
 
@@ -227,11 +235,16 @@ def load(
                 )
             file_values[name] = value
 
-    items: dict[str, Setting] = {}
-    for name, option in by_name.items():
+    tf = tf_config.from_environ(environ) if service in ("server", "worker") else None
+    tf_source = f"{tf_config.TF_CONFIG_ENV} ({tf.describe()})" if tf is not None else ""
+
+    def resolve(name: str, implied: Mapping[str, Any]) -> Setting:
+        """One setting through the layers: default < file < TF_CONFIG < env < flag."""
+        option = by_name[name]
         value, source = full.get(name), "default"
         for raw, where, shown in (
             (file_values.get(name), f"file {config_file}", f"{name} = {{!r}} in {config_file}"),
+            (implied.get(name), tf_source, f"{tf_source} gives {name} = {{!r}}"),
             (environ.get(option.env_var), f"env {option.env_var}", f"{option.env_var}={{}}"),
         ):
             if raw is None:
@@ -245,7 +258,13 @@ def load(
             source = where
         if name in given:
             value, source = given[name], f"flag {option.flag}"
-        items[name] = Setting(name, option.flag, value, source, option.allowed, option.help)
+        return Setting(name, option.flag, value, source, option.allowed, option.help)
+
+    implied: dict[str, Any] = {}
+    if tf is not None:
+        dispatch = resolve("data_dispatch", {}).value if "data_dispatch" in by_name else "none"
+        implied = tf_config.role_settings(tf, service, dispatch)
+    items = {name: resolve(name, implied) for name in by_name}
 
     known = {o.env_var for o in options} | {CONFIG_ENV}
     ignored = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
@@ -255,4 +274,5 @@ def load(
         config_file,
         config_source if config_file is not None else None,
         ignored,
+        tf.describe() if tf is not None and implied else None,
     )

@@ -67,8 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--readers", default="status", help="comma-separated status-reader names ('' = none)"
     )
 
-    from downpour.cli import local
+    from downpour.cli import job, local
 
+    job.add_arguments(
+        sub.add_parser(
+            "job",
+            help="run this task's role of a TF_CONFIG cluster (Kubeflow, JobSet, Volcano)",
+            description=job.DESCRIPTION,
+        )
+    )
     local.add_arguments(
         sub.add_parser("run-local", help="demo: a server and workers on this machine")
     )
@@ -102,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``downpour`` console script."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["job"]:  # its flags are the role's service's: its own parser passes them on
+        from downpour.cli import job
+
+        return job.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command in SERVICES:  # the top-level parser has no options: argv[0] is the command
         return run_service(args.command, argv[argv.index(args.command) + 1 :])

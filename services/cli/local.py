@@ -46,6 +46,7 @@ from downpour.cli.status import fetch_status
 from downpour.config import CONFIG_ENV
 from downpour.server.settings import SERVER_OPTIONS
 from downpour.settings import ConfigError, add_options
+from downpour.tf_config import TF_CONFIG_ENV
 from downpour.transport import Deadline, tcp
 from downpour.worker.settings import WORKER_OPTIONS
 
@@ -67,8 +68,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def settings_variables(environ: Mapping[str, str]) -> list[str]:
     """The ``DOWNPOUR_*`` variables in ``environ`` that would set a server or worker setting
-    (and ``DOWNPOUR_CONFIG``): run-local's children start without them."""
-    names = {o.env_var for o in (*SERVER_OPTIONS, *WORKER_OPTIONS)} | {CONFIG_ENV}
+    (and ``DOWNPOUR_CONFIG``, ``TF_CONFIG``): run-local's children start without them."""
+    names = {o.env_var for o in (*SERVER_OPTIONS, *WORKER_OPTIONS)} | {CONFIG_ENV, TF_CONFIG_ENV}
     return sorted(k for k in environ if k in names)
 
 
