@@ -11,7 +11,7 @@ Fingerprint64), traced into the graph, so the served model needs no downpour imp
 
 The hash table is a ``tf.lookup.experimental.MutableHashTable`` that serving only reads: its
 contents are saved in the SavedModel's variables (not as constants in the graph, which caps a
-graph at 2 GB), and ``export_delta.apply_delta`` can load an export, change its ids and rows
+graph at 2 GB), and ``serving_delta.apply_delta`` can load an export, change its ids and rows
 in place and save it again without the model's Python code.
 
 A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)`` or the
@@ -21,7 +21,7 @@ A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)
 - ``rows[key]``: the rows, ``(n + 1, dim)``, row 0 zeros, row i + 1 the i-th smallest id's;
 - ``dense``: the model's other variables, in the order ``assets.extra`` records their paths;
 
-and, for a delta export (``export_delta``) computed from it later, ``assets.extra/``:
+and, for a delta export (``serving_delta``) computed from it later, ``assets.extra/``:
 ``downpour_export.json`` (``EXPORT_META``: format, model fingerprint, per-shard versions,
 per-table key/layer/dim/dtype, dense paths) and ``downpour_ids.npz`` (each table's ids,
 ascending, under its key).

@@ -1,7 +1,7 @@
 """Delta exports: the rows changed since a full export, and the ids gone since (tombstones).
 
 A table too large to reload whole is updated in place by a serving system: ``write_delta``
-writes, from a full export (``export_dynamic``) at versions ``from`` to the state at versions
+writes, from a full export (``downpour.serving``) at versions ``from`` to the state at versions
 ``to``, a directory of two files:
 
 - ``delta.json``: ``format`` ("downpour-delta"), ``format_version``, the model's
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from downpour.cli.export_dynamic import (
+from downpour.serving import (
     FORMAT_VERSION,
     ServingError,
     Table,
