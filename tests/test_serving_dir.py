@@ -179,7 +179,8 @@ def test_a_training_server_exports_versions_whose_deltas_give_the_last(
     held = serving_dir.versions(base)
     assert held[-1] == 40 and len(held) >= 2  # the first due export, and the final one
     exports = server.server.exports
-    assert exports is not None and exports.written == len(held) and exports.failed == 0
+    assert exports is not None and exports.counts.written == len(held)
+    assert exports.counts.failed == 0 and exports.counts.last_version == 40
     assert doc["exports"]["every"] == 10 and doc["exports"]["dir"] == str(base)
     assert serving_dir.deltas(base) == list(zip(held, held[1:], strict=False))
 
@@ -227,3 +228,38 @@ def test_a_dynamic_table_delta_drops_evicted_ids(tmp_path: Path) -> None:
     reached, applied = _apply_in_order(tmp_path, tmp_path / "work")
     assert reached == 2
     _same_export(applied, tmp_path / "2")
+
+
+def test_an_export_due_while_one_is_written_is_skipped_and_counted(tmp_path: Path) -> None:
+    from concurrent.futures import Future
+
+    from downpour.server.exports import ServingExporter
+    from downpour.server.state import ParameterState
+
+    spec = load_spec("tiny_models:tiny")
+    state = ParameterState(spec)
+    exporter = ServingExporter(spec, str(tmp_path), 5, 3, state.fingerprint)
+    try:
+        exporter._running = Future()  # an export still being written
+        state.version = 5
+        exporter.after_loop_pass(state)
+        assert exporter.counts.skipped == 1 and serving_dir.versions(tmp_path) == []
+        exporter._running = None
+        state.version = 9  # the next is due 5 updates after the skipped one
+        exporter.after_loop_pass(state)
+        assert exporter._running is None
+        state.version = 10
+        exporter.after_loop_pass(state)
+        exporter.final(state)  # waits for it; version 10 is exported already
+        assert serving_dir.versions(tmp_path) == [10]
+        state.version = 12
+        exporter.final(state)
+    finally:
+        exporter.close()
+    assert serving_dir.versions(tmp_path) == [10, 12]
+    assert serving_dir.deltas(tmp_path) == [(10, 12)]
+    assert exporter.snapshot() | {"last_seconds": None} == {
+        "written": 2, "skipped": 1, "failed": 0, "last_version": 12, "last_seconds": None,
+        "last_delta": str(serving_dir.delta_dir(tmp_path, 10, 12)), "every": 5, "keep": 3,
+        "dir": str(tmp_path),
+    }  # fmt: skip

@@ -16,8 +16,9 @@ exports, from every shard's weights.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,6 +46,18 @@ def take_snapshot(state: ParameterState) -> Snapshot:
     }
     tables = {path: as_table(t.export_state()) for path, t in state.tables.items()}
     return state.version, weights, tables
+
+
+@dataclass
+class ExportCounts:
+    """What the exports did so far (the status document's ``exports``, with the settings)."""
+
+    written: int = 0
+    skipped: int = 0  # fell due while the previous export was still being written
+    failed: int = 0
+    last_version: int = -1
+    last_seconds: float | None = None
+    last_delta: str | None = None
 
 
 class ServingExporter:
@@ -79,17 +92,12 @@ class ServingExporter:
             )
         clean_leftovers(directory)
         held = versions(directory)
-        self.last_version = held[-1] if held else -1
+        self.counts = ExportCounts(last_version=held[-1] if held else -1)
         if held:
             log.info("%s holds versions up to %d: exporting newer ones", directory, held[-1])
-        self._next = max(self.last_version, 0) + every
-        self.written = 0
-        self.skipped = 0
-        self.failed = 0
-        self.last_seconds: float | None = None
-        self.last_delta: str | None = None
-        self._busy = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._next = max(self.counts.last_version, 0) + every
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="export")
+        self._running: Future[None] | None = None
 
     def after_loop_pass(self, state: ParameterState) -> None:
         """Loop thread: take a snapshot and start its export when one is due; count and log a
@@ -97,33 +105,24 @@ class ServingExporter:
         if state.version < self._next:
             return
         self._next = state.version + self.every
-        if not self._busy.acquire(blocking=False):
-            self.skipped += 1
+        if self._running is not None and not self._running.done():
+            self.counts.skipped += 1
             log.warning(
                 "export of version %d skipped: the previous export is still being written "
                 "(%d skipped so far; raise --export-every)",
                 state.version,
-                self.skipped,
+                self.counts.skipped,
             )
             return
-        snapshot = take_snapshot(state)
-        self._thread = threading.Thread(
-            target=self._run, args=(snapshot,), name="export", daemon=True
-        )
-        self._thread.start()
+        self._running = self._pool.submit(self._write, take_snapshot(state))
 
     def final(self, state: ParameterState) -> None:
         """Loop thread, after the last apply: wait for a running export, then export the
         final version on this thread unless it is already exported."""
-        with self._busy:
-            if state.version > self.last_version:
-                self._write(take_snapshot(state))
-
-    def _run(self, snapshot: Snapshot) -> None:
-        try:
-            self._write(snapshot)
-        finally:
-            self._busy.release()
+        if self._running is not None:
+            self._running.result()
+        if state.version > self.counts.last_version:
+            self._write(take_snapshot(state))
 
     def _write(self, snapshot: Snapshot) -> None:
         version, weights, tables = snapshot
@@ -132,36 +131,25 @@ class ServingExporter:
             written = export_versions(self.dir, self.model, version, weights, tables,
                                       self.fingerprint, self.spec.name, keep=self.keep)  # fmt: skip
         except Exception:  # a failed export must not take the server down; it is counted
-            self.failed += 1
+            self.counts.failed += 1
             log.exception("export of version %d to %s failed", version, self.dir)
             return
-        self.last_seconds = round(time.perf_counter() - t0, 3)
-        self.last_version = version
-        self.last_delta = str(written.delta) if written.delta is not None else None
-        self.written += 1
+        c = self.counts
+        c.last_seconds = round(time.perf_counter() - t0, 3)
+        c.last_version, c.written = version, c.written + 1
+        c.last_delta = str(written.delta) if written.delta is not None else None
         log.info(
             "exported version %d to %s in %.1f s%s",
             version,
             written.path,
-            self.last_seconds,
+            c.last_seconds,
             f" (delta {written.delta})" if written.delta is not None else "",
         )
 
     def close(self) -> None:
-        """Wait for a background export to finish."""
-        if self._thread is not None:
-            self._thread.join()
+        """Wait for a background export to finish (idempotent)."""
+        self._pool.shutdown(wait=True)
 
     def snapshot(self) -> dict[str, Any]:
-        """The ``exports`` field of the status document."""
-        return {
-            "written": self.written,
-            "skipped": self.skipped,
-            "failed": self.failed,
-            "last_version": self.last_version,
-            "last_seconds": self.last_seconds,
-            "last_delta": self.last_delta,
-            "every": self.every,
-            "keep": self.keep,
-            "dir": self.dir,
-        }
+        """The ``exports`` field of the status document: the counts and the settings."""
+        return asdict(self.counts) | {"every": self.every, "keep": self.keep, "dir": self.dir}
