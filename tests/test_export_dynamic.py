@@ -17,8 +17,12 @@ import pytest
 import tensorflow as tf
 
 from downpour import cli
-from downpour.cli.export_delta import apply_delta, read_delta, write_delta
-from downpour.cli.export_dynamic import (
+from downpour.data import Dataset
+from downpour.layers import DynamicEmbedding, string_ids
+from downpour.models import build_model, fingerprint
+from downpour.server.checkpoint import CheckpointStore
+from downpour.server.dynamic import DynamicTable
+from downpour.serving import (
     ServingError,
     Table,
     as_table,
@@ -29,11 +33,7 @@ from downpour.cli.export_dynamic import (
     tables_from_checkpoints,
     write_export,
 )
-from downpour.data import Dataset
-from downpour.layers import DynamicEmbedding, string_ids
-from downpour.models import build_model, fingerprint
-from downpour.server.checkpoint import CheckpointStore
-from downpour.server.dynamic import DynamicTable
+from downpour.serving_delta import apply_delta, read_delta, write_delta
 from downpour.spec import ModelSpec, load_spec
 
 DIM = 4

@@ -46,7 +46,11 @@ CHOSEN: dict[str, Any] = {
     "max_workers": 100,
 }
 # Options that are valid only together with another setting.
-TOGETHER: dict[str, dict[str, Any]] = {"split_size": {"data_dispatch": "server"}}
+TOGETHER: dict[str, dict[str, Any]] = {
+    "split_size": {"data_dispatch": "server"},
+    "export_dir": {"export_every": 5},
+    "export_every": {"export_dir": "/chosen/export_dir"},
+}
 
 
 def other_value(option: Option) -> Any:

@@ -20,9 +20,9 @@ and the parts are joined by the row ranges each checkpoint records
 are an error naming the variable.
 
 A model with ``downpour.layers.DynamicEmbedding`` layers exports to a SavedModel directory
-whose lookups read each table's rows from every shard's checkpoint (``export_dynamic``); with
+whose lookups read each table's rows from every shard's checkpoint (``downpour.serving``); with
 ``--delta-from`` a full export of it, ``--out`` is instead a delta directory: the rows changed
-since that export and the ids gone (``export_delta``).
+since that export and the ids gone (``downpour.serving_delta``).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def export(
         model = build_model(spec)
     except ValueError as exc:
         raise ExportError(f"model {ref}: {exc}") from None
-    from downpour.cli.export_dynamic import dense_variables, dynamic_layers
+    from downpour.serving import dense_variables, dynamic_layers
 
     dynamic = dynamic_layers(model)
     fixed = {id(v) for v in dense_variables(model)}
@@ -441,7 +441,7 @@ def compare(result: ExportResult, want: np.ndarray, got: np.ndarray) -> None:
 
 def check_delta_from(delta_from: str, meta: dict[str, Any]) -> None:
     """ExportError unless ``delta_from`` is a full export of the checkpoints' model."""
-    from downpour.cli.export_dynamic import ServingError, read_export
+    from downpour.serving import ServingError, read_export
 
     try:
         old, _ = read_export(delta_from)
@@ -470,9 +470,9 @@ def _export_tables(
     held-out examples compared with the model holding the tables' rows."""
     import tensorflow as tf
 
-    from downpour.cli import export_dynamic as dyn
-    from downpour.cli.export_delta import write_delta
+    from downpour import serving as dyn
     from downpour.models import fingerprint
+    from downpour.serving_delta import write_delta
 
     fixed = dyn.dense_variables(model)
     fp = fingerprint(model.trainable_variables)
@@ -534,7 +534,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="EXPORT_DIR",
         help="a model with dynamic tables: write to --out not a full export but the delta "
         "from this full export of the same model (rows changed since, ids evicted since, "
-        "dense variables); apply it with downpour.cli.export_delta.apply_delta",
+        "dense variables); apply it with downpour.serving_delta.apply_delta",
     )
 
 

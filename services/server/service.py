@@ -43,6 +43,7 @@ from downpour.server.checkpoint import (
 )
 from downpour.server.dispatch import Dispatcher
 from downpour.server.dynamic_checkpoint import capture_state
+from downpour.server.exports import ServingExporter
 from downpour.server.handlers import (
     HandlerContext,
     Rejection,
@@ -171,6 +172,10 @@ class Server:
         self._last_publish = 0.0
         self._warn = RateLimitedLog(log)
         self.obs = Observers(spec, config, lambda: self._published)  # reads snapshots only
+        self.exports: ServingExporter | None = None
+        if config.export_every:
+            self.exports = ServingExporter(spec, config.export_dir, config.export_every,
+                                           config.export_keep, self.state.fingerprint)  # fmt: skip
         # a row request carries ids: the request limit grows with --max-pull-rows per table
         self.max_request_bytes = wire.request_max_bytes(
             config.max_pull_rows, sum(self.state.sparse)
@@ -351,11 +356,15 @@ class Server:
                 self._maybe_checkpoint()
                 watchdog.tick(healthy=self._status_thread.is_alive())
                 self.obs.after_loop_pass(self.state)
+                if self.exports is not None:
+                    self.exports.after_loop_pass(self.state)
                 self._publish()
             systemd.notify("STOPPING=1\nSTATUS=stopping: applying received gradients")
             self._drain_gradients(deadline=time.monotonic() + self.config.drain_timeout_s)
             flush_policy(self.handler_ctx)
             self._maybe_checkpoint(final=True)
+            if self.exports is not None:
+                self.exports.final(self.state)
         finally:
             self._publish(force=True)
             log.info(
@@ -371,6 +380,8 @@ class Server:
         self._stop.set()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.exports is not None:
+            self.exports.close()
         if self._status_thread.is_alive():
             self._status_thread.join(timeout=2.0)
         self.obs.close()
@@ -452,6 +463,7 @@ class Server:
             restore_s=self.restore_s,
             checkpoints=self.checkpoints.snapshot() if self.checkpoints else None,
             evaluation=self.obs.eval_status(),
+            exports=self.exports.snapshot() if self.exports is not None else None,
             auth=self.auth,
         )
 

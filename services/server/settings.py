@@ -55,6 +55,7 @@ _CKPT = "checkpoints"
 _WORKERS = "workers"
 _OBS = "observability (see docs: observability.md)"
 _DYN = "dynamic tables (see docs: models.md)"
+_EXPORT = "serving exports (see docs: models.md)"
 
 OPTIMIZER = Option(
     "optimizer",
@@ -255,6 +256,31 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         type=non_negative(),
         attr="drain_timeout_s",
     ),
+    Option(
+        "export_dir",
+        None,
+        "write serving exports here while training, as TF Serving's --model_base_path reads "
+        "them: DIR/<version>/ a SavedModel, DIR/deltas/<from>-<to>/ the rows changed between "
+        "two (one shard only: with shards the chief exports)",
+        _EXPORT,
+        metavar="DIR",
+    ),
+    Option(
+        "export_every",
+        0,
+        "updates between serving exports into --export-dir (0 = off)",
+        _EXPORT,
+        type=at_least(0),
+        metavar="N",
+    ),
+    Option(
+        "export_keep",
+        5,
+        "how many versions --export-dir keeps (and the deltas from them)",
+        _EXPORT,
+        type=at_least(1),
+        metavar="K",
+    ),
     METRICS_PORT,
     Option(
         "metrics_host",
@@ -331,6 +357,13 @@ def validate_server(cfg: ServerConfig) -> None:
     if cfg.num_shards > 1 and cfg.eval_every:
         problems.append(
             "--eval-every needs the whole model; a shard (--num-shards > 1) holds part of it"
+        )
+    if bool(cfg.export_dir) != bool(cfg.export_every):
+        problems.append("--export-dir and --export-every N go together: where, and how often")
+    if cfg.export_every and cfg.num_shards > 1:
+        problems.append(
+            "--export-every needs the whole model; a shard (--num-shards > 1) holds part of it: "
+            "the job's chief exports from every shard (downpour job)"
         )
     if cfg.admit_after > ADMIT_MAX:
         problems.append(

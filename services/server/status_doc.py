@@ -24,11 +24,12 @@ def build_status(
     restore_s: float | None = None,
     checkpoints: dict[str, Any] | None = None,
     evaluation: dict[str, Any] | None = None,
+    exports: dict[str, Any] | None = None,
     auth: security.Authenticator | None = None,
 ) -> dict[str, Any]:
     """The status document at monotonic time ``now``, for a server started at monotonic
     ``started`` (wall clock ``started_wall``); the checkpoint, evaluation and authentication
-    sections come from their owners."""
+    sections (and the serving exports') come from their owners."""
     state, stats = ctx.state, ctx.stats
     held, slots = state.held_bytes()
     return {
@@ -63,6 +64,7 @@ def build_status(
         "restore_s": restore_s,
         "checkpoints": checkpoints,
         "eval": evaluation,
+        "exports": exports,
         "dispatch": None if ctx.dispatcher is None else ctx.dispatcher.progress(),
         **stats.counters,
     }

@@ -1,7 +1,7 @@
 """Delta exports: the rows changed since a full export, and the ids gone since (tombstones).
 
 A table too large to reload whole is updated in place by a serving system: ``write_delta``
-writes, from a full export (``export_dynamic``) at versions ``from`` to the state at versions
+writes, from a full export (``downpour.serving``) at versions ``from`` to the state at versions
 ``to``, a directory of two files:
 
 - ``delta.json``: ``format`` ("downpour-delta"), ``format_version``, the model's
@@ -12,10 +12,15 @@ writes, from a full export (``export_dynamic``) at versions ``from`` to the stat
   export or whose row was updated at or after its shard's ``from`` version, with their rows:
   a row stamped with the export's own version may have changed after it was taken, so it is
   sent again), ``<key>/tombstones`` (ids the full export holds and the state no longer does:
-  evicted); and ``dense/<i>``, the i-th of ``dense`` whole (dense variables are small).
+  evicted); and ``dense/<i>``, the i-th of ``dense`` whole (dense variables are small),
+  except for a fixed Embedding table (the export's ``fixed_tables``): its changed rows go as
+  ``fixed/<i>/ids`` (row indices) and ``fixed/<i>/rows``, a row being changed when any of its
+  values differs from the full export's (``delta.json``'s ``fixed``: per path, ``index`` i and
+  the count ``changed``).
 
-Applying it: drop the tombstones, then insert or overwrite each changed id's row, and replace
-the dense variables; an unknown id keeps reading the zero row. Deltas apply in order: one whose
+Applying it: drop the tombstones, then insert or overwrite each changed id's row, overwrite
+the changed rows of the fixed tables and replace the other dense variables; an unknown id
+keeps reading the zero row. Deltas apply in order: one whose
 ``from_version`` is not the export's version is refused. ``apply_delta`` does exactly this to a
 full export with TensorFlow alone and writes the newer full export, which equals the full
 export taken at ``to_version``.
@@ -31,7 +36,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from downpour.cli.export_dynamic import (
+from downpour.serving import (
     FORMAT_VERSION,
     ServingError,
     Table,
@@ -92,7 +97,16 @@ def write_delta(
             "changed": int(changed.sum()),
             "tombstones": int(arrays[f"{key}/tombstones"].size),
         }
-    arrays |= {f"dense/{i}": np.asarray(dense[p]) for i, p in enumerate(old["dense"])}
+    fixed = {}
+    for path in old.get("fixed_tables", []):
+        i = old["dense"].index(path)
+        changed = changed_fixed_rows(export_variable(old_dir, i), np.asarray(dense[path]), path)
+        arrays[f"fixed/{i}/ids"] = np.flatnonzero(changed).astype(np.int64)
+        arrays[f"fixed/{i}/rows"] = np.asarray(dense[path])[changed]
+        fixed[path] = {"index": i, "changed": int(changed.sum())}
+    arrays |= {
+        f"dense/{i}": np.asarray(dense[p]) for i, p in enumerate(old["dense"]) if p not in fixed
+    }
     meta = {
         "format": DELTA_FORMAT,
         "format_version": FORMAT_VERSION,
@@ -102,11 +116,31 @@ def write_delta(
         "to_version": [int(v) for v in versions],
         "tables": records,
         "dense": old["dense"],
+        "fixed": fixed,
     }
     Path(out).mkdir()
     np.savez(Path(out) / DELTA_ARRAYS, **arrays)
     (Path(out) / DELTA_META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def export_variable(export_dir: str | Path, i: int) -> np.ndarray:
+    """The i-th of a full export's ``dense`` variables, read from its variables checkpoint
+    (no graph is loaded)."""
+    prefix = Path(export_dir) / "variables" / "variables"
+    try:
+        return tf.train.load_checkpoint(str(prefix)).get_tensor(
+            f"dense/{i}/.ATTRIBUTES/VARIABLE_VALUE"
+        )
+    except (tf.errors.OpError, ValueError) as exc:
+        raise ServingError(f"{export_dir}: dense variable {i} does not read: {exc}") from None
+
+
+def changed_fixed_rows(old: np.ndarray, new: np.ndarray, path: str) -> np.ndarray:
+    """Mask of the rows of fixed table ``path`` in which ``new`` differs from ``old``."""
+    if old.shape != new.shape:
+        raise ServingError(f"fixed table {path}: shape {new.shape}, the export's {old.shape}")
+    return np.any(old != new, axis=1)
 
 
 def check_same_model(
@@ -166,12 +200,27 @@ def apply_delta(old_dir: str | Path, delta_dir: str | Path, out_dir: str | Path)
         )
         loaded.rows[key].assign(with_default_row(table.rows))
         new_ids[key] = table.ids
+    fixed = {int(r["index"]) for r in delta.get("fixed", {}).values()}
     for i, variable in enumerate(loaded.dense):
-        variable.assign(arrays[f"dense/{i}"])
+        if i in fixed:
+            put_rows(variable, arrays[f"fixed/{i}/ids"], arrays[f"fixed/{i}/rows"], str(delta_dir))
+        else:
+            variable.assign(arrays[f"dense/{i}"])
     tf.saved_model.save(loaded, str(out_dir), signatures=loaded.signatures)
     meta = old | {"versions": delta["to_version"]}
     write_extra(Path(out_dir), meta, new_ids)
     return meta
+
+
+def put_rows(variable: Any, ids: np.ndarray, rows: np.ndarray, where: str) -> None:
+    """Overwrite rows ``ids`` of a fixed table ``variable`` with ``rows``; ServingError for
+    an id outside the table or rows of another width."""
+    n, dim = (int(d) for d in variable.shape)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise ServingError(f"{where}: a row id of {variable.name} is outside 0..{n - 1}")
+    if rows.shape != (ids.size, dim):
+        raise ServingError(f"{where}: rows {rows.shape} for {ids.size} ids of width {dim}")
+    variable.scatter_update(tf.IndexedSlices(rows.astype(variable.dtype.as_numpy_dtype), ids))
 
 
 def merge(loaded: Any, key: str, old_ids: np.ndarray, arrays: Mapping[str, np.ndarray]) -> Table:

@@ -1,4 +1,4 @@
-"""Serving a model with dynamic tables: each ``DynamicEmbedding`` becomes a hash-table lookup.
+"""A model's serving export; a ``DynamicEmbedding`` in it becomes a hash-table lookup.
 
 A ``downpour.layers.DynamicEmbedding`` creates a row on first touch and draws its initial
 value in NumPy: neither belongs in a serving graph. ``serving_module`` clones the Keras model
@@ -7,11 +7,13 @@ shard) map through a TensorFlow hash table to a row of a rows variable, and an i
 does not hold reads the **default row, zeros**. An unknown id carries no information; in
 training it would read its initial value, a random draw, which a serving model should not
 invent. A layer fed strings hashes them with ``downpour.layers.string_ids`` (FarmHash
-Fingerprint64), traced into the graph, so the served model needs no downpour import.
+Fingerprint64), traced into the graph, so the served model needs no downpour import. A model
+without dynamic tables is served as it is (not cloned), in the same export layout, so that
+delta exports (``serving_delta``) follow it too.
 
 The hash table is a ``tf.lookup.experimental.MutableHashTable`` that serving only reads: its
 contents are saved in the SavedModel's variables (not as constants in the graph, which caps a
-graph at 2 GB), and ``export_delta.apply_delta`` can load an export, change its ids and rows
+graph at 2 GB), and ``serving_delta.apply_delta`` can load an export, change its ids and rows
 in place and save it again without the model's Python code.
 
 A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)`` or the
@@ -19,12 +21,13 @@ A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)
 
 - ``tables[key]``: the hash table, id -> row index (1-based; index 0 is the default row);
 - ``rows[key]``: the rows, ``(n + 1, dim)``, row 0 zeros, row i + 1 the i-th smallest id's;
-- ``dense``: the model's other variables, in the order ``assets.extra`` records their paths;
+- ``dense``: the model's other variables, in the order ``assets.extra`` records their paths
+  (a fixed ``keras.layers.Embedding`` table among them, listed in ``fixed_tables``);
 
-and, for a delta export (``export_delta``) computed from it later, ``assets.extra/``:
+and, for a delta export (``serving_delta``) computed from it later, ``assets.extra/``:
 ``downpour_export.json`` (``EXPORT_META``: format, model fingerprint, per-shard versions,
-per-table key/layer/dim/dtype, dense paths) and ``downpour_ids.npz`` (each table's ids,
-ascending, under its key).
+per-table key/layer/dim/dtype, dense paths, ``fixed_tables``) and ``downpour_ids.npz`` (each
+table's ids, ascending, under its key).
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ def dense_variables(model: keras.Model) -> list[keras.Variable]:
     """The model's variables that are not a DynamicEmbedding's (trainable or not)."""
     dynamic = {id(v) for layer in dynamic_layers(model).values() for v in layer.variables}
     return [v for v in model.variables if id(v) not in dynamic]
+
+
+def fixed_tables(model: keras.Model) -> list[str]:
+    """The paths of the model's trainable ``keras.layers.Embedding`` tables: dense variables
+    that a delta export sends by row (the rows changed), not whole."""
+    return [
+        layer.embeddings.path
+        for layer in model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras's own walk
+        if isinstance(layer, keras.layers.Embedding) and layer.embeddings.trainable
+    ]
 
 
 class TableLookup(keras.layers.Layer):
@@ -150,8 +163,12 @@ def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.
         records[path] = {"key": key, "layer": layer.name, "dim": layer.dim,
                          "dtype": np.dtype(table.rows.dtype).name}  # fmt: skip
     try:
-        served = keras.models.clone_model(
-            model, clone_function=lambda layer: lookups.get(id(layer), layer)
+        served = (
+            model
+            if not lookups
+            else keras.models.clone_model(
+                model, clone_function=lambda layer: lookups.get(id(layer), layer)
+            )
         )
     except ValueError as exc:
         raise ServingError(
@@ -186,6 +203,7 @@ def write_export(
         "versions": [int(v) for v in versions],
         "tables": records,
         "dense": [v.path for v in dense_variables(model)],
+        "fixed_tables": fixed_tables(model),
     }
     ids = {records[p]["key"]: tables[p].sorted().ids for p in records}
     write_extra(Path(out), meta, ids)
