@@ -64,6 +64,7 @@ def build_status(
         "checkpoints": checkpoints,
         "eval": evaluation,
         "dispatch": None if ctx.dispatcher is None else ctx.dispatcher.progress(),
+        "job": None if ctx.job is None else ctx.job.status(now),
         **stats.counters,
     }
 
