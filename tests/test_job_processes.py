@@ -34,8 +34,16 @@ def test_two_ps_two_workers_and_the_chief_all_exit_0(cluster: Cluster, tmp_path:
     root = tmp_path / "state"
     servers = [
         cluster.server(
-            "--num-shards", "2", "--shard", str(i), "--state-dir", str(root / f"shard-{i}"),
-            "--job-workers", "2", "--linger-after-done", "600",
+            "--num-shards",
+            "2",
+            "--shard",
+            str(i),
+            "--state-dir",
+            str(root / f"shard-{i}"),
+            "--job-workers",
+            "2",
+            "--linger-after-done",
+            "600",
         )  # fmt: skip
         for i in range(2)
     ]
