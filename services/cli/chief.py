@@ -158,8 +158,14 @@ class JobWatch:
     """Reads every ps's status document; remembers the last one each answered with."""
 
     def __init__(
-        self, statuses: list[str], keys: ClientKeys | None, args: argparse.Namespace, who: str
+        self,
+        reps: list[str],
+        statuses: list[str],
+        keys: ClientKeys | None,
+        args: argparse.Namespace,
+        who: str,
     ) -> None:
+        self.reps = reps  # where the weights are served, for scoring
         self.statuses = statuses
         self.keys = keys
         self.wait_s = args.wait_servers
@@ -230,26 +236,31 @@ class JobWatch:
                 log.info("server %s did not answer the acknowledgement: it has exited", e)
 
 
-def _setup(options: Sequence[Option], argv: list[str], role: str) -> argparse.Namespace:
+def _setup(
+    options: Sequence[Option], argv: list[str], tf: TFConfig, role: str
+) -> tuple[argparse.Namespace, JobWatch] | None:
+    """The role's settings and its watch on the servers; None (said at error level) when
+    TF_CONFIG or the keys will not do."""
     from downpour.logs import setup_logging
+    from downpour.security import SecurityError, client_keys_from_args
 
     args = parse(options, argv, f"downpour job ({role})")
     if not logging.getLogger().handlers:  # leave an embedding program's logging alone
         setup_logging(role, args.log_level, args.log_format)
-    return args
+    try:
+        reps, statuses = endpoints(tf, args.status_endpoints)
+        keys = client_keys_from_args(args.key, args.server_key)
+    except (ValueError, SecurityError) as exc:
+        log.error("%s", exc)
+        return None
+    return args, JobWatch(reps, statuses, keys, args, f"{role}-{tf.task_index}")
 
 
-def _keys(args: argparse.Namespace) -> ClientKeys | None:
-    from downpour.security import client_keys_from_args
-
-    return client_keys_from_args(args.key, args.server_key)
-
-
-def _score(evaluator: Any, reps: list[str], keys: ClientKeys | None, who: str) -> str | None:
+def _score(evaluator: Any, watch: JobWatch) -> str | None:
     """``held-out <metric>: 0.xxxx (versions ...)`` for the servers' current weights, or None
     (said at warning level) when they could not be scored."""
     try:
-        versions, metric = evaluator.score_at(reps, keys, who)
+        versions, metric = evaluator.score_at(watch.reps, watch.keys, watch.who)
     except (ServerUnavailable, RemoteError, ProtocolError, OSError, ValueError) as exc:
         log.warning("no held-out score: %s", exc)
         return None
@@ -270,15 +281,11 @@ def _evaluator(args: argparse.Namespace) -> Any:
 def run_chief(tf: TFConfig, argv: list[str]) -> int:
     """The chief's role (module docstring): wait for the job's end, score, acknowledge,
     export. 0 when the job is done and exported; 3 when it failed; 2 for bad settings."""
-    args = _setup(CHIEF_OPTIONS, argv, "chief")
-    try:
-        reps, statuses = endpoints(tf, args.status_endpoints)
-        keys = _keys(args)
-    except ValueError as exc:
-        log.error("%s", exc)
+    started = _setup(CHIEF_OPTIONS, argv, tf, "chief")
+    if started is None:
         return EXIT_USAGE
-    watch = JobWatch(statuses, keys, args, f"chief-{tf.task_index}")
-    log.info("chief: waiting for the job's end on %d server(s)", len(statuses))
+    args, watch = started
+    log.info("chief: waiting for the job's end on %d server(s)", len(watch.statuses))
     try:
         watch.until(lambda states: all(s == "done" for s in states), watch.pause)
     except JobFailed as exc:
@@ -286,7 +293,7 @@ def run_chief(tf: TFConfig, argv: list[str]) -> int:
         watch.acknowledge()
         return EXIT_FAILED
     evaluator = _evaluator(args)
-    line = None if evaluator is None else _score(evaluator, reps, keys, watch.who)
+    line = None if evaluator is None else _score(evaluator, watch)
     if line is not None:
         log.info("final model: %s", line)
         print(line, flush=True)
@@ -294,7 +301,7 @@ def run_chief(tf: TFConfig, argv: list[str]) -> int:
     if not args.state_dir:
         log.warning("no --state-dir: the final model is not exported")
         return EXIT_OK
-    return export_final(args, watch, len(statuses))
+    return export_final(args, watch, len(watch.statuses))
 
 
 def export_final(args: argparse.Namespace, watch: JobWatch, num_shards: int) -> int:
@@ -321,18 +328,14 @@ def export_final(args: argparse.Namespace, watch: JobWatch, num_shards: int) -> 
 def run_evaluator(tf: TFConfig, argv: list[str]) -> int:
     """The evaluator's role (module docstring): score every ``--eval-every-secs`` until the
     job ends. 0 when it is done, 3 when it failed, 2 for bad settings."""
-    args = _setup(EVALUATOR_OPTIONS, argv, "evaluator")
-    try:
-        reps, statuses = endpoints(tf, args.status_endpoints)
-        keys = _keys(args)
-    except ValueError as exc:
-        log.error("%s", exc)
+    started = _setup(EVALUATOR_OPTIONS, argv, tf, "evaluator")
+    if started is None:
         return EXIT_USAGE
+    args, watch = started
     evaluator = _evaluator(args)
-    watch = JobWatch(statuses, keys, args, f"evaluator-{tf.task_index}")
 
     def score_and_wait() -> None:
-        if evaluator is not None and (line := _score(evaluator, reps, keys, watch.who)):
+        if evaluator is not None and (line := _score(evaluator, watch)):
             log.info("%s", line)
         watch.pause(args.eval_every_secs)
 

@@ -162,6 +162,15 @@ class JobTracker:
         """True once the job is done or failed."""
         return self.state != RUNNING
 
+    def released(self, now: float, acked: bool, linger_s: float) -> bool:
+        """True once an ended job may let the server exit: a reader ``acked`` the end, or
+        ``linger_s`` seconds have passed since it."""
+        if self.ended_at is None or not (acked or now - self.ended_at >= linger_s):
+            return False
+        why = "acknowledged" if acked else f"no acknowledgement in {linger_s:g} s"
+        log.info("job %s: %s; exiting with %d", self.state, why, self.exit_code())
+        return True
+
     def exit_code(self) -> int:
         """The server's exit code: EXIT_FAILED for a failed job, else 0."""
         return EXIT_FAILED if self.state == FAILED else 0

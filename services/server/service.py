@@ -409,15 +409,7 @@ class Server:
             return
         now = time.monotonic()
         if job.ended:
-            assert job.ended_at is not None
-            if self._acked.is_set() or now - job.ended_at >= self.config.linger_after_done_s:
-                log.info(
-                    "job %s: %s",
-                    job.state,
-                    "acknowledged"
-                    if self._acked.is_set()
-                    else f"no acknowledgement in {self.config.linger_after_done_s:g} s",
-                )
+            if job.released(now, self._acked.is_set(), self.config.linger_after_done_s):
                 self._stop.set()
             return
         verdict = job.verdict(self.registry, now)
