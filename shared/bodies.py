@@ -159,6 +159,8 @@ class HelloReply(Body):
     the variables it serves by row. A reply without ``encodings`` or ``row_tables`` reads as
     None: the reply does not say. ``worker_index``: the sender's index in the order this
     server first heard of each worker id; ``workers``: how many ids it knows now.
+    ``job_workers``: the server ends its job once that many workers have finished, so a
+    worker tells it when it finishes (``HeartbeatRequest.finished``); None: it does not.
     """
 
     push_port: int = wire_field("int", lo=1, hi=65535)
@@ -178,6 +180,7 @@ class HelloReply(Body):
     row_tables: tuple[str, ...] | None = wire_field("list", None, read=_strings, write=list)
     worker_index: int | None = wire_field("int", None, lo=0)
     workers: int | None = wire_field("int", None, lo=0)
+    job_workers: int | None = wire_field("int", None, lo=1)
 
 
 MAX_WAIT_MS = 60_000  # the longest "ask again after" a reply may ask for
@@ -236,9 +239,13 @@ class PushBody(Body):
 
 @dataclass(frozen=True)
 class HeartbeatRequest(Body):
-    """A silent worker's "still alive", with its figures."""
+    """A silent worker's "still alive", with its figures. ``finished``: sent once the worker
+    has done its epochs or steps, the sequence number of its last push (0: it pushed none),
+    so a server counts it finished once that push has arrived (``--job-workers``). A server
+    that does not know the field ignores it."""
 
     stats: Mapping[str, float] | None = wire_field("map", None)
+    finished: int | None = wire_field("int", None, lo=0)
 
 
 @dataclass(frozen=True)
@@ -246,6 +253,18 @@ class HeartbeatReply(Body):
     """The server's answer to a heartbeat (base_version: its weight version)."""
 
     incarnation: str | None = wire_field("str", None)
+
+
+STATUS_ACKS = ("done",)
+
+
+@dataclass(frozen=True)
+class StatusRequest(Body):
+    """A status request: empty for a plain read. ``ack="done"``: the reader (a job's chief)
+    has what it needs from a server whose job has ended, which may exit now instead of
+    lingering (``--linger-after-done``); ignored while the job runs."""
+
+    ack: str | None = wire_field("str", None, choices=STATUS_ACKS)
 
 
 @dataclass(frozen=True)

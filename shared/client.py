@@ -220,6 +220,14 @@ class ShardClient:
         wire.expect(reply, wire.HEARTBEAT)
         return reply.base_version, wire.HeartbeatReply.from_body(reply.body)
 
+    def finished(self, last_seq: int, stats: dict[str, float] | None = None) -> int:
+        """Tell the server the sender has done its work, its last push being ``last_seq``
+        (a heartbeat with ``finished``), retried until ``server_timeout_s`` like hello and
+        pull: the job's end depends on every shard hearing it. The server's version."""
+        body = wire.HeartbeatRequest(stats, finished=last_seq)
+        reply = wire.expect(self.request(wire.heartbeat_request(self.sender, body)), wire.HEARTBEAT)
+        return reply.base_version
+
     def next_split(
         self,
         universe: wire.DataUniverse,
@@ -289,11 +297,13 @@ class ShardClient:
         """Acknowledge finished splits without asking for another (e.g. before exiting)."""
         return self.next_split(universe, acks, want=False).reply
 
-    def status(self) -> dict[str, Any]:
-        """The server's status document from its status socket (one attempt)."""
+    def status(self, ack: str | None = None) -> dict[str, Any]:
+        """The server's status document from its status socket (one attempt); ``ack``:
+        acknowledge an ended job (``wire.StatusRequest``)."""
         if self._status is None:
             self._status = self._client(self.status_endpoint, "status")
-        reply = self._status.request(wire.status_request(self.sender), wire.STATUS_LIMITS)
+        msg = wire.status_request(self.sender, wire.StatusRequest(ack))
+        reply = self._status.request(msg, wire.STATUS_LIMITS)
         wire.expect(reply, wire.STATUS)
         return dict(wire.StatusReply.from_body(reply.body).doc)
 
@@ -303,15 +313,17 @@ def fetch_status(
     timeout_s: float = 5.0,
     keys: security.ClientKeys | None = None,
     sender: str = "status-cli",
+    ack: str | None = None,
 ) -> dict[str, Any]:
     """The status document of the server whose status socket is at ``endpoint``, with its
-    own short-lived context (RequestTimeout when it does not answer within ``timeout_s``)."""
+    own short-lived context (RequestTimeout when it does not answer within ``timeout_s``);
+    ``ack``: acknowledge an ended job (``wire.StatusRequest``)."""
     ctx = make_context()
     client = ShardClient(
         ctx, None, sender=sender, timeout_s=timeout_s, keys=keys, status_endpoint=endpoint
     )
     try:
-        return client.status()
+        return client.status(ack)
     finally:
         client.close()
         ctx.term()

@@ -83,6 +83,7 @@ class Shard:
     version: int = -1  # this shard's weight version held locally; -1 = none yet
     arrays: list[Any] = field(default_factory=list)  # its slice, as last pulled
     last_contact: float = field(default_factory=time.monotonic)
+    ends_job: bool = False  # its hello said it ends a job when its workers finish
     # the owning thread's client (set by ShardSet); other threads use ShardSet.new_client
     client: ShardClient = field(init=False)
 
@@ -274,6 +275,7 @@ class ShardSet:
                 f"{self.sends} sends (it decodes {', '.join(offered)})"
             )
         self.policy = hello.reply.policy
+        shard.ends_job = hello.reply.job_workers is not None
         self.resume_seq = max(self.resume_seq, hello.reply.last_seq)
         push_port = hello.reply.push_port
         if push_port != shard.push_port:
@@ -436,6 +438,16 @@ class ShardSet:
             sizes.append(sum(memoryview(f).nbytes for f in frames))
         self.pushed_incarnations = [s.incarnation for s in self.shards]
         return sizes
+
+    def finished(self, last_seq: int, stats: dict[str, float] | None = None) -> int:
+        """Tell every shard that ends a job (its hello said so) that the sender has done its
+        work, ``last_seq`` its last push: each hears it on its REP socket, whether or not
+        the sender pushed to it lately. How many were told; ServerUnavailable when one does
+        not answer for ``server_timeout_s``."""
+        told = [s for s in self.shards if s.ends_job]
+        for shard in told:
+            shard.client.finished(last_seq, stats)
+        return len(told)
 
     # ------------------------------------------------------------ lifecycle
 

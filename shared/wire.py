@@ -172,6 +172,7 @@ from downpour.bodies import (
     SplitReply,
     SplitRequest,
     StatusReply,
+    StatusRequest,
     wire_field,
 )
 from downpour.codecs import (
@@ -328,6 +329,7 @@ __all__ = [
     "SplitReply",
     "SplitRequest",
     "StatusReply",
+    "StatusRequest",
     "Tensor",
     "WireTensor",
     "all_finite",
@@ -663,9 +665,9 @@ def heartbeat_reply(version: int, body: HeartbeatReply, sender: str = "server") 
     return Message(HEARTBEAT, sender, base_version=version, body=body.to_body())
 
 
-def status_request(sender: str) -> Message:
-    """A STATUS request message (for the status socket)."""
-    return Message(STATUS, sender)
+def status_request(sender: str, body: StatusRequest | None = None) -> Message:
+    """A STATUS request message (for the status socket); ``body``: an acknowledgement."""
+    return Message(STATUS, sender, body=body.to_body() if body is not None else {})
 
 
 def status_reply(doc: Mapping[str, Any], sender: str = "server") -> Message:

@@ -35,14 +35,21 @@ class InprocServer:
         self.config = ServerConfig(**{**settings, **config})
         self.server = Server(self.spec, self.config)
         self.error: BaseException | None = None
+        self.returncode: int | None = None  # what run() returned, once it has
         self._thread = threading.Thread(target=self._run, name="inproc-server", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self.server.run()
+            self.returncode = self.server.run()
         except BaseException as exc:  # handed to the test by stop()
             self.error = exc
+
+    def wait(self, timeout: float = JOIN_S) -> int | None:
+        """Wait for the loop to end on its own (a job's end); its return code, or None
+        when it is still running after ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self.returncode
 
     @property
     def rep(self) -> str:

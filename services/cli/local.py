@@ -150,6 +150,16 @@ class Evaluator:
     ) -> tuple[int, float]:
         """(server version, held-out metric) with the server's current weights; ``port`` is
         a list of the shards' ports in shard order for a sharded server (version: shard 0's)."""
+        ports = port if isinstance(port, list) else [port]
+        endpoints = [tcp(host, p) for p in ports]
+        versions, metric = self.score_at(endpoints, keys, "run-local-eval")
+        return versions[0], metric
+
+    def score_at(
+        self, endpoints: list[str], keys: security.ClientKeys | None, sender: str
+    ) -> tuple[list[int], float]:
+        """(each shard's version, held-out metric) with the weights of the shards whose REP
+        ``endpoints`` (tcp://host:port) are given in shard order."""
         from downpour.models import evaluate, recalibrate_batchnorm
         from downpour.scoring import load_and_score
 
@@ -157,12 +167,7 @@ class Evaluator:
             recalibrate_batchnorm(self.model, self.bn_batches)  # no-op without BatchNorm
             return evaluate(self.spec, self.model, batches)
 
-        ports = port if isinstance(port, list) else [port]
-        endpoints = [tcp(host, p) for p in ports]
-        versions, metric = load_and_score(
-            endpoints, self.model, score, self.held_out, keys, "run-local-eval"
-        )
-        return versions[0], metric
+        return load_and_score(endpoints, self.model, score, self.held_out, keys, sender)
 
 
 def run(args: argparse.Namespace) -> int:

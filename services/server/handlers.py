@@ -39,6 +39,7 @@ from downpour import security, wire
 from downpour.metrics import clean_reported
 from downpour.receive import Bound, Oversize
 from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher
+from downpour.server.job import JobTracker
 from downpour.server.policies import (
     APPLY,
     DROP,
@@ -68,7 +69,8 @@ class HandlerContext:
     ``shard`` is the shard identity sent in hello replies and compared with the worker's
     (``shard``, ``num_shards``, ``partition``). ``authenticated`` is True under CURVE: then
     each message's sender must be the name of the key it came with (``peer_key``).
-    ``dispatcher`` is set when this server dispatches data (``--data-dispatch server``).
+    ``dispatcher`` is set when this server dispatches data (``--data-dispatch server``),
+    ``job`` when it ends a job (``--job-workers``).
     """
 
     state: ParameterState
@@ -88,6 +90,7 @@ class HandlerContext:
     clock: Callable[[], float] = time.monotonic
     bf16_cache: tuple[int, list[wire.WireTensor]] | None = field(default=None, repr=False)
     dispatcher: Dispatcher | None = None
+    job: JobTracker | None = None
 
 
 @dataclass(frozen=True)
@@ -187,10 +190,12 @@ def refuse_oversize(ctx: HandlerContext, over: Oversize, bound: Bound, what: str
     return _refuse(ctx, exc, None)
 
 
-def check_status_request(frames: Sequence[Any]) -> None:
+def check_status_request(frames: Sequence[Any]) -> wire.StatusRequest:
     """A request from the status socket must decode and be a status request; raises
-    ProtocolError otherwise. The answer is the published status document."""
-    wire.decode(frames, wire.DEFAULT_LIMITS, (wire.STATUS,))
+    ProtocolError otherwise. Returns its body (an acknowledgement, if any); the answer is the
+    published status document."""
+    msg = wire.decode(frames, wire.DEFAULT_LIMITS, (wire.STATUS,))
+    return wire.StatusRequest.from_body(msg.body)
 
 
 def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
@@ -245,6 +250,7 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
         row_tables=tuple(n for n, s in zip(ctx.state.names, ctx.state.sparse, strict=True) if s),
         worker_index=rec.index,
         workers=len(ctx.registry),
+        job_workers=None if ctx.job is None else ctx.job.workers,
     )
     return Reply(wire.hello_reply(ctx.state.version, body))
 
@@ -265,15 +271,19 @@ def _refuse_hello(ctx: HandlerContext, msg: Message, code: str, text: str) -> Re
 
 
 def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
-    """A silent worker says it is alive (and may report its figures). Raises
-    ProtocolError(R_HEADER) for a body field of the wrong type, before anything is noted.
-    Only an enrolled worker is noted: a heartbeat does not enrol (hello does)."""
+    """A silent worker says it is alive (and may report its figures), or that it has
+    finished its work (``finished``: counted by ``ctx.job``, when the server ends a job).
+    Raises ProtocolError(R_HEADER) for a body field of the wrong type, before anything is
+    noted. Only an enrolled worker is noted: a heartbeat does not enrol (hello does)."""
     req = wire.HeartbeatRequest.from_body(msg.body)
     rec = ctx.registry.get(msg.sender)
+    now = ctx.clock()
     if rec is not None:
-        ctx.registry.touch(msg.sender, rec, ctx.clock())
+        ctx.registry.touch(msg.sender, rec, now)
         if req.stats is not None:
             rec.reported = clean_reported(req.stats)
+    if req.finished is not None and ctx.job is not None:
+        ctx.job.note_finished(msg.sender, req.finished, ctx.registry, now)
     return wire.heartbeat_reply(ctx.state.version, wire.HeartbeatReply(ctx.incarnation))
 
 

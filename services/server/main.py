@@ -52,7 +52,8 @@ def start(values: Mapping[str, Any]) -> int:
 
 
 def run(cfg: ServerConfig) -> int:
-    """Check the settings, load keys, build the server, serve until SIGTERM/SIGINT."""
+    """Check the settings, load keys, build the server, serve until SIGTERM/SIGINT or the
+    job's end (``--job-workers``); the exit code."""
     setup_logging("server", cfg.log_level, cfg.log_format)
     if not passes(validate_server, cfg, log):
         return 2
@@ -92,5 +93,4 @@ def run(cfg: ServerConfig) -> int:
         log.error("cannot start: %s", exc)
         return 2
     server.install_signal_handlers()
-    server.run()
-    return 0
+    return server.run()  # 3: a job that failed (--job-workers; docs: reliability.md)

@@ -14,6 +14,11 @@ versioned variables and compiled apply in ``state``. With shards each shard runs
 policy on its own slice and its own version; for ``sync:K/N`` that means each shard
 aggregates its rounds independently. On stop the loop drains the gradients already
 received, applies a partial sync round, writes a final checkpoint and closes.
+
+With ``--job-workers N`` the server also ends on its own (``downpour.server.job``): once N
+workers have finished it does the same drain, flush and final checkpoint, marks its status
+``job: done`` (or ``failed``), keeps serving pulls and status until a reader acknowledges
+or ``--linger-after-done`` passes, and ``run()`` returns the exit code (0, or 3: failed).
 """
 
 from __future__ import annotations
@@ -56,10 +61,11 @@ from downpour.server.handlers import (
     release_gone,
     socket_bounds,
 )
+from downpour.server.job import DONE, FAILED, JobTracker
 from downpour.server.observe import Observers
 from downpour.server.policies import Policy, SyncPolicy, parse_policy
 from downpour.server.registry import WorkerRegistry
-from downpour.server.reshard import find_sources, restore_set
+from downpour.server.reshard import find_sources, restore_set, same_layout
 from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
 from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
@@ -145,6 +151,7 @@ class Server:
         self.restored_seqs: dict[str, int] = {}
         self.restored_from: int | None = None
         self.restore_s: float | None = None  # reading and assigning the checkpoint(s)
+        self.restored_finished: dict[str, int] = {}  # workers a checkpoint says finished
         self.dispatcher: Dispatcher | None = None
         if config.data_dispatch == "server":
             self.dispatcher = Dispatcher(seed=config.seed)
@@ -165,6 +172,11 @@ class Server:
             forget_after_s=config.forget_after_s,
         )
         self.stats = ServerStats()
+        self.job: JobTracker | None = None
+        if config.job_workers:
+            self.job = JobTracker(config.job_workers, config.job_timeout_s, config.drain_timeout_s)
+            self.job.restore(self.restored_finished, time.monotonic())
+        self._acked = threading.Event()  # a reader acknowledged the job's end (status thread)
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = threading.Event()
@@ -212,6 +224,7 @@ class Server:
             allow_nonfinite=config.allow_nonfinite,
             authenticated=self.sockets.authenticated,
             dispatcher=self.dispatcher,
+            job=self.job,
         )
         self.request_bound, self.gradient_bound = socket_bounds(self.handler_ctx)
         self._publish(force=True)
@@ -233,6 +246,9 @@ class Server:
         done = restore_set(self.state, sources)
         self.restore_s = round(time.perf_counter() - t0, 3)
         self.restored_seqs = done.workers
+        if len(sources) == 1 and same_layout(sources[0], self.state):
+            finished = sources[0].meta.get("finished") or {}
+            self.restored_finished = {str(w): int(seq) for w, seq in finished.items()}
         self.restored_from = done.version
         log.info(
             "restored version %d in %.1f s from %s",
@@ -257,6 +273,7 @@ class Server:
             "model_ref": self.config.model_ref,
             "workers": self.registry.last_seqs(),
             **({"dispatch": self.dispatcher.state()} if self.dispatcher is not None else {}),
+            **({"finished": dict(self.job.finished)} if self.job is not None else {}),
         }
 
     def shard_fields(self) -> dict[str, Any]:
@@ -314,8 +331,9 @@ class Server:
         if (auth := self.auth) is not None:  # SIGHUP: re-read the allow-lists (key rotation)
             signal.signal(signal.SIGHUP, lambda _signum, _frame: auth.request_reload())
 
-    def run(self) -> None:
-        """Serve until stopped; then apply what has been received and close the sockets."""
+    def run(self) -> int:
+        """Serve until stopped, or until the job ends (``--job-workers``); then apply what
+        has been received and close the sockets. The exit code: 0, or 3 for a failed job."""
         set_log_context(version=lambda: self.state.version)
         self._status_thread.start()
         self.obs.start()
@@ -359,12 +377,10 @@ class Server:
                 if self.exports is not None:
                     self.exports.after_loop_pass(self.state)
                 self._publish()
+                self._job_pass(poller)
             systemd.notify("STOPPING=1\nSTATUS=stopping: applying received gradients")
-            self._drain_gradients(deadline=time.monotonic() + self.config.drain_timeout_s)
-            flush_policy(self.handler_ctx)
-            self._maybe_checkpoint(final=True)
-            if self.exports is not None:
-                self.exports.final(self.state)
+            if self.job is None or not self.job.ended:
+                self._finish()
         finally:
             self._publish(force=True)
             log.info(
@@ -374,6 +390,41 @@ class Server:
                 dict(self.stats.rejected) or "none",
             )
             self.close()
+        return 0 if self.job is None else self.job.exit_code()
+
+    def _finish(self) -> bool:
+        """Apply the gradients received and what the policy holds, write the final checkpoint;
+        False when that checkpoint could not be written."""
+        self._drain_gradients(deadline=time.monotonic() + self.config.drain_timeout_s)
+        flush_policy(self.handler_ctx)
+        self._maybe_checkpoint(final=True)
+        if self.exports is not None:
+            self.exports.final(self.state)
+        cp = self.checkpoints
+        return cp is None or cp.last_version == self.state.version
+
+    def _job_pass(self, poller: zmq.Poller) -> None:
+        """End the job when its verdict comes (``downpour.server.job``): final checkpoint, then
+        the status says so and the gradient socket is no longer read; once ended, stop when a
+        reader has acknowledged or the linger has passed."""
+        job = self.job
+        if job is None:
+            return
+        now = time.monotonic()
+        if job.ended:
+            if job.released(now, self._acked.is_set(), self.config.linger_after_done_s):
+                self._stop.set()
+            return
+        verdict = job.verdict(self.registry, now)
+        if verdict is None:
+            return
+        state, reason = verdict
+        if not self._finish():
+            state, reason = FAILED, f"{reason}; the final checkpoint could not be written"
+        job.end(state, reason, self.state.version, time.monotonic())
+        poller.unregister(self.sockets.grad_sock)  # pushes after the end are not read
+        systemd.notify(f"STATUS=job {state} at version {self.state.version}")
+        self._publish(force=True)
 
     def close(self) -> None:
         """Close sockets and the context (idempotent)."""
@@ -493,9 +544,12 @@ class Server:
                         f"is larger than this socket accepts ({STATUS_BOUND.nbytes} bytes) in "
                         f"at most {STATUS_BOUND.frames} frame",
                     )
-                check_status_request(frames)
+                req = check_status_request(frames)
                 counters["status_requests"] += 1
                 doc = self._published
+                job = doc.get("job")
+                if req.ack == DONE and job is not None and job["state"] in (DONE, FAILED):
+                    self._acked.set()
                 if encoded is None or encoded[0] is not doc:
                     encoded = (doc, wire.encode(wire.status_reply(doc)))
                 out = encoded[1]

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 
 from downpour import security, wire
+from downpour.server.job import JOB_TIMEOUT_S, LINGER_AFTER_DONE_S
 from downpour.server.policies import parse_policy
 from downpour.server.policy_forms import POLICY_HELP
 from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
@@ -56,6 +57,7 @@ _WORKERS = "workers"
 _OBS = "observability (see docs: observability.md)"
 _DYN = "dynamic tables (see docs: models.md)"
 _EXPORT = "serving exports (see docs: models.md)"
+_JOB = "a job that completes (see docs: reliability.md)"
 
 OPTIMIZER = Option(
     "optimizer",
@@ -280,6 +282,35 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         _EXPORT,
         type=at_least(1),
         metavar="K",
+    ),
+    Option(
+        "job_workers",
+        0,
+        "end the job once this many distinct workers have finished their epochs or steps: "
+        "apply what is held, write a final checkpoint, mark the status `job: done`, exit 0 "
+        "(0 = off: serve until stopped)",
+        _JOB,
+        type=at_least(0),
+        metavar="N",
+    ),
+    Option(
+        "linger_after_done",
+        LINGER_AFTER_DONE_S,
+        "with --job-workers: seconds to keep serving weights and status after the job ended, "
+        "unless a reader (the chief) acknowledges it sooner",
+        _JOB,
+        type=non_negative(),
+        attr="linger_after_done_s",
+    ),
+    Option(
+        "job_timeout",
+        JOB_TIMEOUT_S,
+        "with --job-workers: once a worker has finished, fail the job (final checkpoint, "
+        "`job: failed`, exit 3) when every other worker is gone and none was heard from for "
+        "this many seconds (0 = never)",
+        _JOB,
+        type=non_negative(),
+        attr="job_timeout_s",
     ),
     METRICS_PORT,
     Option(

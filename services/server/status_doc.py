@@ -66,6 +66,7 @@ def build_status(
         "eval": evaluation,
         "exports": exports,
         "dispatch": None if ctx.dispatcher is None else ctx.dispatcher.progress(),
+        "job": None if ctx.job is None else ctx.job.status(now),
         **stats.counters,
     }
 

@@ -417,6 +417,8 @@ class Worker:
                 )
         if feed is not None:
             feed.close()  # a finished split not acknowledged yet (stopped, --steps)
+        if finished:
+            self._announce_finished()
         elapsed = time.monotonic() - started
         summary = {
             "worker": self.id,
@@ -428,6 +430,20 @@ class Worker:
             "loss_recent": sum(recent) / len(recent) if recent else float("nan"),
         }
         return summary | self._figures(step, finished)
+
+    def _announce_finished(self) -> None:
+        """Tell the shards that end a job that this worker's work is done, with the seq of
+        its last push (WorkerError when one does not answer for the server timeout: the
+        job could not complete without it)."""
+        with translated():
+            told = self.shards.finished(self.pusher.seq, dict(self.stats))
+        if told:
+            log.info(
+                "worker %s finished: told %d server(s), last push seq %d",
+                self.id,
+                told,
+                self.pusher.seq,
+            )
 
     def _figures(self, steps: int, finished: bool) -> dict[str, Any]:
         """The summary's figures past the loss: the reported counters (from the metric
