@@ -32,6 +32,9 @@ import yaml
 from api_models import openapi_problems, pydantic_problems
 from test_deploy_files import K8S, KUBERNETES_VERSIONS, documents, run, tool
 
+from downpour.settings import ConfigError
+from downpour.tf_config import parse_tf_config, role_settings
+
 pytestmark = pytest.mark.slow
 
 TFJOB = K8S / "tfjob.yaml"
@@ -40,7 +43,6 @@ TFJOB_MODELS = ("kubeflow.training.models", "kubernetes.client.models")
 TFJOB_DEFAULT_PORT = 2222  # tfv1.DefaultPort, when the container names no tfjob-port
 COMMAND = ["job", "--model", "downpour.examples.recsys:spec"]
 LAYOUT = {"chief": 1, "ps": 2, "worker": 2}  # the job both manifests describe
-TASK_TYPES = {"chief", "ps", "worker", "evaluator"}
 
 
 def custom_resource(path: Path, kind: str) -> dict[str, Any]:
@@ -57,18 +59,18 @@ def models(module: str) -> Any:
 
 
 def check_tf_config(text: str) -> dict[str, Any]:
-    """The parsed TF_CONFIG, asserted well formed for downpour: a cluster of known task types,
-    each a list of "host:port", with parameter servers; a task of a listed type and index."""
-    tf = json.loads(text)
-    cluster, task = tf["cluster"], tf["task"]
-    assert set(cluster) <= TASK_TYPES and "ps" in cluster, cluster
-    for endpoints in cluster.values():
-        for endpoint in endpoints:
-            host, _, port = endpoint.rpartition(":")
-            assert host and 0 < int(port) < 65536, endpoint
-    assert task["type"] in cluster, task
-    assert isinstance(task["index"], int) and 0 <= task["index"] < len(cluster[task["type"]]), task
-    return tf
+    """The parsed TF_CONFIG, checked as ``downpour job`` checks it (``parse_tf_config``: known
+    task types, "host:port" lists, parameter servers, a listed task), and the settings its
+    role gets (``role_settings``) pointing at the ps list."""
+    parsed = parse_tf_config(text)
+    service = {"ps": "server", "worker": "worker"}.get(parsed.task_type)
+    if service is not None:
+        settings = role_settings(parsed, service)
+        if service == "worker":
+            assert settings["server"] == ",".join(parsed.cluster["ps"]), settings
+        else:
+            assert settings["num_shards"] == len(parsed.cluster["ps"]), settings
+    return json.loads(text)
 
 
 def check_pod(tf: dict[str, Any], host: str, container: dict[str, Any]) -> None:
@@ -208,7 +210,7 @@ def test_the_tf_config_checks_catch_a_count_the_cluster_list_does_not_match() ->
     jobset = custom_resource(JOBSET, "JobSet")
     workers = jobset["spec"]["replicatedJobs"][2]["template"]["spec"]
     workers["completions"] = workers["parallelism"] = 3  # TF_CLUSTER still lists 2 workers
-    with pytest.raises(AssertionError, match="'index': 2"):
+    with pytest.raises(ConfigError, match='task.index 2 is out of range for 2 "worker" tasks'):
         jobset_configs(jobset)
     tfjob = custom_resource(TFJOB, "TFJob")
     ps = tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]
