@@ -253,7 +253,10 @@ def _setup(
     except (ValueError, SecurityError) as exc:
         log.error("%s", exc)
         return None
-    return args, JobWatch(reps, statuses, keys, args, f"{role}-{tf.task_index}")
+    who = f"{role}-{tf.task_index}"
+    if keys is not None:  # under CURVE a sender speaks as its key's name: NAME/INSTANCE
+        who = f"{keys.keypair.name}/{who}"
+    return args, JobWatch(reps, statuses, keys, args, who)
 
 
 def _score(evaluator: Any, watch: JobWatch) -> str | None:
