@@ -198,3 +198,44 @@ def test_the_chief_waits_scores_exports_and_the_servers_exit_0(
     finally:
         for s in servers:
             s.stop()
+
+
+def test_the_chief_exports_a_series_of_versions_whose_deltas_give_the_final_model(
+    tmp_path: Path,
+) -> None:
+    """--export-every on the chief of a two-shard job with a dynamic table: versions from the
+    shards' checkpoints while the job runs, the final checkpoints last, each delta applied in
+    order to the first gives the last."""
+    from test_serving_dir import _apply_in_order, _same_export
+
+    from downpour import serving_dir
+
+    model = "tiny_models:dynamic_dict"
+    servers = [
+        InprocServer(model, model_ref=model, num_shards=2, shard=i, optimizer="adagrad",
+                     learning_rate=0.5, state_dir=str(tmp_path / f"shard-{i}"), job_workers=2,
+                     linger_after_done_s=300.0, checkpoint_every=10, checkpoint_secs=0.0)
+        for i in range(2)
+    ]  # fmt: skip
+    tf = TFConfig({"ps": [f"127.0.0.1:{s.port}" for s in servers], "worker": ["w0:1"]}, "chief", 0)
+    job = ["--model", model, "--poll-secs", "0.05", "--state-dir", str(tmp_path)]
+    job += ["--status-endpoints", ",".join(s.status for s in servers)]
+    try:
+        ports = [s.port for s in servers]
+        workers = [WorkerThread(make_worker(ports, model, worker_id=f"w{i}", steps=40,
+                                            n_fetch=1)) for i in range(2)]  # fmt: skip
+        assert run_chief(tf, [*job, "--export-every", "10", "--export-keep", "50"]) == 0
+        assert [s.wait(WAIT_S) for s in servers] == [0, 0]
+        for w in workers:
+            w.result(WAIT_S)
+        base = tmp_path / "export"
+        held = serving_dir.versions(base)
+        final = max(s.server.state.version for s in servers)
+        assert held[-1] == final and len(held) >= 2, held
+        assert serving_dir.deltas(base) == list(zip(held, held[1:], strict=False))
+        reached, applied = _apply_in_order(base, tmp_path)
+        assert reached == final
+        _same_export(applied, base / str(final))
+    finally:
+        for s in servers:
+            s.stop()

@@ -48,6 +48,7 @@ from downpour.settings import (
     SERVER_KEY,
     Option,
     add_options,
+    at_least,
     positive,
 )
 from downpour.transport import RemoteError, ServerUnavailable, tcp
@@ -109,6 +110,24 @@ CHIEF_OPTIONS: tuple[Option, ...] = (
         "where the final model goes, as EXPORT_DIR/<version> (default: ROOT/export)",
         _JOB,
         metavar="DIR",
+    ),
+    Option(
+        "export_every",
+        0,
+        "while the job runs, export the newest checkpoints of ROOT/shard-* each time they are "
+        "this many versions past the last export, as TF Serving versions with deltas "
+        "(downpour.serving_dir; 0 = only the final model)",
+        _JOB,
+        type=at_least(0),
+        metavar="N",
+    ),
+    Option(
+        "export_keep",
+        5,
+        "with --export-every: how many versions EXPORT_DIR keeps",
+        _JOB,
+        type=at_least(1),
+        metavar="K",
     ),
 )
 EVALUATOR_OPTIONS: tuple[Option, ...] = (
@@ -289,8 +308,15 @@ def run_chief(tf: TFConfig, argv: list[str]) -> int:
         return EXIT_USAGE
     args, watch = started
     log.info("chief: waiting for the job's end on %d server(s)", len(watch.statuses))
+    exports = CheckpointExports(args, len(watch.statuses)) if args.export_every else None
+
+    def between() -> None:
+        if exports is not None:
+            exports.maybe()
+        watch.pause()
+
     try:
-        watch.until(lambda states: all(s == "done" for s in states), watch.pause)
+        watch.until(lambda states: all(s == "done" for s in states), between)
     except JobFailed as exc:
         log.error("job failed: %s", exc)
         watch.acknowledge()
@@ -304,7 +330,83 @@ def run_chief(tf: TFConfig, argv: list[str]) -> int:
     if not args.state_dir:
         log.warning("no --state-dir: the final model is not exported")
         return EXIT_OK
+    if exports is not None:  # the final checkpoints as the last version of the series
+        version = exports.write()
+        if version is None and not exports.current():
+            return EXIT_FAILED
+        print(f"exported {exports.base} (version {exports.last})", flush=True)
+        return EXIT_OK
     return export_final(args, watch, len(watch.statuses))
+
+
+class CheckpointExports:
+    """``--export-every N``: the newest checkpoints of ROOT/shard-* exported into EXPORT_DIR
+    (``downpour.serving_dir``: each version written aside and renamed into place, the delta
+    from the previous one beside it, the last K kept) each time they are N versions past the
+    last export. A version is the highest of the shards' checkpoint versions; each shard's
+    own is recorded in the export. An export that fails is said at warning level and tried
+    again at the next due version."""
+
+    def __init__(self, args: argparse.Namespace, num_shards: int) -> None:
+        from downpour import serving_dir
+
+        if not args.state_dir:
+            raise ValueError("--export-every exports the checkpoints of --state-dir ROOT")
+        self.args = args
+        self.dirs = [Path(args.state_dir) / f"shard-{i}" for i in range(num_shards)]
+        self.base = Path(args.export_dir or Path(args.state_dir) / "export")
+        self.base.mkdir(parents=True, exist_ok=True)
+        held = serving_dir.versions(self.base)
+        self.last = held[-1] if held else 0
+        self.written = self.failed = 0
+
+    def newest(self) -> int | None:
+        """The version the shards' newest checkpoints make (None: a shard has none yet)."""
+        from downpour.server.checkpoint import CheckpointStore
+
+        found = [CheckpointStore(d).list() for d in self.dirs]
+        return max(f[-1][0] for f in found) if all(found) else None
+
+    def current(self) -> bool:
+        """True when the newest checkpoints are exported already."""
+        return self.newest() == self.last
+
+    def maybe(self) -> None:
+        """Export when the newest checkpoints are ``--export-every`` versions past the last."""
+        newest = self.newest()
+        if newest is not None and newest >= self.last + self.args.export_every:
+            self.write()
+
+    def write(self) -> int | None:
+        """Export the newest checkpoints if newer than the last export; their version."""
+        from downpour.cli.export import ExportError, load_checkpoints, load_model
+        from downpour.models import fingerprint
+        from downpour.serving import ServingError, as_table, dense_variables
+        from downpour.serving import tables_from_checkpoints as tables_of
+        from downpour.serving_dir import export_versions
+
+        try:
+            ckpts = sorted(load_checkpoints(self.dirs), key=lambda c: int(c.meta.get("shard", 0)))
+            version = max(c.version for c in ckpts)
+            if version <= self.last:
+                return None
+            loaded = load_model(ckpts, self.args.model, self.args.data_dir)
+            model = loaded.model
+            weights = {v.path: v.numpy() for v in dense_variables(model)}
+            tables = {p: as_table(t) for p, t in tables_of(ckpts).items()}
+            export_versions(
+                self.base, model, version, weights, tables,
+                fingerprint(model.trainable_variables), loaded.spec.name,
+                [c.version for c in ckpts], self.args.export_keep,
+            )  # fmt: skip
+        except (ExportError, ServingError, OSError, ValueError) as exc:
+            self.failed += 1
+            log.warning("export of the checkpoints in %s failed: %s", self.dirs[0].parent, exc)
+            return None
+        self.last = version
+        self.written += 1
+        log.info("exported version %d into %s", version, self.base)
+        return version
 
 
 def export_final(args: argparse.Namespace, watch: JobWatch, num_shards: int) -> int:

@@ -267,47 +267,37 @@ def reload_fn(out: Path, fmt: str) -> Any:
     return lambda x: loaded.serve(tf.nest.map_structure(tf.convert_to_tensor, x))
 
 
-def export(
-    state_dirs: Sequence[str | Path],
-    out: str | Path,
-    model_ref: str | None = None,
-    data_dir: str | None = None,
-    verify: bool = True,
-    delta_from: str | None = None,
-) -> ExportResult:
-    """Export the newest checkpoint(s) of ``state_dirs`` to ``out``; see the module docstring.
+@dataclass
+class Loaded:
+    """A checkpoint set's model: built from its spec, its variables (all but dynamic tables)
+    given the checkpoints' values, BatchNorm statistics recomputed for them."""
 
-    With ``verify`` the file is loaded back, its outputs compared with the in-memory model on
-    (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
-    """
+    spec: ModelSpec
+    ref: str
+    model: keras.Model
+    checkpoints: list[Checkpoint]
+    dynamic: list[Any]
+    recalibrated: int
+
+
+def load_model(
+    checkpoints: list[Checkpoint], model_ref: str | None, data_dir: str | None
+) -> Loaded:
+    """The model of the newest checkpoint of each shard (``load_checkpoints``), checked
+    against the checkpoints' fingerprint; ExportError when it does not fit them."""
     from downpour.models import batchnorm_layers, build_model, fingerprint, recalibrate_batchnorm
     from downpour.pipeline import context, resolve_inputs, training_features
+    from downpour.serving import dense_variables, dynamic_layers
 
-    out = Path(out)
-    if out.exists():
-        raise ExportError(f"{out} exists: remove it or choose another --out")
-    if not out.parent.is_dir():
-        raise ExportError(f"{out.parent}: no such directory")
-    checkpoints = load_checkpoints(state_dirs)
     check_shards(checkpoints)
-    meta = checkpoints[0].meta
-    if delta_from is not None:
-        check_delta_from(delta_from, meta)
-    ref, spec = resolve_spec(model_ref, meta)
+    ref, spec = resolve_spec(model_ref, checkpoints[0].meta)
     try:
         model = build_model(spec)
     except ValueError as exc:
         raise ExportError(f"model {ref}: {exc}") from None
-    from downpour.serving import dense_variables, dynamic_layers
-
     dynamic = dynamic_layers(model)
     fixed = {id(v) for v in dense_variables(model)}
     variables = [v for v in model.trainable_variables if id(v) in fixed]
-    if (dynamic or delta_from) and out.suffix == ".keras":
-        raise ExportError("a model with dynamic tables exports to a SavedModel directory: "
-                          "an --out without .keras")  # fmt: skip
-    if delta_from is not None and not dynamic:
-        raise ExportError(f"--delta-from: model {ref} has no dynamic table (DynamicEmbedding)")
     fp = fingerprint(model.trainable_variables)  # a dynamic table's as declared, as servers do
     for c in checkpoints:
         if c.meta.get("fingerprint") != fp:
@@ -330,7 +320,38 @@ def export(
                 f"the model has BatchNormalization layers, whose statistics are recomputed "
                 f"from the training data, and that does not load: {exc} (pass --data-dir)"
             ) from None
+    return Loaded(spec, ref, model, list(checkpoints), dynamic, recalibrated)
 
+
+def export(
+    state_dirs: Sequence[str | Path],
+    out: str | Path,
+    model_ref: str | None = None,
+    data_dir: str | None = None,
+    verify: bool = True,
+    delta_from: str | None = None,
+) -> ExportResult:
+    """Export the newest checkpoint(s) of ``state_dirs`` to ``out``; see the module docstring.
+
+    With ``verify`` the file is loaded back, its outputs compared with the in-memory model on
+    (up to 256) held-out examples, and the spec's metric computed on the whole held-out set.
+    """
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} exists: remove it or choose another --out")
+    if not out.parent.is_dir():
+        raise ExportError(f"{out.parent}: no such directory")
+    checkpoints = load_checkpoints(state_dirs)
+    if delta_from is not None:
+        check_delta_from(delta_from, checkpoints[0].meta)
+    loaded = load_model(checkpoints, model_ref, data_dir)
+    spec, model, ref, dynamic = loaded.spec, loaded.model, loaded.ref, loaded.dynamic
+    if (dynamic or delta_from) and out.suffix == ".keras":
+        raise ExportError("a model with dynamic tables exports to a SavedModel directory: "
+                          "an --out without .keras")  # fmt: skip
+    if delta_from is not None and not dynamic:
+        raise ExportError(f"--delta-from: model {ref} has no dynamic table (DynamicEmbedding)")
+    recalibrated = loaded.recalibrated
     try:
         if dynamic:
             return _export_tables(spec, model, out, ref, checkpoints, data_dir, verify, delta_from)
