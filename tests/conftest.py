@@ -304,3 +304,18 @@ def pull_weights(endpoint: str, encoding: str = "dense") -> tuple[int, list[Any]
     finally:
         client.close()
         ctx.term()
+
+
+def isolated_json(code: str, arg: Any) -> Any:
+    """Run ``code`` in an isolated interpreter (``python -I``, no ``DOWNPOUR_*`` settings)
+    with ``json.dumps(arg)`` as its argument; what it prints, as JSON."""
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", code, json.dumps(arg)],
+        env={k: v for k, v in env().items() if not k.startswith("DOWNPOUR_")},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)

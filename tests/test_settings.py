@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, env
+from conftest import ROOT, isolated_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -235,17 +232,7 @@ print(json.dumps(out))
 def test_refusals_happen_before_tensorflow_is_imported() -> None:
     """The real ``downpour`` command in an isolated interpreter: each bad combination exits 2
     with its reason, and TensorFlow is never imported."""
-    argvs = [argv for argv, _ in REFUSALS]
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", PROBE, json.dumps(argvs)],
-        env={k: v for k, v in env().items() if not k.startswith("DOWNPOUR_")},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    results = json.loads(r.stdout)
+    results = isolated_json(PROBE, [argv for argv, _ in REFUSALS])
     for (argv, needle), (code, err, tf_loaded) in zip(REFUSALS, results, strict=True):
         assert code == 2, (argv, err)
         assert needle in err, (argv, err)

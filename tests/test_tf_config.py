@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, env
+from conftest import isolated_json
 
 import downpour.cli
 from downpour import config
@@ -304,16 +303,7 @@ print(json.dumps([implied["shard"], shard, refused, "tensorflow" in sys.modules,
 
 def test_parse_and_mapping_do_not_import_tensorflow() -> None:
     texts = [tf_config("ps", 1), tf_config("worker", 9)]
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", NO_TENSORFLOW, json.dumps(texts)],
-        env={k: v for k, v in env().items() if not k.startswith("DOWNPOUR_")},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    implied_shard, shard, refused, tf_loaded, keras_loaded = json.loads(r.stdout)
+    implied_shard, shard, refused, tf_loaded, keras_loaded = isolated_json(NO_TENSORFLOW, texts)
     assert (implied_shard, shard) == (1, 1)
     assert refused == 'TF_CONFIG: task.index 9 is out of range for 3 "worker" tasks'
     assert not tf_loaded
