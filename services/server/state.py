@@ -321,31 +321,19 @@ class ParameterState:
 
     def _new_table(self, layer: DynamicEmbedding) -> DynamicTable:
         """This shard's empty store of ``layer``'s rows."""
-        return DynamicTable(layer.name, layer.dim, **self._table_config(layer))
+        optimizer = RowOptimizer(DYNAMIC_OPTIMIZER[self.optimizer_name])
+        config = {"optimizer": optimizer, "rule": layer.rule, "seed": layer.seed}
+        return DynamicTable(layer.name, layer.dim, **config, **self._kept_by())
 
-    def _table_config(self, layer: DynamicEmbedding) -> dict[str, object]:
+    def _kept_by(self) -> dict[str, object]:
+        """The server's admission and capacity settings, as ``DynamicTable`` takes them."""
         o = self.table_options
-        return {
-            "optimizer": RowOptimizer(DYNAMIC_OPTIMIZER[self.optimizer_name]),
-            "rule": layer.rule,
-            "seed": layer.seed,
-            "admit_after": o.admit_after,
-            "capacity": o.capacity,
-            "policy": o.policy,
-        }
+        return {"admit_after": o.admit_after, "capacity": o.capacity, "policy": o.policy}
 
     def table_config(self, path: str) -> dict[str, object]:
         """The keyword arguments that rebuild table ``path`` (``DynamicTable.from_state``)."""
         table = self.tables[path]
-        o = self.table_options
-        return {
-            "optimizer": table.opt,
-            "rule": table.rule,
-            "seed": table.seed,
-            "admit_after": o.admit_after,
-            "capacity": o.capacity,
-            "policy": o.policy,
-        }
+        return {"optimizer": table.opt, "rule": table.rule, "seed": table.seed} | self._kept_by()
 
     def _trace_apply_step(self) -> tf.types.experimental.ConcreteFunction:
         """The compiled apply step, traced here, once (see the module docstring)."""
@@ -446,14 +434,12 @@ class ParameterState:
     def apply(self, grads: Sequence[np.ndarray | Sparse], lr_scale: float = 1.0) -> int:
         """Apply one gradient list (in variable order) with the learning rate times
         ``lr_scale`` (a staleness policy's scale; 1.0: the base rate); returns the new version."""
-        if lr_scale == 1.0:
-            lr = self._base_lr
-        else:
-            lr = tf.constant(self.learning_rate * float(lr_scale), self._base_lr.dtype)
+        rate = self.learning_rate * float(lr_scale)
+        lr = self._base_lr if lr_scale == 1.0 else tf.constant(rate, self._base_lr.dtype)
         step = self._apply_step(lr, *self._feed(grads))
         self.version += 1
         if self._keyed:
-            self._apply_tables(grads, float(lr.numpy()), int(step.numpy()))
+            self._apply_tables(grads, rate, int(step.numpy()))
         return self.version
 
     def _apply_tables(self, grads: Sequence[np.ndarray | Sparse], lr: float, step: int) -> None:
