@@ -27,7 +27,7 @@ def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> Non
         cluster.worker(
             server.port,
             "--steps",
-            "40",
+            "80",
             model="downpour.models:deep_mnist",
             worker_id=f"w{i}",
         )
@@ -37,22 +37,23 @@ def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> Non
     for w in workers:
         assert w.wait(timeout=300) == 0, w.log_text()
     sums = [summary(w) for w in workers]
-    assert [s["steps"] for s in sums] == [40, 40] and all(s["pushes"] == 40 for s in sums)
+    assert [s["steps"] for s in sums] == [80, 80] and all(s["pushes"] == 80 for s in sums)
 
     doc = fetch_status(server.status)
-    assert doc["version"] == doc["updates_applied"] == 80  # every push applied, none lost
+    assert doc["version"] == doc["updates_applied"] == 160  # every push applied, none lost
     assert set(doc["workers"]) == {"w0", "w1"}
     for w in doc["workers"].values():
-        assert w["applied"] == 40 and w["state"] == "alive" and w["staleness"] is not None
-    assert doc["staleness"]["count"] == 80
+        assert w["applied"] == 80 and w["state"] == "alive" and w["staleness"] is not None
+    assert doc["staleness"]["count"] == 160
     assert doc["staleness"]["max"] >= 1  # two asynchronous workers: some updates are stale
     assert doc["apply_traces"] == 1
     assert doc["rejected_total"] == 0
 
     version, acc = evaluator.score("127.0.0.1", server.info["port"])
-    assert version == 80
-    # 80 asynchronous updates from scratch: 0.56 seen on a loaded machine; chance is 0.1
-    assert acc > 0.45, f"held-out accuracy {acc} is not well above chance (0.1)"
+    assert version == 160
+    # 160 asynchronous updates from scratch reach 0.88-0.90 (80 updates spread 0.34-0.76 over
+    # staleness interleavings); chance is 0.1
+    assert acc > 0.7, f"held-out accuracy {acc} is not well above chance (0.1)"
 
     out = subprocess.run(
         [sys.executable, "-m", "downpour", "status", "--json", server.status],
