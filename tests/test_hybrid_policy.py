@@ -133,8 +133,8 @@ def test_the_dense_half_sees_staleness_in_dense_updates_only() -> None:
 # ---------------------------------------------------------------- a real state, the handler
 
 
-def make_ctx(spec: Any, policy: str) -> HandlerContext:
-    state = ParameterState(spec, "sgd", LR, seed=0)
+def make_ctx(spec: Any, policy: str, optimizer: str = "sgd") -> HandlerContext:
+    state = ParameterState(spec, optimizer, LR, seed=0)
     return HandlerContext(
         state=state,
         policy=parse_policy(policy),
@@ -204,6 +204,21 @@ def test_dense_rounds_wait_for_k_dense_pushes_while_rows_are_applied_at_once(spe
     doc = ctx.policy.describe()
     assert doc["dense_version"] == 1 and ctx.state.version == 4
     assert doc["rows"]["counters"]["applied"] == 3 and doc["dense"]["counters"]["applied"] == 2
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
+def test_a_rows_apply_leaves_the_dense_variables_and_their_slots_alone(optimizer: str) -> None:
+    """Adam moves a variable with a zero gradient (its momentum): a rows apply must not feed
+    the dense variables at all, whichever optimizer (Keras's Adam, or the row-wise Adagrad)."""
+    ctx = make_ctx(FIXED, "dense=sync:2/2,rows=async", optimizer)
+    push(ctx, "a", 1, 0, 1.0)  # a round to move Adam's moments
+    push(ctx, "b", 1, 0, 1.0)
+    rows0, dense0 = rows_and_dense(ctx)
+    d = push(ctx, "a", 2, ctx.state.version, 1.0)  # rows applied, dense held
+    assert (d.action, d.rows.action) == (HOLD, APPLY)
+    rows1, dense1 = rows_and_dense(ctx)
+    assert not np.allclose(rows0, rows1)
+    assert all(np.array_equal(a, b) for a, b in zip(dense0, dense1, strict=True))
 
 
 def test_every_gradient_offered_under_hybrid_is_applied_dropped_discarded_or_held() -> None:
