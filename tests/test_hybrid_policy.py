@@ -207,7 +207,7 @@ def test_dense_rounds_wait_for_k_dense_pushes_while_rows_are_applied_at_once(spe
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
-def test_a_rows_apply_leaves_the_dense_variables_and_their_slots_alone(optimizer: str) -> None:
+def test_a_rows_apply_leaves_the_dense_variables_alone(optimizer: str) -> None:
     """Adam moves a variable with a zero gradient (its momentum): a rows apply must not feed
     the dense variables at all, whichever optimizer (Keras's Adam, or the row-wise Adagrad)."""
     ctx = make_ctx(FIXED, "dense=sync:2/2,rows=async", optimizer)
