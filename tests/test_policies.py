@@ -352,6 +352,7 @@ def test_every_form_in_the_registry_parses_and_is_listed() -> None:
         "momentum-aware[:B]": "momentum-aware:0.8",
         "lookahead[:A]": "lookahead:0.5",
         "momentum-aware[:B]+lookahead[:A]": "momentum-aware:0.8+lookahead:0.5",
+        "dense=SPEC,rows=SPEC": "dense=sync:7/8,rows=async",
     }
     assert list(POLICIES.forms) == list(examples)
     for form, text in examples.items():

@@ -23,6 +23,9 @@ slowest live one is answered "wait" (``wait_ms``, no weights) and asks again. Un
 ``lookahead`` a whole pull is served the policy's extrapolated weights of the current version
 (``Policy.pull_weights``, computed once per version; row-sparse tables as they are); a row
 pull is served the weights as they are.
+Under a hybrid policy (``downpour.server.hybrid``) a push's decision is its dense half's,
+and the decision about its rows half rides on it (``Decision.rows``): the rows are applied
+first, then the dense half, each one version step.
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ class HandlerContext:
     bf16_cache: tuple[int, list[wire.WireTensor]] | None = field(default=None, repr=False)
     dispatcher: Dispatcher | None = None
     job: JobTracker | None = None
+
+    def __post_init__(self) -> None:
+        self.policy.layout(self.state.sparse)  # which of its variables are row-sparse
 
 
 @dataclass(frozen=True)
@@ -656,6 +662,8 @@ def handle_gradients(
         ctx.stats.loss.update(float(body.loss))
     if body.stats is not None:
         rec.reported = clean_reported(body.stats)
+    if decision.rows is not None and decision.rows.action == APPLY:  # hybrid: rows first
+        apply_decision(decision.rows, ctx, credit=False)
     if decision.action == APPLY:
         apply_decision(decision, ctx)
     return GradientOutcome(decision=decision)
@@ -706,17 +714,20 @@ def check_gradients(
     return grads
 
 
-def apply_decision(decision: Decision, ctx: HandlerContext) -> None:
-    """Apply a policy's update (its gradients, its learning-rate scale); credit its workers."""
+def apply_decision(decision: Decision, ctx: HandlerContext, credit: bool = True) -> None:
+    """Apply a policy's update (its gradients, its learning-rate scale, to the variables of
+    its part); with ``credit``, count it applied for its workers (a hybrid push's rows half
+    is not credited: the push is counted once, by its dense half)."""
     assert decision.grads is not None
     t0 = time.perf_counter()
     if decision.momentum is not None:  # momentum-aware: Adam's beta_1 from this update on
         ctx.state.set_momentum(decision.momentum)
-    ctx.state.apply(decision.grads, decision.lr_scale)
+    ctx.state.apply(decision.grads, decision.lr_scale, decision.part)
     ctx.stats.apply_ms.update(1e3 * (time.perf_counter() - t0))
     ctx.stats.update_rate.mark()
     ctx.stats.staleness.observe(decision.staleness)
-    ctx.registry.credit_applied(decision.workers)
+    if credit:
+        ctx.registry.credit_applied(decision.workers)
 
 
 def flush_policy(ctx: HandlerContext) -> Decision | None:

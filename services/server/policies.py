@@ -83,6 +83,13 @@ APPLY = "apply"
 DROP = "drop"
 HOLD = "hold"
 
+# Which variables an applied decision's gradients are for (``ParameterState.apply``'s part):
+# all of them, or one half of a hybrid policy's push.
+ALL = "all"
+DENSE = "dense"
+ROWS = "rows"
+ApplyPart = Literal["all", "dense", "rows"]
+
 # Decision reasons: a stable vocabulary for logs and status counters.
 REASON_FRESH = "fresh"  # applied, tau == 0
 REASON_STALE_APPLIED = "stale_applied"  # applied although tau > 0
@@ -117,6 +124,9 @@ class Decision:
     until the next ``offer``/``flush``, so apply it (the server's apply copies it) before that.
     ``workers`` are the senders whose gradients the update contains (one, or K for sync).
     ``momentum``, when set, is the optimizer's ``beta_1`` to use from this update on.
+    ``part`` names the variables ``grads`` are for (``all``; a hybrid policy's ``dense`` or
+    ``rows`` half). ``rows``, set by a hybrid policy only, is the decision about the same
+    push's row-sparse half: the server applies it (when it says ``apply``) before this one.
     """
 
     action: Literal["apply", "drop", "hold"]
@@ -126,6 +136,8 @@ class Decision:
     staleness: int = 0
     workers: tuple[str, ...] = ()
     momentum: float | None = None  # momentum-aware: Adam's beta_1 for this update (None: keep)
+    part: ApplyPart = ALL
+    rows: Decision | None = None  # hybrid: the push's row-sparse half, applied first
 
 
 class Policy(ABC):
@@ -162,6 +174,12 @@ class Policy(ABC):
     def decide(self, grads: Sequence[np.ndarray], tau: int, version: int, worker: str) -> Decision:
         """The policy's rule for one offered push of staleness ``tau >= 0`` (``offer``'s
         arguments otherwise; the push's base version is ``version - tau``)."""
+
+    def layout(self, row_sparse: Sequence[bool]) -> None:
+        """The shard's variables in order, True for a row-sparse one (an Embedding's table
+        or a dynamic table): the server tells every policy once, before any offer; only a
+        hybrid policy, which splits each push in two halves, uses it."""
+        return None
 
     def observe(self, version: int, weights: Sequence[np.ndarray]) -> None:
         """The server's current weights (an immutable snapshot) before an offer; only

@@ -20,6 +20,7 @@ from downpour.server.compensation import (
     LookaheadPolicy,
     MomentumAwarePolicy,
 )
+from downpour.server.hybrid import HybridPolicy
 from downpour.server.policies import (
     AsyncPolicy,
     BoundedPolicy,
@@ -90,6 +91,13 @@ POLICIES: Forms[Policy] = Forms(
             partial(LookaheadPolicy, beta_1=DEFAULT_BETA_1),
             "momentum-aware[:B] and lookahead[:A] together",
             "numbers 0 <= B < 1 and A >= 0",
+        ),
+        "dense=SPEC,rows=SPEC": Form(
+            pattern(r"(?P<text>[^=]*=.*)", text=str),
+            HybridPolicy.from_text,
+            "the dense variables by one policy, the tables' rows by another, applied apart",
+            "dense: async, staleness-aware, bounded:K, ssp:K or sync:K/N; "
+            "rows: async, staleness-aware or bounded:K",
         ),
     },
 )

@@ -83,15 +83,18 @@ log = logging.getLogger("downpour.server")
 
 def check_dynamic(state: ParameterState, policy: Policy, config: ServerConfig) -> None:
     """Refuse, naming the setting, what a model with dynamic tables cannot run with; say at
-    warning level when their rows are updated by another optimizer than ``--optimizer``."""
+    warning level when their rows are updated by another optimizer than ``--optimizer``.
+    A hybrid policy passes whatever its dense half (sync included): its rows half, which the
+    dynamic rows follow, is row-safe by construction (``downpour.server.hybrid``)."""
     if not state.tables:
         return
     names = ", ".join(sorted(state.tables))
     if isinstance(policy, SyncPolicy) or policy.wants_weights or policy.extrapolates:
         raise ValueError(
             f"--policy {policy.spec} cannot apply the dynamic tables {names}: it sums "
-            "gradients densely or reads whole weights; use async, ssp:K, bounded:K or "
-            "staleness-aware"
+            "gradients densely or reads whole weights; use async, ssp:K, bounded:K, "
+            "staleness-aware, or a hybrid whose dense half may be sync "
+            "(dense=sync:K/N,rows=async)"
         )
     if policy.sets_momentum:
         raise ValueError(

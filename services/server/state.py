@@ -44,6 +44,7 @@ from downpour.models import (
 from downpour.partition import Part, Partition, make_partition, message_bytes
 from downpour.server.dynamic import DynamicTable
 from downpour.server.dynamic_store import RowOptimizer
+from downpour.server.policies import ALL, DENSE, ROWS, ApplyPart
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
 from downpour.tensors import aligned_empty
@@ -275,7 +276,13 @@ class ParameterState:
             for s, d, sparse in zip(self.shapes, self.dtypes, self.sparse, strict=True)
         ]
 
-        self._apply_step = self._trace_apply_step()
+        # The variables each kind of apply updates (``apply``'s ``part``): all, or a hybrid
+        # policy's halves, the dense variables or the row-sparse ones (fixed and dynamic).
+        self.row_parts = tuple(i for i, s in enumerate(self.sparse) if s)
+        self.dense_parts = tuple(i for i, s in enumerate(self.sparse) if not s)
+        self._part_of = {ALL: tuple(range(len(self.names))), DENSE: self.dense_parts}
+        self._part_of[ROWS] = self.row_parts
+        self._steps = {ALL: self._trace_apply_step(self._fixed)}  # the halves' on first use
 
     def _build(
         self, spec: ModelSpec, seed: int, shard: int, num_shards: int, sparse_apply: bool
@@ -335,13 +342,16 @@ class ParameterState:
         table = self.tables[path]
         return {"optimizer": table.opt, "rule": table.rule, "seed": table.seed} | self._kept_by()
 
-    def _trace_apply_step(self) -> tf.types.experimental.ConcreteFunction:
-        """The compiled apply step, traced here, once (see the module docstring)."""
+    def _trace_apply_step(self, fixed: Sequence[int]) -> tf.types.experimental.ConcreteFunction:
+        """The compiled apply step of the fixed variables ``fixed`` (wire indices), traced
+        here, once (see the module docstring). Keras optimizers update any subset of the
+        variables they were built on; each step increments ``iterations`` once."""
         lr_dtype = tf.as_dtype(self.optimizer.learning_rate.dtype)
         self._base_lr = tf.constant(self.learning_rate, lr_dtype)
         signature = [tf.TensorSpec((), lr_dtype)]
-        fixed = [(self.shapes[i], self._var[i], self.sparse[i]) for i in self._fixed]
-        for shape, v, sparse in fixed:
+        row_wise = dict(zip(self._fixed, self.row_wise, strict=True))
+        inputs = [(self.shapes[i], self._var[i], self.sparse[i], row_wise[i]) for i in fixed]
+        for shape, v, sparse, _ in inputs:
             if sparse:  # unique row indices, and those rows' values
                 signature += [
                     tf.TensorSpec((None,), tf.int64),
@@ -356,11 +366,11 @@ class ParameterState:
             self.optimizer.learning_rate.assign(lr)  # this update's rate (staleness policies)
             it = iter(flat)
             grads = [  # the flat inputs, in order: one tensor per dense variable, two per sparse
-                _slices(it, shape) if sparse else next(it) for shape, _, sparse in fixed
+                _slices(it, shape) if sparse else next(it) for shape, _, sparse, _ in inputs
             ]
             rest = []
-            for g, v, row_wise in zip(grads, self.variables, self.row_wise, strict=True):
-                if row_wise:  # before apply_gradients: it increments the step Adam reads
+            for g, (_, v, _, rows) in zip(grads, inputs, strict=True):
+                if rows:  # before apply_gradients: it increments the step Adam reads
                     row_update(self.optimizer_name, self.optimizer, v, g.indices, g.values, lr)
                 else:
                     rest.append((g, v))
@@ -403,9 +413,12 @@ class ParameterState:
             out.append(buf)
         return out, bad
 
-    def _feed(self, grads: Sequence[np.ndarray | Sparse]) -> list[tf.Tensor]:
-        """Tensors for the apply step: aliases of the staging buffers (a gradient not staged
-        yet is copied in), and a sparse variable's gradient as (unique rows, their values).
+    def _feed(
+        self, grads: Sequence[np.ndarray | Sparse | None], fixed: Sequence[int]
+    ) -> list[tf.Tensor]:
+        """Tensors for the apply step of the fixed variables ``fixed``: aliases of the staging
+        buffers (a gradient not staged yet is copied in), and a sparse variable's gradient as
+        (unique rows, their values).
 
         The gradients are the model's, in variable order: the gradient handler's
         ``check_gradients`` has checked count, names, shapes and dtypes, and only a row-sparse
@@ -413,8 +426,9 @@ class ParameterState:
         dense array that was not staged is still compared with its buffer's shape, as
         ``np.copyto`` would broadcast a wrong one silently (no pass over the data)."""
         tensors = []
-        for i in self._fixed:
+        for i in fixed:
             name, buf, g, sparse = self.names[i], self._staging[i], grads[i], self.sparse[i]
+            assert g is not None, name
             if sparse:
                 if isinstance(g, Sparse):
                     assert tuple(g.dense_shape) == buf.shape, (name, g.dense_shape)
@@ -431,21 +445,56 @@ class ParameterState:
             tensors.append(tf.experimental.dlpack.from_dlpack(buf.__dlpack__()))
         return tensors
 
-    def apply(self, grads: Sequence[np.ndarray | Sparse], lr_scale: float = 1.0) -> int:
-        """Apply one gradient list (in variable order) with the learning rate times
-        ``lr_scale`` (a staleness policy's scale; 1.0: the base rate); returns the new version."""
+    def apply(
+        self, grads: Sequence[np.ndarray | Sparse], lr_scale: float = 1.0, part: ApplyPart = ALL
+    ) -> int:
+        """Apply one gradient list with the learning rate times ``lr_scale`` (a staleness
+        policy's scale; 1.0: the base rate); returns the new version, one more.
+
+        ``part`` says which variables ``grads`` are for, in variable order: ``all`` of them;
+        or a hybrid policy's half, ``dense`` (the variables of ``dense_parts``) or ``rows``
+        (those of ``row_parts``: row-sparse tables and dynamic tables), the other half left
+        untouched. Each apply is one version step whatever its part, so a pull's version and
+        a row cache's staleness bound count every change of the weights."""
+        indices = self._part_of[part]
+        if part != ALL:  # the half's gradients at their variables' places
+            placed: list[np.ndarray | Sparse | None] = [None] * len(self.names)
+            for i, g in zip(indices, grads, strict=True):
+                placed[i] = g
+            grads = placed  # type: ignore[assignment]
         rate = self.learning_rate * float(lr_scale)
         lr = self._base_lr if lr_scale == 1.0 else tf.constant(rate, self._base_lr.dtype)
-        step = self._apply_step(lr, *self._feed(grads))
+        step = self._step(part)(lr, *self._feed(grads, self._fixed_of(part)))
         self.version += 1
-        if self._keyed:
-            self._apply_tables(grads, rate, int(step.numpy()))
+        keyed = [i for i in self._keyed if part == ALL or i in indices]
+        if keyed:
+            self._apply_tables(grads, keyed, rate, int(step.numpy()))
         return self.version
 
-    def _apply_tables(self, grads: Sequence[np.ndarray | Sparse], lr: float, step: int) -> None:
-        """The dynamic tables' rows of this update (``Keyed``: checked by the gradient
-        handler), at this version; then the rows idle too long are evicted."""
-        for i in self._keyed:
+    def _fixed_of(self, part: ApplyPart) -> list[int]:
+        """The fixed (not dynamic) variables an apply of ``part`` updates."""
+        if part == ALL:
+            return self._fixed
+        indices = set(self._part_of[part])
+        return [i for i in self._fixed if i in indices]
+
+    def _step(self, part: ApplyPart) -> tf.types.experimental.ConcreteFunction:
+        """The apply step of ``part``; a half's is traced at its first apply (only a hybrid
+        policy applies halves)."""
+        if part not in self._steps:
+            self._steps[part] = self._trace_apply_step(self._fixed_of(part))
+        return self._steps[part]
+
+    def _apply_tables(
+        self,
+        grads: Sequence[np.ndarray | Sparse | None],
+        keyed: Sequence[int],
+        lr: float,
+        step: int,
+    ) -> None:
+        """The dynamic tables ``keyed``' rows of this update (``Keyed``: checked by the
+        gradient handler), at this version; then the rows idle too long are evicted."""
+        for i in keyed:
             g = grads[i]
             assert isinstance(g, Keyed), self.names[i]
             table = self.tables[self._table_path[i]]

@@ -1,0 +1,282 @@
+"""The hybrid policy, ``services/server/hybrid.py``: its text, its two halves through a real
+``ParameterState`` and the gradient handler (a fixed table and a dynamic one), the push
+accounting, and two in-process workers training under it."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import wait_until
+from inproc import WorkerThread, make_worker, serving
+from test_server_handlers import frames
+from tiny_models import embedding_form, hashed
+
+from downpour import wire
+from downpour.cli.status import fetch_status
+from downpour.server.handlers import HandlerContext, handle_gradients
+from downpour.server.hybrid import HybridPolicy
+from downpour.server.policies import (
+    APPLY,
+    DENSE,
+    DROP,
+    HOLD,
+    REASON_LATE,
+    ROWS,
+    AsyncPolicy,
+    BoundedPolicy,
+    SyncPolicy,
+    parse_policy,
+)
+from downpour.server.registry import WorkerRegistry
+from downpour.server.settings import policy_text
+from downpour.server.state import ParameterState
+from downpour.server.status_doc import build_status
+
+LR = 0.5
+FIXED = embedding_form("tensor")
+DYNAMIC = embedding_form("tensor", dynamic=True)
+
+# ---------------------------------------------------------------- the text
+
+
+@pytest.mark.parametrize(
+    ("text", "dense", "rows", "spec"),
+    [
+        ("dense=sync:7/8,rows=async", SyncPolicy, AsyncPolicy, "dense=sync:7/8,rows=async"),
+        (" Rows=bounded:8, dense=async ", AsyncPolicy, BoundedPolicy, "dense=async,rows=bounded:8"),
+        ("dense=ssp:2,rows=staleness-aware", None, None, "dense=ssp:2,rows=staleness-aware"),
+    ],
+)
+def test_parse_hybrid(text: str, dense: type | None, rows: type | None, spec: str) -> None:
+    p = parse_policy(text)
+    assert isinstance(p, HybridPolicy) and p.spec == spec and parse_policy(p.spec).spec == spec
+    if dense is not None:
+        assert type(p.dense) is dense and type(p.rows) is rows
+    assert p.gates_pulls == (p.dense.kind == "ssp")  # ssp's pull gate is the dense half's
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("dense=sync:2/2", "the rows half is missing"),
+        ("rows=async", "the dense half is missing"),
+        ("dense=async,rows=sync:2/2", "rows half must be one of async, staleness-aware, bounded"),
+        ("dense=async,rows=lookahead", "rows half must be one of"),
+        ("dense=async,rows=dc:0.5", "rows half must be one of"),
+        ("dense=async,rows=ssp:2", "rows half must be one of"),
+        ("dense=momentum-aware,rows=async", "dense half must be one of"),
+        ("dense=async,rows=async,colour=async", "'colour=async' is not dense=SPEC nor rows=SPEC"),
+        ("dense=async,dense=sync:1/1,rows=async", "names its dense half once"),
+        ("dense=rows=async,rows=async", "is one policy"),
+        ("dense=sync:3/2,rows=async", r"1 <= K <= N"),
+        ("dense=async,rows=bounded:x", "bounded:K with an integer"),
+    ],
+)
+def test_hybrid_refusals_name_what_is_wrong(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as err:
+        parse_policy(text)
+    assert str(err.value).startswith(f"policy {text!r}: ")
+
+
+def test_a_bad_hybrid_on_the_command_line_is_a_usage_error() -> None:
+    assert policy_text(" DENSE=sync:2/2,rows=async") == "dense=sync:2/2,rows=async"
+    with pytest.raises(argparse.ArgumentTypeError, match="rows half must be one of"):
+        policy_text("dense=async,rows=sync:2/2")
+
+
+# ---------------------------------------------------------------- the policy alone
+
+
+def row_grads(n: int, value: float = 1.0) -> list[np.ndarray]:
+    return [np.full((2, 3), value, np.float32) for _ in range(n)]
+
+
+def test_a_push_without_a_dense_half_is_decided_by_the_rows_policy_and_counts_for_no_round() -> (
+    None
+):
+    p = parse_policy("dense=sync:2/2,rows=async")
+    p.layout([True])  # a shard holding only table rows
+    for i, w in enumerate("abc"):
+        d = p.offer(row_grads(1), i, i, w)
+        assert (d.action, d.part, d.rows) == (APPLY, ROWS, None)
+    doc = p.describe()
+    assert doc["counters"]["no_dense"] == 3 and doc["counters"]["dense_offered"] == 0
+    assert doc["dense"]["pending"] == 0 and p.flush(3) is None
+
+
+def test_the_dense_half_sees_staleness_in_dense_updates_only() -> None:
+    """Versions as the server makes them (rows first, then dense, one step each): a sync round
+    is not broken by the row applies under it, and a push from before a dense update is late
+    however many row applies happened since."""
+    p = parse_policy("dense=sync:2/2,rows=async")
+    p.layout([True, False])
+    v = 0
+    d = p.offer(row_grads(2), 0, v, "a")  # rows applied: v 1; dense held
+    assert (d.action, d.rows.action, d.part) == (HOLD, APPLY, DENSE)
+    v += 1
+    d = p.offer(row_grads(2), 0, v, "b")  # base 0 is 1 behind, but no dense update since
+    assert (d.action, d.reason, d.rows.action) == (APPLY, "aggregated", APPLY)
+    v += 2  # rows, then the round
+    assert p.dense_staleness(0) == 1 and p.dense_staleness(2) == 1 and p.dense_staleness(3) == 0
+    d = p.offer(row_grads(2), 2, v, "a")  # from before the round's update: late
+    assert (d.action, d.reason, d.rows.action) == (DROP, REASON_LATE, APPLY)
+    v += 1
+    d = p.offer(row_grads(2), 3, v, "c")  # after it: held in the next round
+    assert d.action == HOLD
+    c = p.describe()["counters"]
+    assert c["updates"] == 5 == c["rows_updates"] + c["dense_updates"]
+
+
+# ---------------------------------------------------------------- a real state, the handler
+
+
+def make_ctx(spec: Any, policy: str, optimizer: str = "sgd") -> HandlerContext:
+    state = ParameterState(spec, optimizer, LR, seed=0)
+    return HandlerContext(
+        state=state,
+        policy=parse_policy(policy),
+        registry=WorkerRegistry(missing_after_s=10.0, gone_after_s=60.0),
+        model=spec.name,
+        incarnation="inc-1",
+        shard={"shard": 0, "num_shards": 1, "partition": state.partition.digest},
+        push_port=6001,
+        status_port=6002,
+        limits=wire.DEFAULT_LIMITS.for_payload(state.payload_bytes),
+    )
+
+
+IDS = np.array([3, 60, 140], np.int64)
+
+
+def push(ctx: HandlerContext, sender: str, seq: int, base: int, value: float) -> Any:
+    """One push of gradient ``value`` everywhere: rows ``IDS`` of the table (keyed by their
+    hashes for a dynamic one) and the whole of each dense variable."""
+    st = ctx.state
+    tensors: dict[str, Any] = {}
+    for name, shape, sparse, dyn in zip(st.names, st.shapes, st.sparse, st.dynamic, strict=True):
+        rows = np.full((IDS.size, *shape[1:]), value, np.float32)
+        if dyn:
+            tensors[name] = wire.Keyed(hashed(IDS), rows, shape)
+        elif sparse:
+            tensors[name] = wire.Sparse(IDS, rows, shape)
+        else:
+            tensors[name] = np.full(shape, value, np.float32)
+    msg = wire.push_message(sender, seq, base, wire.PushBody(), tensors)
+    out = handle_gradients(frames(msg), ctx)
+    assert out.rejection is None, out.rejection
+    return out.decision
+
+
+def rows_and_dense(ctx: HandlerContext) -> tuple[np.ndarray, list[np.ndarray]]:
+    st = ctx.state
+    (table,) = st.row_parts
+    rows = st.gather(table, hashed(IDS) if st.dynamic[table] else IDS)
+    _, weights = st.dense_weights()
+    return rows, [weights[i].copy() for i in st.dense_parts]
+
+
+@pytest.mark.parametrize("spec", [FIXED, DYNAMIC], ids=["fixed", "dynamic"])
+def test_dense_rounds_wait_for_k_dense_pushes_while_rows_are_applied_at_once(spec: Any) -> None:
+    ctx = make_ctx(spec, "dense=sync:2/2,rows=async")
+    rows0, dense0 = rows_and_dense(ctx)
+
+    d = push(ctx, "a", 1, 0, 1.0)  # rows at once (version 1); dense held for the round
+    assert (d.action, d.rows.action) == (HOLD, APPLY) and ctx.state.version == 1
+    rows1, dense1 = rows_and_dense(ctx)
+    np.testing.assert_allclose(rows0 - rows1, LR * 1.0, rtol=1e-5)
+    assert all(np.array_equal(a, b) for a, b in zip(dense0, dense1, strict=True))
+
+    d = push(ctx, "b", 1, 0, 3.0)  # computed before a's rows moved: still the round's
+    assert (d.action, d.rows.action) == (APPLY, APPLY) and ctx.state.version == 3
+    rows2, dense2 = rows_and_dense(ctx)
+    np.testing.assert_allclose(rows1 - rows2, LR * 3.0, rtol=1e-5)
+    for a, b in zip(dense0, dense2, strict=True):
+        np.testing.assert_allclose(a - b, LR * 2.0, rtol=1e-5)  # the mean of 1 and 3, once
+
+    d = push(ctx, "a", 2, 1, 5.0)  # from before the round's update: dense late, rows applied
+    assert (d.action, d.reason, d.rows.action) == (DROP, REASON_LATE, APPLY)
+    rows3, dense3 = rows_and_dense(ctx)
+    np.testing.assert_allclose(rows2 - rows3, LR * 5.0, rtol=1e-5)
+    assert all(np.array_equal(a, b) for a, b in zip(dense2, dense3, strict=True))
+    doc = ctx.policy.describe()
+    assert doc["dense_version"] == 1 and ctx.state.version == 4
+    assert doc["rows"]["counters"]["applied"] == 3 and doc["dense"]["counters"]["applied"] == 2
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
+def test_a_rows_apply_leaves_the_dense_variables_alone(optimizer: str) -> None:
+    """Adam moves a variable with a zero gradient (its momentum): a rows apply must not feed
+    the dense variables at all, whichever optimizer (Keras's Adam, or the row-wise Adagrad)."""
+    ctx = make_ctx(FIXED, "dense=sync:2/2,rows=async", optimizer)
+    push(ctx, "a", 1, 0, 1.0)  # a round to move Adam's moments
+    push(ctx, "b", 1, 0, 1.0)
+    rows0, dense0 = rows_and_dense(ctx)
+    d = push(ctx, "a", 2, ctx.state.version, 1.0)  # rows applied, dense held
+    assert (d.action, d.rows.action) == (HOLD, APPLY)
+    rows1, dense1 = rows_and_dense(ctx)
+    assert not np.allclose(rows0, rows1)
+    assert all(np.array_equal(a, b) for a, b in zip(dense0, dense1, strict=True))
+
+
+def test_every_gradient_offered_under_hybrid_is_applied_dropped_discarded_or_held() -> None:
+    """Pushes from four workers with random base versions (some too old for the rows' bound,
+    some late for the round, repeats in a round): each half's identity, the push count, the
+    version steps and every worker's record add up."""
+    ctx = make_ctx(DYNAMIC, "dense=sync:2/3,rows=bounded:2")
+    rng = np.random.default_rng(5)
+    seqs = dict.fromkeys("abcd", 0)
+    for _ in range(60):
+        w = str(rng.choice(list(seqs)))
+        seqs[w] += 1
+        base = max(0, ctx.state.version - int(rng.integers(0, 5)))
+        push(ctx, w, seqs[w], base, float(rng.normal()))
+    doc = build_status(ctx, now=1.0, started=0.0, started_wall=0.0)
+    pol = doc["policy"]
+    c, dense, rows = pol["counters"], pol["dense"]["counters"], pol["rows"]["counters"]
+    assert c["offered"] == dense["offered"] == rows["offered"] == 60
+    assert rows["offered"] == rows["applied"] + rows["dropped_stale"]
+    assert dense["offered"] == dense["aggregated"] + dense["late"] + dense["duplicate"]
+    assert dense["aggregated"] == dense["applied"] + dense["discarded"] + pol["dense"]["pending"]
+    assert dense["applied"] == 2 * dense["updates"]
+    assert min(rows["dropped_stale"], dense["late"], dense["duplicate"], dense["updates"]) > 0
+    assert doc["version"] == c["updates"] == rows["updates"] + dense["updates"]
+    # the workers' records count each push once, by its dense half: dropped, held for a
+    # round, or the round's completing push (the round's K gradients are credited applied)
+    recs = doc["workers"].values()
+    assert {w: r["pushes"] for w, r in doc["workers"].items()} == seqs
+    held, dropped = sum(r["held"] for r in recs), sum(r["dropped"] for r in recs)
+    assert sum(seqs.values()) == dropped + held + dense["updates"]
+    assert dropped == dense["late"] + dense["duplicate"]
+    assert dense["aggregated"] == held + dense["updates"]
+    assert sum(r["applied"] for r in recs) == dense["applied"]
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_two_workers_train_a_dynamic_table_under_a_sync_dense_half() -> None:
+    """A dynamic table's server takes a hybrid whose dense half is sync (plain sync it
+    refuses): rows applied as they come, dense rounds of 2, and the model learns."""
+    config = {"policy": "dense=sync:2/2,rows=async", "optimizer": "sgd", "learning_rate": 0.5}
+    with serving(DYNAMIC, **config) as server:
+        workers = [
+            WorkerThread(make_worker(server.port, DYNAMIC, worker_id=f"w{i}", steps=60))
+            for i in range(2)
+        ]
+        sums = [w.result() for w in workers]
+        doc = wait_until(
+            lambda: (
+                (d := fetch_status(server.status))["policy"]["counters"]["offered"] == 120 and d
+            ),
+            30,
+            "120 pushes offered",
+        )
+    pol = doc["policy"]
+    rows, dense = pol["rows"]["counters"], pol["dense"]["counters"]
+    assert rows["applied"] == 120  # every push's rows, at once
+    assert dense["applied"] == 2 * dense["updates"] and dense["updates"] >= 10
+    assert doc["version"] == rows["updates"] + dense["updates"]
+    assert all(s["held_out"] is not None and s["held_out"] > 0.9 for s in sums), sums
