@@ -31,7 +31,8 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
     doc = json.loads((tmp_path / "study-results.json").read_text())
-    assert doc["plan"]["name"] == "smoke" and doc["machine"]["cores"] >= 1
+    assert doc["plan_name"] == "smoke" and doc["machine"]["cores"] >= 1
+    assert all(part["plan"]["name"] == "smoke" for part in doc["models"].values())
     runs = doc["runs"]
     assert len(runs) == 11 and not any("error" in r for r in runs)
     assert {(r["model"], r["workers"], r["policy"], r["compress"]) for r in runs} == {
