@@ -1,4 +1,9 @@
-"""``make study``: staleness policies and gradient compression, trained to 96 % on MNIST-5k.
+"""``make study``: staleness policies and gradient compression, trained to a held-out target.
+
+The models (``--models``, ``study_models``): ``mnist`` as below, and ``clicks``, the fixed-id
+recommendation model, trained to its one-process held-out AUC minus 0.005 under the policy
+kinds that apply to it (``study_models.POLICY_KINDS``), with a budget of its own; every
+``runs`` row names its ``model``, and speed-ups are over the same model's 1-worker run.
 
 For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
 ``bounded:2``, ``ssp:2``, ``sync:K/N`` with K = N - N//4, ``dc-a:2``, ``gap-aware``,
