@@ -1,10 +1,13 @@
 """``make study`` in its smoke mode: a reduced grid runs and writes valid output files.
 
-The smoke grid (1 and 2 workers, ``sync``, ``ssp`` and ``lookahead`` for 2, ``none`` and
-``bf16``, ``lookahead`` without compression only, 30 updates, a 70 % target) exercises the
-same code as the full study: the real ParameterState, Policy (with look-ahead pulls),
-GradientStep, Compressor and wire path in the event simulation, the table and the plots.
-Only the shape of the result is checked, plus what holds by construction.
+The smoke grid, per model: MNIST with 1 and 2 workers, ``sync``, ``ssp`` and ``lookahead``
+for 2, ``none`` and ``bf16``, ``lookahead`` without compression only, 30 updates, a 70 %
+target; the click model (``clicks``) with the same workers and policies, no compression, 60
+updates, its target the one-process AUC on the 1-worker run's batches minus 0.005. It
+exercises the same code as the full study: the real ParameterState (row-sparse applies for
+the click model), Policy (with look-ahead pulls), GradientStep, Compressor and wire path in
+the event simulation, the tables and the plots. Only the shape of the result is checked,
+plus what holds by construction.
 """
 
 from __future__ import annotations
@@ -28,18 +31,29 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
     doc = json.loads((tmp_path / "study-results.json").read_text())
-    assert doc["plan"]["name"] == "smoke" and doc["machine"]["cores"] >= 1
+    assert doc["plan_name"] == "smoke" and doc["machine"]["cores"] >= 1
+    assert all(part["plan"]["name"] == "smoke" for part in doc["models"].values())
     runs = doc["runs"]
-    assert len(runs) == 7 and not any("error" in r for r in runs)
-    assert {(r["workers"], r["policy"], r["compress"]) for r in runs} == {
-        (1, "async", "none"),
-        (1, "async", "bf16"),
-        (2, "sync:2/2", "none"),
-        (2, "sync:2/2", "bf16"),
-        (2, "ssp:2", "none"),
-        (2, "ssp:2", "bf16"),
-        (2, "lookahead", "none"),
+    assert len(runs) == 11 and not any("error" in r for r in runs)
+    assert {(r["model"], r["workers"], r["policy"], r["compress"]) for r in runs} == {
+        ("mnist", 1, "async", "none"),
+        ("mnist", 1, "async", "bf16"),
+        ("mnist", 2, "sync:2/2", "none"),
+        ("mnist", 2, "sync:2/2", "bf16"),
+        ("mnist", 2, "ssp:2", "none"),
+        ("mnist", 2, "ssp:2", "bf16"),
+        ("mnist", 2, "lookahead", "none"),
+        ("clicks", 1, "async", "none"),
+        ("clicks", 2, "sync:2/2", "none"),
+        ("clicks", 2, "ssp:2", "none"),
+        ("clicks", 2, "lookahead", "none"),
     }
+    assert set(doc["models"]) == set(doc["summary"]) == {"mnist", "clicks"}
+    clicks = doc["models"]["clicks"]
+    reference = clicks["one_process"]
+    assert 0.5 < reference["auc"] <= 1.0 and reference["updates"] == 60
+    assert clicks["plan"]["target"] == pytest.approx(reference["auc"] - 0.005, abs=1e-5)
+    assert doc["summary"]["clicks"]["target"] == clicks["plan"]["target"]
     for r in runs:
         assert r["curve"][0][0] == 0 and r["curve"][-1][0] == r["updates"] > 0
         assert all(0.0 <= p[3] <= 1.0 for p in r["curve"])
@@ -55,15 +69,15 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
             assert c["applied"] == c["updates"] == c["offered"] and c["dropped_stale"] == 0
         if r["policy"] == "lookahead":  # pulls were served extrapolated once tau was measured
             assert c["applied"] == c["updates"] and c["extrapolated"] > 0
-        expected = 2.0 if r["compress"] == "bf16" else 1.0
+        expected = 2.0 if r["compress"] == "bf16" else 1.0  # only MNIST runs bf16
         assert r["bytes_ratio"] == pytest.approx(expected, abs=0.02)
     # the speed-up columns, on every row: 1 worker's simulated time over the row's (same
-    # compression), and the gradients computed to the target over 1 worker's
-    base = {r["compress"]: r for r in runs if r["workers"] == 1}
+    # model and compression), and the gradients computed to the target over 1 worker's
+    base = {(r["model"], r["compress"]): r for r in runs if r["workers"] == 1}
     for r in runs:
-        keys = ("workers", "policy", "compress", "sim_seconds_to_target", "speedup")
+        keys = ("model", "workers", "policy", "compress", "sim_seconds_to_target", "speedup")
         assert all(k in r for k in (*keys, "gradients_vs_1w")), r["policy"]
-        b = base[r["compress"]]
+        b = base[(r["model"], r["compress"])]
         if not r["reached"]:
             assert r["speedup"] is None and r["gradients_vs_1w"] is None
             continue
@@ -77,15 +91,17 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
         )
         if r["workers"] == 1:
             assert r["speedup"] == r["gradients_vs_1w"] == 1.0
-    assert "target_met" in doc["summary"]
+    assert all("target_met" in summary for summary in doc["summary"].values())
     # one worker: staleness is always 0, so every policy is this same run
     assert all(r["staleness_max"] == 0 for r in runs if r["workers"] == 1)
-    assert doc["summary"]["bf16_bytes_ratio"] == pytest.approx(2.0, abs=0.02)
+    assert doc["summary"]["mnist"]["bf16_bytes_ratio"] == pytest.approx(2.0, abs=0.02)
 
     table = (tmp_path / "study.md").read_text()
-    assert "| workers | policy | compress | updates to target |" in table
-    assert "| sim. s | speed-up | gradients x 1w |" in table
-    assert "Wall-clock speed-up, no compression" in table
-    assert table.count("\n| 1 | any (all identical) |") == 2
+    assert table.count("| workers | policy | compress | updates to target |") == 2
+    assert table.count("| sim. s | speed-up | gradients x 1w |") == 2
+    assert table.count("Wall-clock speed-up, no compression") == 2
+    assert table.count("\n| 1 | any (all identical) |") == 3
+    assert table.count("\n## ") == 2 and "simulated seconds to AUC " in table
+    assert len(doc["pngs"]) == 4
     for png in doc["pngs"]:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

