@@ -34,7 +34,7 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert doc["plan_name"] == "smoke" and doc["machine"]["cores"] >= 1
     assert all(part["plan"]["name"] == "smoke" for part in doc["models"].values())
     runs = doc["runs"]
-    assert len(runs) == 11 and not any("error" in r for r in runs)
+    assert len(runs) == 12 and not any("error" in r for r in runs)
     assert {(r["model"], r["workers"], r["policy"], r["compress"]) for r in runs} == {
         ("mnist", 1, "async", "none"),
         ("mnist", 1, "async", "bf16"),
@@ -47,6 +47,7 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
         ("clicks", 2, "sync:2/2", "none"),
         ("clicks", 2, "ssp:2", "none"),
         ("clicks", 2, "lookahead", "none"),
+        ("clicks", 2, "dense=sync:2/2,rows=async", "none"),
     }
     assert set(doc["models"]) == set(doc["summary"]) == {"mnist", "clicks"}
     clicks = doc["models"]["clicks"]
@@ -67,6 +68,10 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
             assert c["applied"] == 2 * c["updates"] and r["staleness_max"] == 0
         if r["policy"].startswith("ssp"):  # every gradient applied: the bound is kept by waiting
             assert c["applied"] == c["updates"] == c["offered"] and c["dropped_stale"] == 0
+        if r["policy"].startswith("dense="):  # hybrid: rows at once, dense in rounds of 2
+            assert c["rows_applied"] == c["offered"] == c["dense_offered"]
+            assert c["dense_applied"] == 2 * c["dense_updates"] > 0
+            assert c["updates"] == c["rows_updates"] + c["dense_updates"]
         if r["policy"] == "lookahead":  # pulls were served extrapolated once tau was measured
             assert c["applied"] == c["updates"] and c["extrapolated"] > 0
         expected = 2.0 if r["compress"] == "bf16" else 1.0  # only MNIST runs bf16

@@ -44,8 +44,14 @@ DYNAMIC_KINDS = ("async", "staleness-aware", "bounded", "ssp")
 
 POLICY_KINDS: dict[str, tuple[str, ...]] = {  # model -> the policy kinds its grid runs
     "mnist": ALL_KINDS,
-    "clicks": ALL_KINDS,
+    # hybrid (dense=sync:K/N,rows=async): only a model with tables has two halves
+    "clicks": (*ALL_KINDS, "hybrid"),
 }
+# The server's --optimizer per model. A recommendation server runs lazy_adam: rows and their
+# moments change only where a batch touches them, so an apply costs O(rows touched); adam
+# decays every row's moments on every apply, O(table), which caps the speed-up a server queue
+# allows at (1 + apply) / apply gradient-times.
+OPTIMIZERS = {"mnist": "adam", "clicks": "lazy_adam"}
 MODELS = tuple(POLICY_KINDS)
 
 HASHED_BLOCKER = (  # why POLICY_KINDS has no "clicks-hashed" row (recorded in no result)
