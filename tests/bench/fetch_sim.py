@@ -142,6 +142,7 @@ class Pulls:
             "pulls_installed": self.installed,
             "pulls_skipped": self.skipped,
             "bytes_pulled": self.bytes_pulled,
+            "worker_steps": list(self.steps),
         }
 
     def _pull(self, version: int, weights: list[Any]) -> list[Any]:
