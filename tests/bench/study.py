@@ -27,7 +27,8 @@ exactly as on the wire and densified as the server does. What is simulated is on
 worker i needs ``speed_i * lognormal(0, 0.2)`` gradient-times per step (``speed_i`` uniform
 in [0.85, 1.15], all seeded), the server is a single queue that spends the measured
 apply time per applied update, and a worker pulls right after the server has taken its push
-(like ``--no-prefetch``), then computes its next gradient from those weights. Under
+(like ``--no-prefetch``), then computes its next gradient from those weights (``Job.fetch``
+varies when workers pull and in what encoding: ``fetch_sim``). Under
 ``ssp:K`` that pull goes through the policy's ``pull_wait_ms`` (every worker alive): a
 worker held there starts its next gradient when the slow ones have caught up. Under
 ``lookahead`` the pull gets the policy's ``pull_weights`` (the extrapolated weights), as
@@ -245,10 +246,12 @@ class Job:
     variant: str = ""  # "" for the grid; e.g. "lr" for the learning-rate variants
     seed: int = 0  # > 0: other data orders and worker speeds (the grid's runs use 0)
     model: str = "mnist"  # a study_models.MODELS name
+    fetch: str = "every"  # when workers pull and in what encoding (fetch_sim.parse_fetch)
 
     def label(self) -> str:
         """A short name for logs."""
         extra = f" lr={self.lr:g}" if self.variant else ""
+        extra += f" fetch={self.fetch}" if self.fetch != "every" else ""
         return f"{self.model} {self.workers}w {self.policy} {self.compress}{extra}"
 
 
@@ -351,6 +354,7 @@ def _distance(a: list[Any], b: list[Any]) -> float:
 def simulate(job: Job) -> dict[str, Any]:
     """Run one simulated training (see the module docstring); the run's record."""
     import numpy as np
+    from fetch_sim import Pulls
 
     from downpour import wire
     from downpour.server.handlers import check_gradients
@@ -374,6 +378,8 @@ def simulate(job: Job) -> dict[str, Any]:
     speed = rng.uniform(0.85, 1.15, w) if w > 1 else np.ones(1)
     limits = wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
     names = state.names
+    pulls = Pulls(job.fetch, w, names, limits)  # which weights each worker computes on
+    refresh: set[int] = set()  # workers held (sync) or dropped: they pull whatever the fetch
 
     heap: list[tuple[float, int, int, list[bytes]]] = []
     seqs = [0] * w
@@ -391,6 +397,8 @@ def simulate(job: Job) -> dict[str, Any]:
         if policy.extrapolates:  # as the server's pull handler: lookahead
             served[i] = (weights, policy.pull_weights(version, weights))
             weights = served[i][1]
+        version, weights = pulls.take(i, version, weights, i in refresh)
+        refresh.discard(i)
         step.set_weights(weights)
         x, y = next(streams[i])
         _, grads = step(x, y)
@@ -403,7 +411,7 @@ def simulate(job: Job) -> dict[str, Any]:
             wire.PUSH,
             f"w{i}",
             seq=seqs[i],
-            base_version=state.version,
+            base_version=version,
             tensors=dict(zip(names, encoded, strict=True)),
         )
         frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]  # the network
@@ -464,9 +472,11 @@ def simulate(job: Job) -> dict[str, Any]:
         elif d.action == HOLD and not hybrid:  # sync: this worker waits for the next version
             server_free = begin
             waiting.append(i)
+            refresh.add(i)
             resume = []
         else:  # dropped, or a hybrid's dense half held: the worker refreshes and goes on
             server_free = begin + (job.apply_units if rows_applied else 0.0)
+            refresh.add(i)
             resume = [i]
         stop = False
         if state.version // job.eval_every > evaluated // job.eval_every:
@@ -474,6 +484,7 @@ def simulate(job: Job) -> dict[str, Any]:
             acc = evaluate(server_free)
             if reached is None and acc >= job.target:
                 reached = {"updates": state.version, "gradients": gradients}
+                reached["bytes_pulled"] = pulls.bytes_pulled
                 reached["sim_seconds"] = round(server_free * job.grad_s, 3)
                 stop = job.stop_at_target
             stop = stop or state.version >= job.max_updates
@@ -495,6 +506,7 @@ def simulate(job: Job) -> dict[str, Any]:
         "compress": job.compress,
         "lr": job.lr,
         "variant": job.variant,
+        "seed": job.seed,
         "kind": "simulated",
         "reached": reached is not None,
         "updates_to_target": reached["updates"] if reached else None,
@@ -517,6 +529,8 @@ def simulate(job: Job) -> dict[str, Any]:
             if gaps and sum(g[0] for g in gaps) > 0
             else None
         ),
+        **pulls.record(),
+        "bytes_pulled_to_target": reached["bytes_pulled"] if reached else None,
         "run_seconds": round(time.monotonic() - started, 1),
         "curve": curve,
     }
