@@ -942,11 +942,15 @@ def model_markdown(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"## {doc['model']['name']} ({doc['model']['parameters']:,} parameters)",
         "",
-        f"Data: {doc['data']}. Adam lr {plan['lr']:g}. Target: "
-        f"{target_text(plan['target'], metric)} held-out"
+        f"Data: {doc['data']}. Server `--optimizer {doc.get('optimizer', 'adam')}`, lr "
+        f"{plan['lr']:g}. Target: {target_text(plan['target'], metric)} held-out"
         + (
-            f" (one process: {reference['auc']:.4f} after {reference['updates']} updates on "
-            f"the 1-worker run's batches, minus {doc['auc_slack']})"
+            f" (one process, the same optimizer: {reference['auc']:.4f} after "
+            f"{reference['updates']} updates on the 1-worker run's batches, minus "
+            f"{doc['auc_slack']}; Keras Adam in one process: {doc['keras_adam']['auc']:.4f})"
+            if reference and "keras_adam" in doc
+            else f" (one process: {reference['auc']:.4f} after {reference['updates']} updates "
+            f"on the 1-worker run's batches, minus {doc['auc_slack']})"
             if reference
             else f" {metric}"
         )
@@ -1316,6 +1320,7 @@ def prepare(plan: Plan, model: str, given_costs: str | None) -> tuple[dict[str, 
         "model": {"ref": SPEC_REFS[model], "name": ctx.spec.name, "parameters": n_params},
         "data": DATA[model],
         "costs": costs,
+        "optimizer": OPTIMIZERS[model],
     }
     if budget(model, plan.name) is not None:  # a recsys model: the target from one process
         keras_adam = one_process_auc(ctx.spec, ctx.data, mplan.baseline_updates, mplan.lr)
