@@ -63,3 +63,65 @@ def test_apply_refuses_a_wrong_shape_instead_of_broadcasting() -> None:
     with pytest.raises(ValueError, match="shape"):
         state.apply(grads)
     assert state.version == 0
+
+
+@pytest.mark.parametrize(("model", "optimizer"), [("tiny", "adam"), ("embedding", "lazy_adam")])
+def test_the_flat_call_applies_what_the_structured_call_applies(model: str, optimizer: str) -> None:
+    """The apply step is called through ``_call_flat`` on this TensorFlow (no per-apply
+    binding of its inputs); it updates the weights and slots bit for bit as the public
+    structured call does, dense and row-sparse variables alike."""
+    from downpour.server.state import flat_call_problem
+    from downpour.wire import Sparse
+
+    assert flat_call_problem() is None  # TensorFlow 2.16+: the fast path is taken
+    spec = load_spec(f"tiny_models:{model}")
+    flat = ParameterState(spec, optimizer, 0.01, seed=0)
+    bound = ParameterState(spec, optimizer, 0.01, seed=0)
+    bound.apply_call_problem = "the structured call, for comparison"
+    assert flat.apply_call_problem is None
+    rng = np.random.default_rng(5)
+    for i in range(4):
+        grads: list[np.ndarray | Sparse] = []
+        for shape, dtype, sparse in zip(flat.shapes, flat.dtypes, flat.sparse, strict=True):
+            if sparse:  # a few rows, one repeated
+                rows = rng.integers(0, shape[0], 5).astype(np.int64)
+                rows[-1] = rows[0]
+                values = rng.normal(size=(5, *shape[1:])).astype(dtype)
+                grads.append(Sparse(rows, values, tuple(shape)))
+            else:
+                grads.append(rng.normal(size=shape).astype(dtype))
+        assert flat.apply(grads, lr_scale=0.5 if i == 2 else 1.0) == bound.apply(
+            grads, lr_scale=0.5 if i == 2 else 1.0
+        )
+    assert any(flat.sparse) == (model == "embedding")
+    for a, b in zip(flat.variables, bound.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(flat.optimizer.variables, bound.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_without_the_flat_call_the_server_says_so_in_the_log_and_in_status(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TensorFlow without ``ConcreteFunction._call_flat`` (as it is here) still applies,
+    through the structured call, and the server says why at warning level and in status."""
+    import logging
+
+    from inproc import serving
+
+    from downpour.cli.status import fetch_status, render
+    from downpour.server import state as state_module
+
+    reason = "TensorFlow 9.9 has no ConcreteFunction._call_flat"
+    monkeypatch.setattr(state_module, "flat_call_problem", lambda: reason)
+    with (
+        caplog.at_level(logging.WARNING, logger="downpour.server"),
+        serving("tiny_models:tiny") as server,
+    ):
+        doc = fetch_status(server.status)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith(reason) for m in warned), warned
+    assert doc["apply_call"] == reason
+    assert f"WARNING: {reason}: every apply binds its inputs again" in render(doc)
+    state = ParameterState(load_spec("tiny_models:tiny"), "sgd", 0.1)
+    assert state.apply_call_problem == reason and state.apply(_grads(state, 1)) == 1

@@ -107,6 +107,8 @@ def render(doc: dict[str, Any]) -> str:
     ]
     if doc.get("row_detection"):
         lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")
+    if doc.get("apply_call", "flat") != "flat":
+        lines.append(f"WARNING: {doc['apply_call']}: every apply binds its inputs again")
     for path, t in sorted((doc.get("dynamic_tables") or {}).items()):
         lines.append(_table_line(path, t))
     if (ev := _eval_line(doc)) is not None:

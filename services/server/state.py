@@ -22,6 +22,7 @@ exactly what they were without the input.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,26 @@ from downpour.tensors import aligned_empty
 from downpour.wire import Keyed, Sparse, all_finite, dedupe_rows
 
 log = logging.getLogger("downpour.server")
+
+FLAT_CALL_ARGS = ["tensor_inputs", "captured_inputs"]  # ConcreteFunction._call_flat's
+
+
+def flat_call_problem() -> str | None:
+    """Why an apply step cannot be called through ``ConcreteFunction._call_flat`` (None: it
+    can). A call through the public structured signature binds and type-checks every input
+    again, a fixed cost per apply that dominates a rows-only apply of a few hundred rows; the
+    inputs here are built by ``ParameterState._feed`` from gradients the handler checked, so
+    the flat call, which skips that binding, is taken when this TensorFlow has it."""
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+
+    call_flat = getattr(concrete_function.ConcreteFunction, "_call_flat", None)
+    if call_flat is None:
+        return f"TensorFlow {tf.__version__} has no ConcreteFunction._call_flat"
+    params = list(inspect.signature(call_flat).parameters)[1:]
+    if params != FLAT_CALL_ARGS:
+        return f"TensorFlow {tf.__version__}'s ConcreteFunction._call_flat takes {params}"
+    return None
+
 
 STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float32 stay in L2
 
@@ -282,6 +303,14 @@ class ParameterState:
         self.dense_parts = tuple(i for i, s in enumerate(self.sparse) if not s)
         self._part_of = {ALL: tuple(range(len(self.names))), DENSE: self.dense_parts}
         self._part_of[ROWS] = self.row_parts
+        # None: apply steps are called flat; else why each apply binds its inputs again
+        self.apply_call_problem = flat_call_problem()
+        if self.apply_call_problem:
+            log.warning(
+                "%s: every apply binds its inputs through the structured signature, a fixed "
+                "cost per apply",
+                self.apply_call_problem,
+            )
         self._steps = {ALL: self._trace_apply_step(self._fixed)}  # the halves' on first use
 
     def _build(
@@ -464,7 +493,11 @@ class ParameterState:
             grads = placed  # type: ignore[assignment]
         rate = self.learning_rate * float(lr_scale)
         lr = self._base_lr if lr_scale == 1.0 else tf.constant(rate, self._base_lr.dtype)
-        step = self._step(part)(lr, *self._feed(grads, self._fixed_of(part)))
+        fn, inputs = self._step(part), [lr, *self._feed(grads, self._fixed_of(part))]
+        if self.apply_call_problem is None:
+            step = fn._call_flat(inputs, fn.captured_inputs)
+        else:
+            step = fn(*inputs)
         self.version += 1
         keyed = [i for i in self._keyed if part == ALL or i in indices]
         if keyed:

@@ -48,6 +48,8 @@ def build_status(
         "started_at": started_wall,
         "apply_ms": stats.apply_ms.value,
         "apply_traces": state.apply_traces,
+        # "flat", or why every apply binds its inputs again (logged at warning level)
+        "apply_call": state.apply_call_problem or "flat",
         "loss": stats.loss.value,
         "staleness": stats.staleness.snapshot(),
         "policy": {**ctx.policy.describe(), "learning_rate": state.learning_rate},
