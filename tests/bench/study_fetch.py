@@ -27,6 +27,11 @@ from typing import Any
 import study
 
 FETCHES = ("every", "n-fetch:2", "n-fetch:4", "bf16", "adaptive:0.01", "adaptive:0.03")
+MODEL_TEXT = {
+    "mnist": "study CNN on MNIST-5k, Adam, batch 50",
+    "clicks": "the fixed-id click model (downpour.examples.recsys), server lazy_adam, batch "
+    "256; its simulated workers pull the whole model, where real ones pull rows",
+}
 FREE_UPDATES = 1.05  # at most 5 % more updates to the target than ``every``
 
 
@@ -46,6 +51,7 @@ def jobs_for(args: argparse.Namespace, costs: dict[str, float]) -> list[study.Jo
             costs["apply_units"],
             costs["grad_s"],
             seed=seed,
+            model=args.model,
             fetch=fetch,
         )
         for w in args.workers
@@ -121,10 +127,11 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"# Fetch settings in the convergence study, {doc['date']}",
         "",
-        f"Machine: {doc['machine']['summary']}. Model: study CNN on MNIST-5k, Adam lr "
-        f"{a['lr']:g}, batch 50, policy {a['policy']}, target {a['target']:.0%} held-out "
-        f'accuracy evaluated every {a["eval_every"]} updates (the granularity of "updates to '
-        f'target"), caps {a["max_updates"]} updates / {a["max_gradients"]} gradients. '
+        f"Machine: {doc['machine']['summary']}. Model: {MODEL_TEXT[a.get('model', 'mnist')]}, "
+        f"lr {a['lr']:g}, policy {a['policy']}, target {a['target']:.4g} held-out "
+        f"{'AUC' if a.get('model') == 'clicks' else 'accuracy'} evaluated every "
+        f'{a["eval_every"]} updates (the granularity of "updates to target"), caps '
+        f"{a['max_updates']} updates / {a['max_gradients']} gradients. "
         f"Seeds {', '.join(map(str, a['seeds']))} (data order and worker speeds). Costs: "
         f"{doc['costs']['grad_ms']} ms per gradient, {doc['costs']['apply_ms']} ms per apply. "
         f"Command: `{doc['command']}` ({doc['total_seconds'] / 60:.1f} min).",
@@ -176,6 +183,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fetch", default=",".join(FETCHES), help="fetch settings (every first)")
     p.add_argument("--seeds", default="0,1,2", help="simulation seeds")
     p.add_argument("--policy", default="async")
+    p.add_argument(
+        "--model",
+        default="mnist",
+        choices=("mnist", "clicks"),
+        help="the study model (clicks: give --lr 0.01 and the study's --target AUC)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--target", type=float, default=0.96)
     p.add_argument("--eval-every", type=int, default=10)
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         costs = {"grad_ms": grad_ms, "apply_ms": apply_ms, "apply_units": apply_ms / grad_ms}
         costs["grad_s"] = grad_ms / 1e3
     else:
-        costs = study.measure_costs()
+        costs = study.measure_costs(model=args.model)
     jobs = jobs_for(args, costs)
     study.log(f"{len(jobs)} fetch runs, {args.jobs} at a time; costs {costs}")
     runs = study.run_grid(args.jobs, jobs)
