@@ -111,9 +111,11 @@ ROUNDS ?= 6
 bench-curve: $(VENV)/.stamp-test
 	$(PY) tests/bench/curve_cost.py --rounds $(ROUNDS) --out curve-cost.json
 
-# Convergence study of the staleness policies and gradient compression (docs/policies.md): study-results.json, study.md and PNG curves in OUT (runs/study).
-# Up to 30 min on 2 cores; QUICK=1: 1 and 8 workers, no compression, a few minutes.
-# ARGS='--workers 1,2,4,8 --compressions none --kinds async,dc' narrows or widens a plan.
+# Convergence study of the staleness policies and gradient compression (docs/policies.md) on the MNIST CNN and the
+# fixed-id click model: study-results.json, study.md and PNG curves in OUT (runs/study).
+# About 45 min on 2 cores (the click model's part: a few minutes); QUICK=1: 1 and 8 workers, no compression.
+# ARGS='--models clicks --workers 1,2,4,8 --compressions none --kinds async,dc' narrows or widens a plan.
+# The fetch settings (n-fetch, bf16 pulls, adaptive): tests/bench/study_fetch.py (docs/policies.md).
 OUT ?= runs/study
 study: $(VENV)/.stamp-test
 	$(PY) tests/bench/study.py $(if $(filter 1,$(QUICK)),--quick) --out $(OUT) $(ARGS)
