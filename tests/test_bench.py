@@ -95,6 +95,14 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     machine = doc["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["memory_gib"] > 0
     assert machine["tensorflow"]
+    # the CPU every figure was measured on: its model, and the flags a memcpy's speed rides on
+    assert machine["cpu_model"] == machine["cpu"] and machine["cpu_model"] != "unknown"
+    assert isinstance(machine["memcpy_flags"], list)
+    assert set(machine["memcpy_flags"]) <= {"sse4_2", "avx2", "avx512f", "avx512bw", "erms", "fsrm"}
+    for section in ("wire", "seed_gradients", "server", "end_to_end.pinned", "goodput", "sparse"):
+        assert figures(doc, section)["cpu_model"] == machine["cpu_model"], section
+    assert doc["server"]["pinned_cpu_model"] == machine["cpu_model"]  # beside the pinned figures
+    assert "| machine | CPU model" in done.stdout and machine["cpu_model"] in done.stdout
     link_skipped = doc["link_1gbit"].get("skipped")
     for section, keys in REQUIRED.items():
         if section == "link_1gbit" and link_skipped:

@@ -225,7 +225,8 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
         f"apply's {v['pinned_bare_apply_per_s']:.1f}/s on core 1) |",
         f"| server, pinned | **overhead per apply, in memcpys of the gradient list** | "
         f"**{v['pinned_overhead_memcpys']:.2f}** ({v['pinned_overhead_ms']:.2f} ms over "
-        f"{v['pinned_apply_ms']:.2f} ms apply; memcpy {v['pinned_memcpy_ms']:.2f} ms) |",
+        f"{v['pinned_apply_ms']:.2f} ms apply; memcpy {v['pinned_memcpy_ms']:.2f} ms on "
+        f"{v['pinned_cpu_model']}) |",
         f"| e2e, pinned | local training on core 0 (faster of Keras Adam "
         f"{p['local_keras_adam_steps_per_s']:.2f}, fused x{p['local_fused_steps_per_call']} "
         f"{p['local_fused_steps_per_s']:.2f}) | {p['local_steps_per_s']:.2f} steps/s |",
@@ -326,9 +327,13 @@ def _fetch_rows(f: dict[str, Any]) -> list[str]:
 def table(r: dict[str, Any]) -> str:
     """The results as a Markdown table (also what the README's Performance section shows)."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
+    m = r["machine"]
     lines = [
         "| section | measurement | value |",
         "|---|---|---|",
+        f"| machine | CPU model (memcpy-relevant flags), cores: every figure below was "
+        f"measured on it | {m['cpu_model']} ({', '.join(m['memcpy_flags']) or 'none'}), "
+        f"{m['cores']} cores |",
         f"| wire | memcpy of the gradient list (np.copyto) | {w['memcpy_ms']:.2f} ms "
         f"({w['memcpy_gb_per_s']:.1f} GB/s) |",
         f"| wire | encode + ZMQ tcp loopback + decode | {w['push_decode_ms']:.2f} ms "
@@ -405,6 +410,17 @@ def check(r: dict[str, Any]) -> list[str]:
             if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
                 bad.append(f"{path}.{key}[{rows}]={x!r}")
     return bad
+
+
+def trace_cpu(r: dict[str, Any]) -> None:
+    """Write the machine's ``cpu_model`` into every section measured (and the pinned
+    end-to-end one inside ``end_to_end``; skipped ones left alone), so that a figure read out
+    of the document names its CPU."""
+    model = r["machine"]["cpu_model"]
+    docs = [doc for key, doc in r.items() if key != "machine" and isinstance(doc, dict)]
+    for doc in [*docs, section(r, "end_to_end.pinned")]:
+        if doc and "skipped" not in doc:
+            doc.setdefault("cpu_model", model)
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
@@ -503,6 +519,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         result["dynamic"] = bench_dynamic.run(plan.name, procs)
         timings["dynamic"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    trace_cpu(result)
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}
     result["total_seconds"] = round(time.monotonic() - t_start, 1)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_e2e
-from bench_util import Plan, Procs, host_cpus, log, median, start_server
+from bench_util import Plan, Procs, cpu_model, host_cpus, log, median, start_server
 
 HERE = Path(__file__).resolve().parent
 FUSED_STEPS = 10  # steps per compiled call of fused local training, per TF PSS schedule
@@ -112,6 +112,7 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
             "worker": median([x["worker_cpu_cores"][0] for x in rounds["dp"]]),
         },
         "cpus": {"worker_host": worker, "server_host": server},
+        "cpu_model": cpu_model(),  # the pinned figures depend on it (docs/performance.md)
         "rounds": plan.pinned_rounds,
         "detail": rounds,
     }
@@ -156,4 +157,6 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
         "pinned_pusher_cpu_cores": flood["pusher_cpu_cores"],
         "pinned_server_reported_apply_ms": flood["server_reported_apply_ms"],
         "pinned_cpus": {"server": core, "pushers": worker},
+        # a memcpy's speed sets the unit of pinned_overhead_memcpys: the CPU it was measured on
+        "pinned_cpu_model": cpu_model(),
     }
