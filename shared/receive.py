@@ -42,6 +42,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 MAX_MMAP_THRESHOLD = 1 << 25
 MIN_TRIM_THRESHOLD = 1 << 17  # glibc's default: a heap with less free on top is never trimmed
 FRAME_SLACK = 1 << 12  # libzmq's message header and the allocator's, on top of a frame's bytes
+MAX_INT = (1 << 31) - 1  # mallopt takes a C int
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class ReceiveHeap:
     problem: str | None = None
 
 
-def settings(mmap_at: int, retain: int) -> list[tuple[int, int]]:
+def _mallopt_pairs(mmap_at: int, retain: int) -> list[tuple[int, int]]:
     """The ``mallopt`` (parameter, value) pairs: map only allocations of ``mmap_at`` bytes or
     more; keep ``retain`` bytes of free heap (trim threshold and top pad)."""
     return [(M_MMAP_THRESHOLD, mmap_at), (M_TRIM_THRESHOLD, retain), (M_TOP_PAD, retain)]
@@ -115,15 +116,15 @@ def keep_receive_buffers(largest_frame: int, retain: int) -> ReceiveHeap:
     value glibc refuses: frames then page-fault into fresh memory on every receive) and when
     frames larger than glibc can keep on the heap will still be mapped per message."""
     mmap_at = min(max(int(largest_frame) + FRAME_SLACK, MIN_TRIM_THRESHOLD), MAX_MMAP_THRESHOLD)
-    trim_at = max(int(retain), mmap_at, MIN_TRIM_THRESHOLD)
+    trim_at = min(max(int(retain), mmap_at, MIN_TRIM_THRESHOLD), MAX_INT)
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         problem = "no mallopt in this C library"
     else:
         mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        ok = all(mallopt(p, v) for p, v in settings(mmap_at, trim_at))
-        problem = None if ok else f"mallopt refused {settings(mmap_at, trim_at)}"
+        ok = all(mallopt(p, v) for p, v in _mallopt_pairs(mmap_at, trim_at))
+        problem = None if ok else f"mallopt refused {_mallopt_pairs(mmap_at, trim_at)}"
     if problem is not None:
         log.warning("%s: received frames are mapped afresh on every receive", problem)
         return ReceiveHeap(0, 0, problem)

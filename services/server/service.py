@@ -77,7 +77,7 @@ from downpour.wire import ProtocolError
 
 STATUS_BOUND = Bound(1, STATUS_MAX_BYTES)  # a status request is one small header
 RETAIN_PUSHES = 4  # pushes' worth of freed receive buffers the heap keeps for the next ones
-RETAIN_MAX_BYTES = 1 << 30  # ... but never more than this
+RETAIN_MAX_BYTES = 1 << 28  # ... but never more (frames over 32 MiB are not kept anyway)
 
 __all__ = ["Server", "ServerConfig"]
 

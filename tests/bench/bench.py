@@ -165,6 +165,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, each with the measured value, the bound and whether it is met."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
     p, g = e["pinned"], r["goodput"]
+    cpu = r["machine"]["cpu_model"]  # every judged figure names the CPU it was measured on
     rows: list[tuple[str, float | None, str, float]] = [
         ("wire ratio_to_memcpy", w["ratio_to_memcpy"], "<=", 3.0),
         ("seed speedup", s["speedup"], ">=", 3.5),
@@ -211,7 +212,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         if value is None:  # not measured by a lean plan
             continue
         met = value <= bound if op == "<=" else value >= bound
-        out.append({"target": name, "value": value, "op": op, "bound": bound, "met": bool(met)})
+        row = {"target": name, "value": value, "op": op, "bound": bound, "met": bool(met)}
+        out.append(row | {"cpu_model": cpu})
     return out
 
 
