@@ -13,6 +13,15 @@ so the library holds a message whole, for a moment, before its first frame can b
 bound keeps the server from keeping, decoding or answering such a message; ``release_memory``
 (called after a large drop) hands the freed heap back to the system, so the resident memory a
 sender can leave behind does not grow with what it sent.
+
+Where the received bytes land: libzmq's I/O thread ``malloc``s a buffer per frame and reads
+the socket straight into it; the receiver frees it when it drops the frame. glibc maps a
+large allocation afresh (``mmap``) and unmaps it on free, or trims the heap it came from, so
+every push of a model's tensors page-faults its way through fresh zeroed pages: thousands of
+faults, in kernel time, per message. ``keep_receive_buffers`` raises glibc's mapping and trim
+thresholds and its top pad (a thread's heap that has emptied is otherwise unmapped whatever
+the trim threshold) so that those buffers come from the heap and freed ones are reused by
+the next message, the way a pool of receive buffers would be.
 """
 
 from __future__ import annotations
@@ -27,6 +36,13 @@ import zmq
 log = logging.getLogger(__name__)
 
 TRIM_AFTER_BYTES = 1 << 24  # a dropped message at least this large returns the heap to the OS
+# glibc's mallopt parameters (malloc.h) and the largest mapping threshold it accepts on 64-bit
+# (HEAP_MAX_SIZE / 2): a frame larger than that is always mapped, and unmapped on free
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+MAX_MMAP_THRESHOLD = 1 << 25
+MIN_TRIM_THRESHOLD = 1 << 17  # glibc's default: a heap with less free on top is never trimmed
+FRAME_SLACK = 1 << 12  # libzmq's message header and the allocator's, on top of a frame's bytes
+MAX_INT = (1 << 31) - 1  # mallopt takes a C int
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,54 @@ def recv_bounded(sock: zmq.Socket, bound: Bound, flags: int = 0) -> list[Any] | 
     if total >= TRIM_AFTER_BYTES:
         release_memory()
     return Oversize(count, total)
+
+
+@dataclass(frozen=True)
+class ReceiveHeap:
+    """What ``keep_receive_buffers`` set: frames up to ``reused_frame_bytes`` come from the
+    heap, which keeps up to ``retained_bytes`` free for the next messages; ``problem`` says
+    why it set nothing (None: it did)."""
+
+    reused_frame_bytes: int
+    retained_bytes: int
+    problem: str | None = None
+
+
+def _mallopt_pairs(mmap_at: int, retain: int) -> list[tuple[int, int]]:
+    """The ``mallopt`` (parameter, value) pairs: map only allocations of ``mmap_at`` bytes or
+    more; keep ``retain`` bytes of free heap (trim threshold and top pad)."""
+    return [(M_MMAP_THRESHOLD, mmap_at), (M_TRIM_THRESHOLD, retain), (M_TOP_PAD, retain)]
+
+
+def keep_receive_buffers(largest_frame: int, retain: int) -> ReceiveHeap:
+    """Make the C heap reuse received frames' buffers: allocations up to ``largest_frame``
+    bytes (at most glibc's ``MAX_MMAP_THRESHOLD``) come from the heap instead of fresh
+    mappings, and up to ``retain`` bytes of freed heap stay with the process for the next
+    messages instead of going back to the system. Process-wide (every thread's ``malloc``);
+    a service calls it once at start. Logs at warning level when it cannot (not glibc, or a
+    value glibc refuses: frames then page-fault into fresh memory on every receive) and when
+    frames larger than glibc can keep on the heap will still be mapped per message."""
+    mmap_at = min(max(int(largest_frame) + FRAME_SLACK, MIN_TRIM_THRESHOLD), MAX_MMAP_THRESHOLD)
+    trim_at = min(max(int(retain), mmap_at, MIN_TRIM_THRESHOLD), MAX_INT)
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        problem = "no mallopt in this C library"
+    else:
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        ok = all(mallopt(p, v) for p, v in _mallopt_pairs(mmap_at, trim_at))
+        problem = None if ok else f"mallopt refused {_mallopt_pairs(mmap_at, trim_at)}"
+    if problem is not None:
+        log.warning("%s: received frames are mapped afresh on every receive", problem)
+        return ReceiveHeap(0, 0, problem)
+    if largest_frame + FRAME_SLACK > MAX_MMAP_THRESHOLD:
+        log.warning(
+            "frames over %d MiB (the largest here: %.0f MiB) are mapped afresh on every "
+            "receive: glibc keeps no larger allocation on its heap",
+            MAX_MMAP_THRESHOLD >> 20,
+            largest_frame / (1 << 20),
+        )
+    return ReceiveHeap(mmap_at - FRAME_SLACK, trim_at)
 
 
 def release_memory() -> bool:

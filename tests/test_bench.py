@@ -95,6 +95,15 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     machine = doc["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["memory_gib"] > 0
     assert machine["tensorflow"]
+    # the CPU every figure was measured on: its model, and the flags a memcpy's speed rides on
+    assert machine["cpu_model"] == machine["cpu"] and machine["cpu_model"] != "unknown"
+    assert isinstance(machine["memcpy_flags"], list)
+    assert set(machine["memcpy_flags"]) <= {"sse4_2", "avx2", "avx512f", "avx512bw", "erms", "fsrm"}
+    for section in ("wire", "seed_gradients", "server", "end_to_end.pinned", "goodput", "sparse"):
+        assert figures(doc, section)["cpu_model"] == machine["cpu_model"], section
+    assert doc["server"]["pinned_cpu_model"] == machine["cpu_model"]  # beside the pinned figures
+    assert {t["cpu_model"] for t in doc["targets"]} == {machine["cpu_model"]}
+    assert "| machine | CPU model" in done.stdout and machine["cpu_model"] in done.stdout
     link_skipped = doc["link_1gbit"].get("skipped")
     for section, keys in REQUIRED.items():
         if section == "link_1gbit" and link_skipped:
@@ -136,14 +145,24 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
         assert f"| {target}" in done.stdout  # each new target is judged in the table
     assert "| link 1 Gbit/s |" in done.stdout
     assert "--n-fetch 4 / 1" in done.stdout  # the fetch schedule's row
-    assert "ratio_1w_vs_local, bf16" not in done.stdout  # the smoke plan skips those set-ups
-
-    # the full plan's extra end-to-end set-ups (bf16 both ways) reach the table and targets
     sys.path.insert(0, str(BENCH.parent))
     try:
         import bench
+        import bench_pinned
     finally:
         sys.path.remove(str(BENCH.parent))
+    # the pinned downpour set-up with the candidate new worker defaults, beside today's
+    pinned = doc["end_to_end"]["pinned"]
+    new = pinned["defaults"]["new"]
+    assert new["worker_settings"] == bench_pinned.NEW_DEFAULTS
+    assert pinned["defaults"]["current"]["ratio_to_limit"] == pinned["ratio_to_limit"]
+    for key in ("downpour_1w_steps_per_s", "ratio_to_limit", "overhead_vs_tf_pss"):
+        assert math.isfinite(new[key]) and new[key] > 0, (key, new[key])
+    assert f"**new defaults** ({new['flags']}" in done.stdout
+    assert f"| pinned ratio_to_limit, new defaults ({new['flags']}) |" in done.stdout
+    assert "ratio_1w_vs_local, bf16" not in done.stdout  # the smoke plan skips those set-ups
+
+    # the full plan's extra end-to-end set-ups (bf16 both ways) reach the table and targets
     e = doc["end_to_end"]
     e["downpour_1w_bf16_steps_per_s"] = e["downpour_1w_curve_bf16_steps_per_s"] = 1.0
     e["ratio_1w_bf16_vs_local"] = e["ratio_1w_bf16_vs_tf_pss"] = 1.0

@@ -2,19 +2,29 @@
 sockets; a message past it is received, dropped and reported, and the next one is intact.
 Also the two refusals the wire spec names from the header alone: row ids in another encoding
 than dense (``bad_header``) and a message on a socket that does not serve its type
-(``wrong_socket``), before any tensor is looked at."""
+(``wrong_socket``), before any tensor is looked at. And ``keep_receive_buffers``: received
+frames' buffers reused by the next messages instead of faulted in afresh."""
 
 from __future__ import annotations
 
+import logging
+import platform
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import zmq
+from conftest import isolated_json
 from inproc import serving
 
 from downpour import wire
-from downpour.receive import Bound, Oversize, recv_bounded
+from downpour.receive import (
+    MAX_MMAP_THRESHOLD,
+    Bound,
+    Oversize,
+    keep_receive_buffers,
+    recv_bounded,
+)
 from downpour.wire import Message
 
 BOUND = Bound(frames=4, nbytes=1000)
@@ -72,6 +82,58 @@ def test_no_message_waiting_raises_again(pair: tuple[zmq.Socket, zmq.Socket]) ->
         recv_bounded(pair[1], BOUND, zmq.NOBLOCK)
 
 
+# In a fresh interpreter (the allocator's settings are process-wide): rounds of ``k`` frames
+# of ``size`` bytes over tcp loopback, all held, then dropped; the page faults of each round.
+FAULTS_PROBE = """
+import json, resource, sys
+import numpy as np, zmq
+from downpour.receive import keep_receive_buffers
+keep, size, k, rounds = json.loads(sys.argv[1])
+heap = keep_receive_buffers(size, k * size) if keep else None
+ctx = zmq.Context()
+pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+payload = np.ones(size // 4, np.float32)
+faults = []
+for _ in range(rounds):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(k):
+        push.send(payload, copy=False)
+    frames = [pull.recv(copy=False) for _ in range(k)]
+    assert all(len(f) == size for f in frames)
+    del frames
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+push.close(); pull.close(); ctx.term()
+print(json.dumps({"faults": faults, "heap": heap and heap.reused_frame_bytes}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+def test_kept_receive_buffers_are_reused_by_the_next_messages_without_page_faults() -> None:
+    size, k, rounds = 12_845_056, 4, 5  # Deep-MNIST's largest gradient, four at a time
+    pages = k * size // 4096
+    kept = isolated_json(FAULTS_PROBE, [True, size, k, rounds])
+    assert kept["heap"] >= size
+    assert kept["faults"][0] >= pages // 2  # the first round brings the heap's pages in
+    # every later round reuses them (without the setting glibc maps and faults them anew)
+    unset = isolated_json(FAULTS_PROBE, [False, size, k, rounds])["faults"]
+    assert sum(kept["faults"][1:]) < pages // 100, (kept["faults"], unset)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+def test_frames_larger_than_the_heap_keeps_are_named_at_warning_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, "downpour.receive"):
+        small = keep_receive_buffers(1 << 20, 1 << 22)
+    assert small.problem is None and small.reused_frame_bytes >= 1 << 20
+    assert small.retained_bytes == 1 << 22 and not caplog.records
+    with caplog.at_level(logging.WARNING, "downpour.receive"):
+        big = keep_receive_buffers(MAX_MMAP_THRESHOLD * 2, 1 << 22)
+    assert big.reused_frame_bytes < MAX_MMAP_THRESHOLD  # capped at what glibc keeps
+    assert "mapped afresh on every receive" in caplog.text
+
+
 def _pull_with_ids(encoding: str) -> Message:
     ids = np.arange(4, dtype=np.float32)
     tensor = wire.BFloat16.from_array(ids) if encoding == wire.BF16 else ids.astype(np.int64)
@@ -98,3 +160,16 @@ def test_a_pull_with_a_large_tensor_on_the_gradient_socket_is_wrong_socket() -> 
         out = handle_gradients(frames, ctx)
     assert out.rejection is not None and out.rejection.code == wire.R_WRONG_SOCKET
     assert ctx.stats.rejected == {wire.R_WRONG_SOCKET: 1}
+
+
+def test_a_server_keeps_buffers_for_its_largest_whole_tensor_not_its_row_sparse_table() -> None:
+    """``tiny_models:embedding``: the Embedding table travels as rows; the largest tensor a
+    push carries whole is the 8 x 4 float32 logits kernel."""
+    from downpour.server.service import largest_dense_frame
+
+    with serving("tiny_models:embedding") as server:
+        state, heap = server.server.state, server.server.receive_heap
+        assert state.sparse[state.index["embed/embeddings"]]
+        assert largest_dense_frame(state) == 8 * 4 * 4
+        if platform.libc_ver()[0] == "glibc":
+            assert heap.problem is None and heap.reused_frame_bytes >= 8 * 4 * 4

@@ -35,12 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from downpour import security, systemd, wire
 from downpour.device import configure_device
 from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
-from downpour.receive import Bound, Oversize, recv_bounded
+from downpour.receive import Bound, Oversize, keep_receive_buffers, recv_bounded
 from downpour.server.checkpoint import (
     CheckpointStore,
     CheckpointWriter,
@@ -75,6 +76,8 @@ from downpour.spec import ModelSpec
 from downpour.wire import ProtocolError
 
 STATUS_BOUND = Bound(1, STATUS_MAX_BYTES)  # a status request is one small header
+RETAIN_PUSHES = 4  # pushes' worth of freed receive buffers the heap keeps for the next ones
+RETAIN_MAX_BYTES = 1 << 28  # ... but never more (frames over 32 MiB are not kept anyway)
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -116,6 +119,19 @@ def check_dynamic(state: ParameterState, policy: Policy, config: ServerConfig) -
             kind,
             config.optimizer,
         )
+
+
+def largest_dense_frame(state: ParameterState) -> int:
+    """Bytes of the largest tensor a push carries whole (row-sparse ones carry rows): the
+    largest receive buffer ``keep_receive_buffers`` should keep on the heap."""
+    return max(
+        (
+            int(np.prod(shape)) * dtype.itemsize
+            for shape, dtype, sparse in zip(state.shapes, state.dtypes, state.sparse, strict=True)
+            if not sparse
+        ),
+        default=0,
+    )
 
 
 class Server:
@@ -167,6 +183,10 @@ class Server:
             )
             self._restore()
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
+        self.receive_heap = keep_receive_buffers(
+            largest_dense_frame(self.state),
+            min(RETAIN_PUSHES * self.state.payload_bytes, RETAIN_MAX_BYTES),
+        )
         self.registry = WorkerRegistry(
             config.missing_after_s,
             config.gone_after_s,

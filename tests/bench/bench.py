@@ -146,10 +146,26 @@ def section(r: dict[str, Any], path: str) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+PINNED_GOALS = {  # the pinned end-to-end goals, for every set of worker defaults measured
+    "ratio_to_limit": (">=", 0.95),
+    "ratio_1w_vs_local": (">=", 1.15),
+    "overhead_vs_tf_pss": ("<=", 0.5),
+}
+
+
+def pinned_targets(figures: dict[str, Any], suffix: str) -> list[tuple[str, float, str, float]]:
+    """The pinned end-to-end target rows of one set of worker defaults' ``figures``."""
+    return [
+        (f"pinned {key}{suffix}", figures[key], op, bound)
+        for key, (op, bound) in PINNED_GOALS.items()
+    ]
+
+
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, each with the measured value, the bound and whether it is met."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
     p, g = e["pinned"], r["goodput"]
+    cpu = r["machine"]["cpu_model"]  # every judged figure names the CPU it was measured on
     rows: list[tuple[str, float | None, str, float]] = [
         ("wire ratio_to_memcpy", w["ratio_to_memcpy"], "<=", 3.0),
         ("seed speedup", s["speedup"], ">=", 3.5),
@@ -169,10 +185,14 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         # --compress bf16; end to end --compress bf16 and --pull-compress bf16 (full plan only)
         ("wire ratio_to_memcpy, bf16", w["bf16_ratio_to_memcpy"], "<=", 3.0),
         ("input tfrecord_vs_memory", r["input"]["tfrecord_vs_memory"], ">=", 0.95),
-        # emulated hosts: every process on its own core
-        ("pinned ratio_to_limit", p["ratio_to_limit"], ">=", 0.95),
-        ("pinned ratio_1w_vs_local", p["ratio_1w_vs_local"], ">=", 1.15),
-        ("pinned overhead_vs_tf_pss", p["overhead_vs_tf_pss"], "<=", 0.5),
+        # emulated hosts: every process on its own core; then with the candidate new defaults
+        *pinned_targets(p, ""),
+        *[
+            row
+            for name, d in p.get("defaults", {}).items()
+            if name != "current"
+            for row in pinned_targets(d, f", {name} defaults ({d['flags']})")
+        ],
         ("server pinned_overhead_memcpys", v["pinned_overhead_memcpys"], "<=", 2.0),
         ("goodput push_ratio_to_raw", g["push_ratio_to_raw"], ">=", 0.90),
         ("goodput pull_ratio_to_raw", g["pull_ratio_to_raw"], ">=", 0.90),
@@ -192,7 +212,8 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         if value is None:  # not measured by a lean plan
             continue
         met = value <= bound if op == "<=" else value >= bound
-        out.append({"target": name, "value": value, "op": op, "bound": bound, "met": bool(met)})
+        row = {"target": name, "value": value, "op": op, "bound": bound, "met": bool(met)}
+        out.append(row | {"cpu_model": cpu})
     return out
 
 
@@ -225,7 +246,8 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
         f"apply's {v['pinned_bare_apply_per_s']:.1f}/s on core 1) |",
         f"| server, pinned | **overhead per apply, in memcpys of the gradient list** | "
         f"**{v['pinned_overhead_memcpys']:.2f}** ({v['pinned_overhead_ms']:.2f} ms over "
-        f"{v['pinned_apply_ms']:.2f} ms apply; memcpy {v['pinned_memcpy_ms']:.2f} ms) |",
+        f"{v['pinned_apply_ms']:.2f} ms apply; memcpy {v['pinned_memcpy_ms']:.2f} ms on "
+        f"{v['pinned_cpu_model']}) |",
         f"| e2e, pinned | local training on core 0 (faster of Keras Adam "
         f"{p['local_keras_adam_steps_per_s']:.2f}, fused x{p['local_fused_steps_per_call']} "
         f"{p['local_fused_steps_per_s']:.2f}) | {p['local_steps_per_s']:.2f} steps/s |",
@@ -243,6 +265,7 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
         f"| e2e, pinned | **overhead per step beyond the gradient step, downpour / TF PSS** | "
         f"**{p['overhead_vs_tf_pss']:.2f}** ({p['overhead_ms']['downpour']:.1f} / "
         f"{p['overhead_ms']['tf_pss']:.1f} ms) |",
+        *_defaults_rows(p),
     ]
     for op in ("push", "pull", "pushpull"):
         per_size = ", ".join(
@@ -263,6 +286,21 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
             f"{link['bf16_steps_per_s']:.2f} / {link['topk_steps_per_s']:.2f} steps/s |"
         )
     return rows
+
+
+def _defaults_rows(p: dict[str, Any]) -> list[str]:
+    """The pinned downpour set-up with each set of candidate new worker defaults, measured in
+    the same rounds as today's (``end_to_end.pinned.defaults``)."""
+    return [
+        f"| e2e, pinned | downpour worker core 0, server core 1, **{name} defaults** "
+        f"({d['flags']}; staleness mean {d['staleness_mean']:.2f}): steps/s; "
+        f"**/ limit; / local; / TF PSS; overhead / TF PSS's** | "
+        f"{d['downpour_1w_steps_per_s']:.2f} steps/s; **{d['ratio_to_limit']:.2f}; "
+        f"{d['ratio_1w_vs_local']:.2f}; {d['ratio_1w_vs_tf_pss']:.2f}; "
+        f"{d['overhead_vs_tf_pss']:.2f}** ({d['overhead_ms']:.1f} ms) |"
+        for name, d in p.get("defaults", {}).items()
+        if name != "current"
+    ]
 
 
 def _e2e_rows(e: dict[str, Any]) -> list[str]:
@@ -326,9 +364,13 @@ def _fetch_rows(f: dict[str, Any]) -> list[str]:
 def table(r: dict[str, Any]) -> str:
     """The results as a Markdown table (also what the README's Performance section shows)."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
+    m = r["machine"]
     lines = [
         "| section | measurement | value |",
         "|---|---|---|",
+        f"| machine | CPU model (memcpy-relevant flags), cores: every figure below was "
+        f"measured on it | {m['cpu_model']} ({', '.join(m['memcpy_flags']) or 'none'}), "
+        f"{m['cores']} cores |",
         f"| wire | memcpy of the gradient list (np.copyto) | {w['memcpy_ms']:.2f} ms "
         f"({w['memcpy_gb_per_s']:.1f} GB/s) |",
         f"| wire | encode + ZMQ tcp loopback + decode | {w['push_decode_ms']:.2f} ms "
@@ -405,6 +447,17 @@ def check(r: dict[str, Any]) -> list[str]:
             if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
                 bad.append(f"{path}.{key}[{rows}]={x!r}")
     return bad
+
+
+def trace_cpu(r: dict[str, Any]) -> None:
+    """Write the machine's ``cpu_model`` into every section measured (and the pinned
+    end-to-end one inside ``end_to_end``; skipped ones left alone), so that a figure read out
+    of the document names its CPU."""
+    model = r["machine"]["cpu_model"]
+    docs = [doc for key, doc in r.items() if key != "machine" and isinstance(doc, dict)]
+    for doc in [*docs, section(r, "end_to_end.pinned")]:
+        if doc and "skipped" not in doc:
+            doc.setdefault("cpu_model", model)
 
 
 def run(plan: Plan, logdir: Path) -> dict[str, Any]:
@@ -503,6 +556,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
         result["dynamic"] = bench_dynamic.run(plan.name, procs)
         timings["dynamic"] = time.monotonic() - t
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    trace_cpu(result)
     result["targets"] = targets(result)
     result["section_seconds"] = {k: round(v, 1) for k, v in timings.items()}
     result["total_seconds"] = round(time.monotonic() - t_start, 1)

@@ -19,6 +19,12 @@ started under ``taskset`` with TensorFlow's thread pools sized to its one core
 when the computation dominates both approach the same limit, and the overheads show what the
 step-rate ratio hides.
 
+``end_to_end.pinned.defaults``: the downpour set-up once per set of worker defaults in
+``DEFAULT_SETS`` in every round (``current``: the worker's own defaults; ``new``: the
+settings ``NEW_DEFAULTS`` names, the candidate defaults of the fetch study), each with its
+own ratios against the same local, gradient-only and TF PSS figures; the section's top-level
+figures are the ``current`` set's.
+
 ``server.pinned_*``: the server on core 1 flooded by pre-encoded pushes from core 0, against
 the bare compiled apply and a memcpy of the gradient list measured on core 1 in the same run.
 """
@@ -29,11 +35,25 @@ from pathlib import Path
 from typing import Any
 
 import bench_e2e
-from bench_util import Plan, Procs, host_cpus, log, median, start_server
+from bench_util import Plan, Procs, cpu_model, host_cpus, log, median, start_server
 
 HERE = Path(__file__).resolve().parent
 FUSED_STEPS = 10  # steps per compiled call of fused local training, per TF PSS schedule
 OVERHEAD_FLOOR = 1e-3  # an overhead below 0.1 % of the gradient step counts as that (noise)
+# The worker settings (by name) measured beside the worker's defaults as candidate new
+# defaults: the one place to change them. None: measure the current defaults only.
+NEW_DEFAULTS: dict[str, Any] | None = {"n_fetch": 4, "pull_compress": "bf16"}
+
+
+def default_sets() -> dict[str, dict[str, Any]]:
+    """The sets of worker settings the pinned downpour set-up runs with, by name."""
+    return {"current": {}} | ({"new": dict(NEW_DEFAULTS)} if NEW_DEFAULTS else {})
+
+
+def describe(settings: dict[str, Any]) -> str:
+    """Worker settings as their command-line flags ("--n-fetch 4 --pull-compress bf16")."""
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in settings.items()]
+    return " ".join(flags) or "the worker's defaults"
 
 
 def child(
@@ -62,37 +82,49 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
     variants = f"keras:1,keras:{FUSED_STEPS},fused:1,fused:{FUSED_STEPS}"
     if plan.lean:  # the fused apply with several steps per schedule is TF's fastest here
         variants = f"fused:{FUSED_STEPS}"
-    rounds: dict[str, list[dict[str, Any]]] = {"local": [], "dp": [], "pss": []}
+    sets = default_sets()
+    rounds: dict[str, list[dict[str, Any]]] = {"local": [], "pss": []}
+    rounds |= {name: [] for name in sets}
     for r in range(plan.pinned_rounds):
         tag = f"pinned round {r + 1}/{plan.pinned_rounds}"
         log(f"{tag}: local training and the gradient step alone on core {worker}")
         rounds["local"].append(child(procs, "compute", worker, [*window, "--fused-k", str(k)]))
-        log(f"{tag}: downpour, worker on core {worker}, server on core {server}")
-        rounds["dp"].append(
-            bench_e2e.downpour(plan, procs, 1, server_cpus=server, worker_cpus=worker)
-        )
+        for name, settings in sets.items():
+            log(f"{tag}: downpour ({describe(settings)}), worker core {worker}, server {server}")
+            rounds[name].append(
+                bench_e2e.downpour(
+                    plan, procs, 1, server_cpus=server, worker_cpus=worker,
+                    worker_settings=settings,
+                )
+            )  # fmt: skip
         log(f"{tag}: TF PSS, worker on core {worker}, PS and coordinator on core {server}")
         rounds["pss"].append(
             bench_e2e.tf_parameter_server(
                 plan, procs, variants, cpus={"worker": worker, "ps": server, "chief": server}
             )
         )
-    rate = {k: median([x["steps_per_s"] for x in rounds[k]]) for k in ("dp", "pss")}
+    rate = {k: median([x["steps_per_s"] for x in rounds[k]]) for k in ("pss", *sets)}
     rate["local"] = median([x["local_steps_per_s"] for x in rounds["local"]])
     rate["grad"] = median([x["grad_only_steps_per_s"] for x in rounds["local"]])
     pss_variants = {
         name: median([x["variants"][name] for x in rounds["pss"]])
         for name in rounds["pss"][0]["variants"]
     }
+    per_set = {
+        name: {
+            "worker_settings": settings,
+            "flags": describe(settings),
+            **downpour_figures(rate[name], rate, rounds[name]),
+        }
+        for name, settings in sets.items()
+    }
+    current = per_set["current"]
+    rounds["dp"] = rounds.pop("current")
     return {
         "local_steps_per_s": rate["local"],
         "grad_only_steps_per_s": rate["grad"],
-        "downpour_1w_steps_per_s": rate["dp"],
+        **{k: current[k] for k in SET_FIGURES},
         "tf_pss_1w_steps_per_s": rate["pss"],
-        "ratio_1w_vs_local": rate["dp"] / rate["local"],
-        "ratio_1w_vs_tf_pss": rate["dp"] / rate["pss"],
-        "ratio_to_limit": rate["dp"] / rate["grad"],
-        "overhead_vs_tf_pss": overhead_ratio(rate["dp"], rate["pss"], rate["grad"]),
         # informative: the components of the figures above
         "local_keras_adam_steps_per_s": median(
             [x["keras_adam_steps_per_s"] for x in rounds["local"]]
@@ -103,17 +135,45 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
         "tf_pss_variants_steps_per_s": pss_variants,
         "tf_pss_best": max(pss_variants, key=pss_variants.__getitem__),
         "overhead_ms": {
-            "downpour": 1e3 * (1 / rate["dp"] - 1 / rate["grad"]),
+            "downpour": current["overhead_ms"],
             "tf_pss": 1e3 * (1 / rate["pss"] - 1 / rate["grad"]),
         },
-        "downpour_staleness_mean": median([x["staleness_mean"] or 0.0 for x in rounds["dp"]]),
-        "downpour_cpu_cores": {
-            "server": median([x["server_cpu_cores"] for x in rounds["dp"]]),
-            "worker": median([x["worker_cpu_cores"][0] for x in rounds["dp"]]),
-        },
+        "downpour_staleness_mean": current["staleness_mean"],
+        "downpour_cpu_cores": current["cpu_cores"],
+        "defaults": per_set,
         "cpus": {"worker_host": worker, "server_host": server},
+        "cpu_model": cpu_model(),  # the pinned figures depend on it (docs/performance.md)
         "rounds": plan.pinned_rounds,
         "detail": rounds,
+    }
+
+
+SET_FIGURES = (  # a set of defaults' figures that the section also reports at its top level
+    "downpour_1w_steps_per_s",
+    "ratio_1w_vs_local",
+    "ratio_1w_vs_tf_pss",
+    "ratio_to_limit",
+    "overhead_vs_tf_pss",
+)
+
+
+def downpour_figures(
+    dp: float, rate: dict[str, float], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One set of worker defaults' figures: its steps/s ``dp`` against the local, gradient-only
+    and TF PSS rates of ``rate`` (the same for every set), and what its ``runs`` measured."""
+    return {
+        "downpour_1w_steps_per_s": dp,
+        "ratio_1w_vs_local": dp / rate["local"],
+        "ratio_1w_vs_tf_pss": dp / rate["pss"],
+        "ratio_to_limit": dp / rate["grad"],
+        "overhead_vs_tf_pss": overhead_ratio(dp, rate["pss"], rate["grad"]),
+        "overhead_ms": 1e3 * (1 / dp - 1 / rate["grad"]),
+        "staleness_mean": median([x["staleness_mean"] or 0.0 for x in runs]),
+        "cpu_cores": {
+            "server": median([x["server_cpu_cores"] for x in runs]),
+            "worker": median([x["worker_cpu_cores"][0] for x in runs]),
+        },
     }
 
 
@@ -156,4 +216,6 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
         "pinned_pusher_cpu_cores": flood["pusher_cpu_cores"],
         "pinned_server_reported_apply_ms": flood["server_reported_apply_ms"],
         "pinned_cpus": {"server": core, "pushers": worker},
+        # a memcpy's speed sets the unit of pinned_overhead_memcpys: the CPU it was measured on
+        "pinned_cpu_model": cpu_model(),
     }

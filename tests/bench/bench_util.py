@@ -121,27 +121,48 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 2) -> list[float]:
     return out
 
 
+MEMCPY_FLAGS = ("sse4_2", "avx2", "avx512f", "avx512bw", "erms", "fsrm")  # what memcpy uses
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags, from /proc/cpuinfo ("unknown" and none where
+    it does not say): every figure in memcpys depends on them, the memcpy's speed first."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_model() -> str:
+    """The CPU model name, stored beside figures that depend on it (``cpu_info``)."""
+    return cpu_info()[0]
+
+
 def machine() -> dict[str, Any]:
-    """CPU model, cores, memory and software versions of this machine."""
+    """CPU model, its memcpy-relevant flags, cores, memory and software versions."""
     import numpy as np
     import tensorflow as tf
     import zmq
 
-    cpu = "unknown"
-    flags: set[str] = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu == "unknown":
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+    cpu, flags = cpu_info()
     mem_gib = meminfo_mib("MemTotal") / 1024
     simd = [f for f in ("avx", "avx2", "fma", "avx512f") if f in flags]
+    memcpy_flags = [f for f in MEMCPY_FLAGS if f in flags]
     hypervisor = "hypervisor" in flags
     return {
         "cpu": cpu,
+        "cpu_model": cpu,
         "simd": simd,
+        # rep movsb fast paths (erms, fsrm) and vector widths: what a memcpy's speed rides on
+        "memcpy_flags": memcpy_flags,
         "virtualised": hypervisor,
         "cores": os.cpu_count(),
         "memory_gib": round(mem_gib, 1),
@@ -152,7 +173,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "kernel": platform.release(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "summary": f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, TensorFlow {tf.__version__}",
+        "summary": f"{cpu} ({', '.join(memcpy_flags) or 'no memcpy flags'}), "
+        f"{os.cpu_count()} cores, {mem_gib:.0f} GiB, TensorFlow {tf.__version__}",
     }
 
 
