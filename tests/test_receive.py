@@ -171,5 +171,12 @@ def test_a_server_keeps_buffers_for_its_largest_whole_tensor_not_its_row_sparse_
         state, heap = server.server.state, server.server.receive_heap
         assert state.sparse[state.index["embed/embeddings"]]
         assert largest_dense_frame(state) == 8 * 4 * 4
+        doc = server.server.snapshot()
         if platform.libc_ver()[0] == "glibc":
             assert heap.problem is None and heap.reused_frame_bytes >= 8 * 4 * 4
+            assert doc["receive_heap"] == {
+                "reused_frame_bytes": heap.reused_frame_bytes,
+                "retained_bytes": heap.retained_bytes,
+            }
+        else:  # said in status (and at warning level in the log)
+            assert doc["receive_heap"] == heap.problem

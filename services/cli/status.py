@@ -107,6 +107,8 @@ def render(doc: dict[str, Any]) -> str:
     ]
     if doc.get("row_detection"):
         lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")
+    if isinstance(doc.get("receive_heap"), str):
+        lines.append(f"WARNING: {doc['receive_heap']}: received frames are mapped afresh")
     if doc.get("apply_call", "flat") != "flat":
         lines.append(f"WARNING: {doc['apply_call']}: every apply binds its inputs again")
     for path, t in sorted((doc.get("dynamic_tables") or {}).items()):

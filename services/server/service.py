@@ -528,7 +528,8 @@ class Server:
 
     def snapshot(self) -> dict[str, Any]:
         """The status document (fields: docs/cli.md): plain types, JSON-serialisable."""
-        return build_status(
+        heap = self.receive_heap
+        doc = build_status(
             self.handler_ctx,
             now=time.monotonic(),
             started=self.started,
@@ -540,6 +541,12 @@ class Server:
             exports=self.exports.snapshot() if self.exports is not None else None,
             auth=self.auth,
         )
+        # what keep_receive_buffers set, or why it set nothing (logged at warning level)
+        doc["receive_heap"] = heap.problem or {
+            "reused_frame_bytes": heap.reused_frame_bytes,
+            "retained_bytes": heap.retained_bytes,
+        }
+        return doc
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
