@@ -151,15 +151,15 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
         import bench_pinned
     finally:
         sys.path.remove(str(BENCH.parent))
-    # the pinned downpour set-up with the candidate new worker defaults, beside today's
+    # the pinned downpour set-up with the previous worker defaults, beside today's
     pinned = doc["end_to_end"]["pinned"]
-    new = pinned["defaults"]["new"]
-    assert new["worker_settings"] == bench_pinned.NEW_DEFAULTS
+    new = pinned["defaults"]["previous"]
+    assert new["worker_settings"] == bench_pinned.PREVIOUS_DEFAULTS
     assert pinned["defaults"]["current"]["ratio_to_limit"] == pinned["ratio_to_limit"]
     for key in ("downpour_1w_steps_per_s", "ratio_to_limit", "overhead_vs_tf_pss"):
         assert math.isfinite(new[key]) and new[key] > 0, (key, new[key])
-    assert f"**new defaults** ({new['flags']}" in done.stdout
-    assert f"| pinned ratio_to_limit, new defaults ({new['flags']}) |" in done.stdout
+    assert f"**previous defaults** ({new['flags']}" in done.stdout
+    assert f"| pinned ratio_to_limit, previous defaults ({new['flags']}) |" in done.stdout
     assert "ratio_1w_vs_local, bf16" not in done.stdout  # the smoke plan skips those set-ups
 
     # the full plan's extra end-to-end set-ups (bf16 both ways) reach the table and targets

@@ -136,10 +136,11 @@ COMPRESS = Option(
 )
 PULL_COMPRESS = Option(
     "pull_compress",
-    "none",
-    "bf16: ask for the weights, and the rows of row pulls, in bfloat16 (half the bytes of "
-    "every pull; the server keeps and updates float32, the worker computes at the rounded "
-    "weights, as mixed precision training does)",
+    "bf16",
+    "bf16 (the default): ask for the weights, and the rows of row pulls, in bfloat16 (half "
+    "the bytes of every pull; the server keeps and updates float32, the worker computes at "
+    "the rounded weights, as mixed precision training does; the convergence study found it "
+    "free: docs/policies.md); none: float32 pulls",
     _TRAIN,
     choices=PULL_COMPRESSIONS,
 )

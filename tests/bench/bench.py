@@ -185,7 +185,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         # --compress bf16; end to end --compress bf16 and --pull-compress bf16 (full plan only)
         ("wire ratio_to_memcpy, bf16", w["bf16_ratio_to_memcpy"], "<=", 3.0),
         ("input tfrecord_vs_memory", r["input"]["tfrecord_vs_memory"], ">=", 0.95),
-        # emulated hosts: every process on its own core; then with the candidate new defaults
+        # emulated hosts: every process on its own core; then with the other sets of defaults
         *pinned_targets(p, ""),
         *[
             row
@@ -289,8 +289,8 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
 
 
 def _defaults_rows(p: dict[str, Any]) -> list[str]:
-    """The pinned downpour set-up with each set of candidate new worker defaults, measured in
-    the same rounds as today's (``end_to_end.pinned.defaults``)."""
+    """The pinned downpour set-up with each other set of worker defaults (the previous ones),
+    measured in the same rounds as today's (``end_to_end.pinned.defaults``)."""
     return [
         f"| e2e, pinned | downpour worker core 0, server core 1, **{name} defaults** "
         f"({d['flags']}; staleness mean {d['staleness_mean']:.2f}): steps/s; "

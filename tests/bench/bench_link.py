@@ -35,7 +35,7 @@ BURST = "512kb"  # > one GSO segment (64 KiB): tbf needs the largest packet to f
 LATENCY = "50ms"  # queue bound: 50 ms at the rate (6 MB) before tbf drops
 MIN_WINDOW_STEPS = 3  # a window on a slow machine lasts until the worker made this many steps
 VARIANTS: dict[str, dict[str, Any]] = {  # the workers' settings, by name
-    "dense": {},
+    "dense": {"pull_compress": "none"},  # float32 both ways, whatever the worker's default
     "bf16": {"compress": "bf16", "pull_compress": "bf16"},
     "topk": {"compress": "topk:0.01"},
 }

@@ -20,8 +20,8 @@ when the computation dominates both approach the same limit, and the overheads s
 step-rate ratio hides.
 
 ``end_to_end.pinned.defaults``: the downpour set-up once per set of worker defaults in
-``DEFAULT_SETS`` in every round (``current``: the worker's own defaults; ``new``: the
-settings ``NEW_DEFAULTS`` names, the candidate defaults of the fetch study), each with its
+``default_sets`` in every round (``current``: the worker's own defaults; ``previous``: the
+settings ``PREVIOUS_DEFAULTS`` names, the defaults before the fetch study), each with its
 own ratios against the same local, gradient-only and TF PSS figures; the section's top-level
 figures are the ``current`` set's.
 
@@ -40,14 +40,16 @@ from bench_util import Plan, Procs, cpu_model, host_cpus, log, median, start_ser
 HERE = Path(__file__).resolve().parent
 FUSED_STEPS = 10  # steps per compiled call of fused local training, per TF PSS schedule
 OVERHEAD_FLOOR = 1e-3  # an overhead below 0.1 % of the gradient step counts as that (noise)
-# The worker settings (by name) measured beside the worker's defaults as candidate new
-# defaults: the one place to change them. None: measure the current defaults only.
-NEW_DEFAULTS: dict[str, Any] | None = {"n_fetch": 4, "pull_compress": "bf16"}
+# The worker settings (by name) measured beside the worker's defaults: the defaults before
+# bf16 pulls became the default (float32 pulls), the one place to change them. None: measure
+# the current defaults only.
+PREVIOUS_DEFAULTS: dict[str, Any] | None = {"pull_compress": "none"}
 
 
 def default_sets() -> dict[str, dict[str, Any]]:
     """The sets of worker settings the pinned downpour set-up runs with, by name."""
-    return {"current": {}} | ({"new": dict(NEW_DEFAULTS)} if NEW_DEFAULTS else {})
+    previous = {"previous": dict(PREVIOUS_DEFAULTS)} if PREVIOUS_DEFAULTS else {}
+    return {"current": {}} | previous
 
 
 def describe(settings: dict[str, Any]) -> str:

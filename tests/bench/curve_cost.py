@@ -32,9 +32,10 @@ sys.path.insert(0, str(HERE))  # the sibling bench modules
 import bench_e2e  # noqa: E402
 from bench_util import PLANS, Procs, log, machine, median  # noqa: E402
 
-SETUPS: dict[str, dict[str, bool]] = {
-    "plaintext": {},
-    "curve": {"curve": True},
+FLOAT32_PULLS = {"pull_compress": "none"}  # float32 both ways, whatever the worker's default
+SETUPS: dict[str, dict[str, Any]] = {
+    "plaintext": {"worker_settings": FLOAT32_PULLS},
+    "curve": {"curve": True, "worker_settings": FLOAT32_PULLS},
     "curve_bf16": {"curve": True, "bf16": True},
 }
 
