@@ -303,6 +303,10 @@ class ParameterState:
         self.dense_parts = tuple(i for i, s in enumerate(self.sparse) if not s)
         self._part_of = {ALL: tuple(range(len(self.names))), DENSE: self.dense_parts}
         self._part_of[ROWS] = self.row_parts
+        # per part: its fixed variables (the compiled step's) and its dynamic tables
+        members = {part: set(indices) for part, indices in self._part_of.items()}
+        self._fixed_by_part = {p: [i for i in self._fixed if i in m] for p, m in members.items()}
+        self._keyed_by_part = {p: [i for i in self._keyed if i in m] for p, m in members.items()}
         # None: apply steps are called flat; else why each apply binds its inputs again
         self.apply_call_problem = flat_call_problem()
         if self.apply_call_problem:
@@ -493,29 +497,22 @@ class ParameterState:
             grads = placed  # type: ignore[assignment]
         rate = self.learning_rate * float(lr_scale)
         lr = self._base_lr if lr_scale == 1.0 else tf.constant(rate, self._base_lr.dtype)
-        fn, inputs = self._step(part), [lr, *self._feed(grads, self._fixed_of(part))]
+        fn, inputs = self._step(part), [lr, *self._feed(grads, self._fixed_by_part[part])]
         if self.apply_call_problem is None:
             step = fn._call_flat(inputs, fn.captured_inputs)
         else:
             step = fn(*inputs)
         self.version += 1
-        keyed = [i for i in self._keyed if part == ALL or i in indices]
+        keyed = self._keyed_by_part[part]
         if keyed:
             self._apply_tables(grads, keyed, rate, int(step.numpy()))
         return self.version
-
-    def _fixed_of(self, part: ApplyPart) -> list[int]:
-        """The fixed (not dynamic) variables an apply of ``part`` updates."""
-        if part == ALL:
-            return self._fixed
-        indices = set(self._part_of[part])
-        return [i for i in self._fixed if i in indices]
 
     def _step(self, part: ApplyPart) -> tf.types.experimental.ConcreteFunction:
         """The apply step of ``part``; a half's is traced at its first apply (only a hybrid
         policy applies halves)."""
         if part not in self._steps:
-            self._steps[part] = self._trace_apply_step(self._fixed_of(part))
+            self._steps[part] = self._trace_apply_step(self._fixed_by_part[part])
         return self._steps[part]
 
     def _apply_tables(

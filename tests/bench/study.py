@@ -358,6 +358,7 @@ def simulate(job: Job) -> dict[str, Any]:
 
     from downpour import wire
     from downpour.server.handlers import check_gradients
+    from downpour.server.hybrid import HybridPolicy
     from downpour.server.policies import APPLY, HOLD, SyncPolicy, parse_policy
     from downpour.server.state import ParameterState
     from downpour.wire import Message
@@ -369,7 +370,7 @@ def simulate(job: Job) -> dict[str, Any]:
     state = ParameterState(spec, OPTIMIZERS[job.model], job.lr, seed=0)
     policy = parse_policy(job.policy)
     policy.layout(state.sparse)  # as the server's handler context: which variables are rows
-    hybrid = "," in job.policy  # dense=...,rows=...: workers do not wait for its rounds
+    hybrid = isinstance(policy, HybridPolicy)  # workers do not wait for its dense rounds
     keep_sparse = not isinstance(policy, SyncPolicy)  # as the server's gradient handler
     w = job.workers
     compressors = [parse_compression(job.compress) for _ in range(w)]
