@@ -26,9 +26,12 @@ data order (``batches`` here, seed 100 + i), compressed by its own real
 exactly as on the wire and densified as the server does. What is simulated is only *time*:
 worker i needs ``speed_i * lognormal(0, 0.2)`` gradient-times per step (``speed_i`` uniform
 in [0.85, 1.15], all seeded), the server is a single queue that spends the measured
-apply time per applied update, and a worker pulls right after the server has taken its push
-(like ``--no-prefetch``), then computes its next gradient from those weights (``Job.fetch``
-varies when workers pull and in what encoding: ``fetch_sim``). Under
+apply time per applied update (``--shards S``: S queues, one per model shard, each spending
+its shard's measured apply time on its part of every push, in arrival order; a push is taken
+when the last shard is done with it; the math is one state's, which is what S shards applying
+the same pushes in the same order compute), and a worker pulls right after the server has
+taken its push (like ``--no-prefetch``), then computes its next gradient from those
+weights (``Job.fetch`` varies when workers pull and in what encoding: ``fetch_sim``). Under
 ``ssp:K`` that pull goes through the policy's ``pull_wait_ms`` (every worker alive): a
 worker held there starts its next gradient when the slow ones have caught up. Under
 ``lookahead`` the pull gets the policy's ``pull_weights`` (the extrapolated weights), as
@@ -159,6 +162,7 @@ class Plan:
     )
     lr_variant_policy: str = "staleness-aware"
     metric: str = "accuracy"  # what the target is of (the model's held-out metric)
+    shards: int = 1  # model shards: the server is that many queues, one per shard (--shards)
 
 
 PLANS = {
@@ -247,11 +251,15 @@ class Job:
     seed: int = 0  # > 0: other data orders and worker speeds (the grid's runs use 0)
     model: str = "mnist"  # a study_models.MODELS name
     fetch: str = "every"  # when workers pull and in what encoding (fetch_sim.parse_fetch)
+    # model shards: each shard's apply time in gradient-times (its own queue); () = one server
+    # whose apply takes apply_units
+    shard_units: tuple[float, ...] = ()
 
     def label(self) -> str:
         """A short name for logs."""
         extra = f" lr={self.lr:g}" if self.variant else ""
         extra += f" fetch={self.fetch}" if self.fetch != "every" else ""
+        extra += f" shards={len(self.shard_units)}" if self.shard_units else ""
         return f"{self.model} {self.workers}w {self.policy} {self.compress}{extra}"
 
 
@@ -292,14 +300,21 @@ def _context(model: str = "mnist") -> _Context:
     return _CTX[model]
 
 
-def measure_costs(reps: int = 20, model: str = "mnist") -> dict[str, float]:
-    """Median seconds of one gradient (one batch) and one Adam apply of a study model."""
+def measure_costs(reps: int = 20, model: str = "mnist", shards: int = 1) -> dict[str, float]:
+    """Median seconds of one gradient (one batch) and one apply of a study model; with
+    ``shards`` > 1 also each shard's apply of its part (a real shard's ``ParameterState`` fed
+    ``Partition.split`` of the same gradients), in gradient-times."""
     from downpour.server.state import ParameterState
 
     ctx = _context(model)
     state = ParameterState(ctx.spec, OPTIMIZERS[model], 1e-3, seed=0)
+    parts = [
+        ParameterState(ctx.spec, OPTIMIZERS[model], 1e-3, seed=0, shard=k, num_shards=shards)
+        for k in range(shards if shards > 1 else 0)
+    ]
     x, y = next(ctx.data.stream(0, 1, 0))
     grads, ts_g, ts_a = None, [], []
+    ts_s: list[list[float]] = [[] for _ in parts]
     for i in range(reps + 5):
         t = time.perf_counter()
         ctx.step.set_weights(state.weights()[1])
@@ -308,16 +323,27 @@ def measure_costs(reps: int = 20, model: str = "mnist") -> dict[str, float]:
         t = time.perf_counter()
         state.apply(grads)
         ta = time.perf_counter() - t
+        for k, piece in enumerate(parts[0].partition.split(grads) if parts else []):
+            t = time.perf_counter()
+            parts[k].apply(piece)
+            if i >= 5:
+                ts_s[k].append(time.perf_counter() - t)
         if i >= 5:
             ts_g.append(tg)
             ts_a.append(ta)
     grad_s, apply_s = statistics.median(ts_g), statistics.median(ts_a)
-    return {
+    out: dict[str, Any] = {
         "grad_ms": round(1e3 * grad_s, 2),
         "apply_ms": round(1e3 * apply_s, 2),
         "apply_units": round(apply_s / grad_s, 2),
         "grad_s": grad_s,
     }
+    if parts:
+        shard_s = [statistics.median(ts) for ts in ts_s]
+        out["shards"] = shards
+        out["shard_apply_ms"] = [round(1e3 * t, 3) for t in shard_s]
+        out["shard_apply_units"] = [round(t / grad_s, 3) for t in shard_s]
+    return out
 
 
 def one_process_server_optimizer(model: str, updates: int, lr: float) -> dict[str, Any]:
@@ -442,6 +468,16 @@ def simulate(job: Job) -> dict[str, Any]:
     evaluate(0.0)
     for i in range(w):
         pull(i, 0.0)
+    units = job.shard_units or (job.apply_units,)
+    shard_free = [0.0] * len(units)  # when each shard's queue is next free
+
+    def take(t: float, charged: bool) -> float:
+        """Every shard takes a push that arrived at clock t, in arrival order, applying its
+        part (``charged``) or not (held, dropped); when the last shard is done with it."""
+        for k, u in enumerate(units):
+            shard_free[k] = max(t, shard_free[k]) + (u if charged else 0.0)
+        return max(shard_free)
+
     server_free = 0.0
     waiting: list[int] = []
     reached: dict[str, Any] | None = None
@@ -450,7 +486,6 @@ def simulate(job: Job) -> dict[str, Any]:
         t, _, i, frames = heapq.heappop(heap)
         msg = wire.decode(frames, limits)
         grads = check_gradients(msg, state, keep_sparse)  # row gradients stay rows
-        begin = max(t, server_free)
         if policy.wants_weights:  # as the server's handler: dc, gap-aware
             policy.observe(state.version, state.weights()[1])
         if policy.extrapolates:  # how far from the weights it lands on, pulled vs served
@@ -468,15 +503,15 @@ def simulate(job: Job) -> dict[str, Any]:
                 state.set_momentum(d.momentum)
             state.apply(d.grads, d.lr_scale, d.part)
             staleness.append(d.staleness)
-            server_free = begin + job.apply_units
+            server_free = take(t, True)
             resume, waiting = [*waiting, i], []
         elif d.action == HOLD and not hybrid:  # sync: this worker waits for the next version
-            server_free = begin
+            server_free = take(t, False)
             waiting.append(i)
             refresh.add(i)
             resume = []
         else:  # dropped, or a hybrid's dense half held: the worker refreshes and goes on
-            server_free = begin + (job.apply_units if rows_applied else 0.0)
+            server_free = take(t, rows_applied)
             refresh.add(i)
             resume = [i]
         stop = False
@@ -508,6 +543,7 @@ def simulate(job: Job) -> dict[str, Any]:
         "lr": job.lr,
         "variant": job.variant,
         "seed": job.seed,
+        "shards": len(job.shard_units) or 1,
         "kind": "simulated",
         "reached": reached is not None,
         "updates_to_target": reached["updates"] if reached else None,
@@ -562,6 +598,7 @@ def jobs_for(plan: Plan, costs: dict[str, float], model: str = "mnist") -> list[
         "apply_units": costs["apply_units"],
         "grad_s": costs["grad_s"],
         "model": model,
+        "shard_units": tuple(costs.get("shard_apply_units", ())),
     }
     out = []
     for c in plan.compressions:
@@ -957,7 +994,14 @@ def model_markdown(doc: dict[str, Any]) -> list[str]:
         )
         + f", evaluated every {plan['eval_every']} applied updates. Measured costs: "
         f"{doc['costs']['grad_ms']} ms per gradient, {doc['costs']['apply_ms']} ms per apply "
-        f"({doc['costs']['apply_units']} gradient-times).",
+        f"({doc['costs']['apply_units']} gradient-times)"
+        + (
+            f"; {doc['costs']['shards']} model shards, each its own server queue, applying "
+            f"their parts in {', '.join(map(str, doc['costs']['shard_apply_ms']))} ms "
+            f"({', '.join(map(str, doc['costs']['shard_apply_units']))} gradient-times)."
+            if doc["costs"].get("shards")
+            else "."
+        ),
         "",
         "1 worker: every policy is the same run (staleness is always 0), run to "
         f"{plan['baseline_updates']} updates. Others stop at the target or at "
@@ -1211,6 +1255,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-cross-check", action="store_true", help="skip the real-process runs")
     p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="model shards: the simulated server is that many queues, each spending its "
+        "shard's measured apply time on its part of every push (default 1)",
+    )
+    p.add_argument(
         "--costs",
         metavar="GRAD_MS,APPLY_MS",
         help="use these costs of one MNIST gradient and one apply (e.g. measured on an idle "
@@ -1234,11 +1285,14 @@ def main(argv: list[str] | None = None) -> int:
         ("workers", args.workers and tuple(int(w) for w in args.workers.split(","))),
         ("compressions", args.compressions and tuple(args.compressions.split(","))),
         ("policy_kinds", args.kinds and tuple(args.kinds.split(","))),
+        ("shards", args.shards if args.shards != 1 else None),
     ):
         if value:
             plan = replace(plan, **{key: value})
     if 1 not in plan.workers:
         p.error("--workers must include 1 (the speed-up is over 1 worker)")
+    if args.shards < 1 or (args.shards > 1 and args.costs):
+        p.error("--shards must be >= 1, and its shards' costs are measured: not with --costs")
     models = tuple(args.models.split(","))
     if "clicks-hashed" in models:
         p.error(HASHED_BLOCKER)
@@ -1269,6 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
             ("kinds", args.kinds),
             ("models", args.models if models != MODELS else None),
             ("costs", args.costs),
+            ("shards", args.shards if args.shards != 1 else None),
         )
         if v
     ]
@@ -1303,7 +1358,7 @@ def prepare(plan: Plan, model: str, given_costs: str | None) -> tuple[dict[str, 
     model the one-process reference its target comes from) and its runs."""
     mplan = model_plan(plan, model)
     log(f"{model}: measuring the costs of one gradient and one apply")
-    costs = measure_costs(model=model)
+    costs = measure_costs(model=model, shards=plan.shards)
     if given_costs and model == "mnist":
         grad_ms, apply_ms = (float(x) for x in given_costs.split(","))
         costs = {
