@@ -111,9 +111,9 @@ ROUNDS ?= 6
 bench-curve: $(VENV)/.stamp-test
 	$(PY) tests/bench/curve_cost.py --rounds $(ROUNDS) --out curve-cost.json
 
-# Convergence study of the staleness policies and gradient compression (docs/policies.md) on the MNIST CNN and the
-# fixed-id click model: study-results.json, study.md and PNG curves in OUT (runs/study).
-# About 45 min on 2 cores (the click model's part: a few minutes); QUICK=1: 1 and 8 workers, no compression.
+# Convergence study of the staleness policies and gradient compression (docs/policies.md) on the MNIST CNN, the
+# fixed-id and the hashed-id click models: study-results.json, study.md and PNG curves in OUT (runs/study).
+# About 50 min on 2 cores (clicks: a few minutes, clicks-hashed: about 6); QUICK=1: 1 and 8 workers, no compression.
 # ARGS='--models clicks --workers 1,2,4,8 --compressions none --kinds async,dc' narrows or widens a plan;
 # ARGS='--models clicks --shards 2' simulates the server as 2 model shards, each its own queue.
 # The fetch settings (n-fetch, bf16 pulls, adaptive): tests/bench/study_fetch.py (docs/policies.md).

@@ -19,6 +19,7 @@ from downpour import wire
 from downpour.cli.status import fetch_status
 from downpour.cluster import pull_full
 from downpour.models import build_model
+from downpour.partition import Part
 from downpour.settings import ConfigError
 from downpour.spec import load_spec
 from downpour.worker.row_cache import RowCache
@@ -55,6 +56,22 @@ def test_eviction_spares_the_current_batch_and_keeps_rows_for_coming_batches() -
     assert cache.evictions == 3
     with pytest.raises(WorkerError, match="more than --row-cache-rows 4"):
         cache.begin_batch(np.arange(5, dtype=np.int64), now=2)
+
+
+def test_a_keyed_cache_evicts_and_forgets_negative_ids_as_any_other() -> None:
+    """A dynamic table's ids are any int64, -1 and other negative hashes included: an evicted
+    one is no longer cached, and a restarted shard's rows all count as never fetched."""
+    cache = RowCache(rows=1 << 16, dim=2, capacity=2, keyed=True)
+    ids = np.array([-1, -(1 << 62)], np.int64)
+    cache.begin_batch(ids, now=0)
+    cache.fetched[cache.place(ids, until=0, current=True)] = 3
+    assert cache.fetched_at(ids).tolist() == [3, 3]
+    cache.forget(Part(0, "t", 0, 1, (1 << 16, 2), "float32", True, True))
+    assert cache.fetched_at(ids).tolist() == [-1, -1]
+    cache.begin_batch(np.array([5, 6], np.int64), now=1)
+    cache.place(np.array([5, 6], np.int64), until=1, current=True)
+    assert _cached(cache, -1, -(1 << 62), 5, 6) == [False, False, True, True]
+    assert cache.evictions == 2
 
 
 def test_a_cached_tables_gradient_names_global_rows_of_the_tables_shape() -> None:

@@ -3,11 +3,13 @@
 The smoke grid, per model: MNIST with 1 and 2 workers, ``sync``, ``ssp`` and ``lookahead``
 for 2, ``none`` and ``bf16``, ``lookahead`` without compression only, 30 updates, a 70 %
 target; the click model (``clicks``) with the same workers and policies, no compression, 60
-updates, its target the one-process AUC on the 1-worker run's batches minus 0.005. It
-exercises the same code as the full study: the real ParameterState (row-sparse applies for
-the click model), Policy (with look-ahead pulls), GradientStep, Compressor and wire path in
-the event simulation, the tables and the plots. Only the shape of the result is checked,
-plus what holds by construction.
+updates, its target the one-process AUC on the 1-worker run's batches minus 0.005; the
+hashed-id model (``clicks-hashed``) with the smoke kinds its dynamic tables allow (``ssp``
+and the hybrid), 40 updates, its target likewise. It exercises the same code as the full
+study: the real ParameterState (row-sparse applies for the click model, dynamic tables for
+the hashed one), Policy (with look-ahead pulls), GradientStep, row caches and row pulls,
+Compressor and wire path in the event simulation, the tables and the plots. Only the shape
+of the result is checked, plus what holds by construction.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert doc["plan_name"] == "smoke" and doc["machine"]["cores"] >= 1
     assert all(part["plan"]["name"] == "smoke" for part in doc["models"].values())
     runs = doc["runs"]
-    assert len(runs) == 12 and not any("error" in r for r in runs)
+    assert len(runs) == 15 and not any("error" in r for r in runs)
     assert {(r["model"], r["workers"], r["policy"], r["compress"]) for r in runs} == {
         ("mnist", 1, "async", "none"),
         ("mnist", 1, "async", "bf16"),
@@ -48,13 +50,28 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
         ("clicks", 2, "ssp:2", "none"),
         ("clicks", 2, "lookahead", "none"),
         ("clicks", 2, "dense=sync:2/2,rows=async", "none"),
+        ("clicks-hashed", 1, "async", "none"),
+        ("clicks-hashed", 2, "ssp:2", "none"),
+        ("clicks-hashed", 2, "dense=sync:2/2,rows=async", "none"),
     }
-    assert set(doc["models"]) == set(doc["summary"]) == {"mnist", "clicks"}
-    clicks = doc["models"]["clicks"]
-    reference = clicks["one_process"]
-    assert 0.5 < reference["auc"] <= 1.0 and reference["updates"] == 60
-    assert clicks["plan"]["target"] == pytest.approx(reference["auc"] - 0.005, abs=1e-5)
-    assert doc["summary"]["clicks"]["target"] == clicks["plan"]["target"]
+    assert set(doc["models"]) == set(doc["summary"]) == {"mnist", "clicks", "clicks-hashed"}
+    for model, updates in (("clicks", 60), ("clicks-hashed", 40)):
+        part = doc["models"][model]
+        reference = part["one_process"]
+        assert 0.5 < reference["auc"] <= 1.0 and reference["updates"] == updates
+        assert reference["optimizer"] == part["optimizer"] == "lazy_adam"
+        assert part["plan"]["target"] == pytest.approx(reference["auc"] - 0.005, abs=1e-5)
+        assert doc["summary"][model]["target"] == part["plan"]["target"]
+    hashed = [r for r in runs if r["model"] == "clicks-hashed"]
+    for r in hashed:  # every gradient's batch pulled its rows from the dynamic tables
+        assert r["rows_pulled"] >= r["gradients"] and r["row_bytes_pulled"] > 0
+    # one worker through the wire computes what one process does: the same batches, the
+    # same rows, the same server optimizer, so the same held-out AUC after as many updates
+    one = next(r for r in hashed if r["workers"] == 1)
+    assert one["updates"] == 40
+    assert one["final_accuracy"] == pytest.approx(
+        doc["models"]["clicks-hashed"]["one_process"]["auc"], abs=1e-5
+    )
     for r in runs:
         assert r["curve"][0][0] == 0 and r["curve"][-1][0] == r["updates"] > 0
         assert all(0.0 <= p[3] <= 1.0 for p in r["curve"])
@@ -102,11 +119,11 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert doc["summary"]["mnist"]["bf16_bytes_ratio"] == pytest.approx(2.0, abs=0.02)
 
     table = (tmp_path / "study.md").read_text()
-    assert table.count("| workers | policy | compress | updates to target |") == 2
-    assert table.count("| sim. s | speed-up | gradients x 1w |") == 2
-    assert table.count("Wall-clock speed-up, no compression") == 2
-    assert table.count("\n| 1 | any (all identical) |") == 3
-    assert table.count("\n## ") == 2 and "simulated seconds to AUC " in table
-    assert len(doc["pngs"]) == 4
+    assert table.count("| workers | policy | compress | updates to target |") == 3
+    assert table.count("| sim. s | speed-up | gradients x 1w |") == 3
+    assert table.count("Wall-clock speed-up, no compression") == 3
+    assert table.count("\n| 1 | any (all identical) |") == 4
+    assert table.count("\n## ") == 3 and "simulated seconds to AUC " in table
+    assert len(doc["pngs"]) == 6
     for png in doc["pngs"]:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,8 +14,9 @@ per table, looked up inside the compiled step and, eagerly, by the worker for a 
 unique ids. Its memory follows the N cached ids, not the table's rows: a dense id -> slot
 array would cost 4 bytes per row of the table (40 MB at 10M rows, 400 MB at 100M), the one
 worker-side cost that would still grow with the table. Beside it, NumPy arrays of N entries
-per slot: its global id (-1 free), the shard version it was fetched at, the last batch that
-used it, and the last coming batch known to need it.
+per slot: whether it holds a row, its global id (any int64 for a dynamic table, so no id
+value marks a free slot), the shard version it was fetched at, the last batch that used it,
+and the last coming batch known to need it.
 
 Eviction. A row placed in the cache takes a free slot or evicts the least recently used row
 that no batch from the current one on is known to need. Never evicted: the rows of the
@@ -63,7 +64,9 @@ class RowCache:
         self.dim = dim
         self.capacity = capacity
         self.table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int32, default_value=-1)
-        self.slot_ids = np.full(capacity, -1, np.int64)  # global id per slot, -1 free
+        self.slot_ids = np.full(capacity, -1, np.int64)  # global id per slot (where held)
+        # which slots hold a row: a dynamic table's ids are any int64, so no id marks "free"
+        self.held = np.zeros(capacity, bool)
         self.fetched = np.full(capacity, -1, np.int64)  # shard version it was fetched at
         self.used = np.full(capacity, -1, np.int64)  # last batch that used (or placed) it
         self.needed = np.full(capacity, -1, np.int64)  # last coming batch known to need it
@@ -134,13 +137,13 @@ class RowCache:
                     f"rows (--row-cache-rows {self.capacity})"
                 )
             take = new[: order.size]
-            old = self.slot_ids[order]
-            evicted = old[old >= 0]
+            evicted = self.slot_ids[order[self.held[order]]]
             if evicted.size:
                 self.table.remove(tf.constant(evicted, tf.int64))
                 self.evictions += int(evicted.size)
             self.table.insert(tf.constant(ids[take], tf.int64), tf.constant(order.astype(np.int32)))
             self.slot_ids[order] = ids[take]
+            self.held[order] = True
             self.fetched[order] = -1
             self.needed[order] = -1
             slots[take] = order
@@ -155,7 +158,7 @@ class RowCache:
 
     def forget(self, part: Part) -> None:
         """The cached rows of ``part`` count as never fetched (its shard restarted)."""
-        held = self.slot_ids >= 0
+        held = self.held
         mine = np.zeros(self.capacity, bool)
         mine[held] = part.mine(self.slot_ids[held])
         self.fetched[mine] = -1

@@ -89,6 +89,13 @@ def _norm(arrays: list[Any]) -> float:
     return math.sqrt(sum(float((a.astype("float64") ** 2).sum()) for a in arrays))
 
 
+def _byte_view(frame: Any) -> memoryview:
+    """A frame as a view of its bytes; an empty one (a dynamic table's ``Keyed`` with no
+    rows, as a whole pull carries it) as an empty view, which ``cast`` refuses to make."""
+    view = memoryview(frame)
+    return view.cast("B") if view.nbytes else memoryview(b"")
+
+
 class Pulls:
     """The weights every simulated worker holds, the pulls that refresh them, and their
     bytes. ``take`` is called before each of a worker's steps; the counters go into the
@@ -154,7 +161,7 @@ class Pulls:
             msg = wire.weights_reply(
                 version, wire.PullReply("sim"), dict(zip(self.names, tensors, strict=True))
             )
-            frames = [memoryview(f).cast("B") for f in wire.encode(msg)]
+            frames = [_byte_view(f) for f in wire.encode(msg)]
             if not self.mode.direct:  # the network: the worker decodes bytes of its own
                 frames = [bytes(f) for f in frames]
             self._frames = (version, frames)

@@ -1,9 +1,11 @@
 """``make study``: staleness policies and gradient compression, trained to a held-out target.
 
-The models (``--models``, ``study_models``): ``mnist`` as below, and ``clicks``, the fixed-id
-recommendation model, trained to its one-process held-out AUC minus 0.005 under the policy
-kinds that apply to it (``study_models.POLICY_KINDS``), with a budget of its own; every
-``runs`` row names its ``model``, and speed-ups are over the same model's 1-worker run.
+The models (``--models``, ``study_models``): ``mnist`` as below; ``clicks``, the fixed-id
+recommendation model; and ``clicks-hashed``, the hashed-id one, whose rows live in the
+server's dynamic tables. Each recommendation model is trained to its one-process held-out
+AUC minus 0.005 under the policy kinds that apply to it (``study_models.POLICY_KINDS``),
+with a budget of its own; every ``runs`` row names its ``model``, and speed-ups are over the
+same model's 1-worker run.
 
 For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware``,
 ``bounded:2``, ``ssp:2``, ``sync:K/N`` with K = N - N//4, ``dc-a:2``, ``gap-aware``,
@@ -35,7 +37,10 @@ weights (``Job.fetch`` varies when workers pull and in what encoding: ``fetch_si
 ``ssp:K`` that pull goes through the policy's ``pull_wait_ms`` (every worker alive): a
 worker held there starts its next gradient when the slow ones have caught up. Under
 ``lookahead`` the pull gets the policy's ``pull_weights`` (the extrapolated weights), as
-the server's pull handler serves them. The staleness
+the server's pull handler serves them. A model with dynamic tables (``clicks-hashed``) has
+its simulated workers pull the rows of each batch by id and push them keyed, through the
+worker's own row cache and row plan, and is scored from the server's rows as serving scores
+it (``study_hashed``). The staleness
 of a gradient is therefore what W equally busy machines would produce (about W - 1), not
 what two oversubscribed cores produce. A worker of a ``sync:K/N`` server whose gradient was
 held waits for the next version (as ``downpour worker`` does); a dropped gradient's worker
@@ -79,7 +84,6 @@ from study_models import (  # noqa: E402 - the sibling module, on the path just 
     AUC_SLACK,
     DATA,
     GRADIENTS_CAPS,
-    HASHED_BLOCKER,
     MODELS,
     OPTIMIZERS,
     POLICY_KINDS,
@@ -268,10 +272,12 @@ class Job:
 
 class _Context:
     """Per process and model: the spec, data (``study_models.Loaded``) and one compiled
-    gradient step (reused by runs)."""
+    gradient step (reused by runs); for a model with dynamic tables, the workers' row pulls
+    and the scoring from the server's rows (``study_hashed.HashedWorker``)."""
 
     def __init__(self, model: str) -> None:
-        from study_models import LOADERS, SPEC_REFS
+        from study_hashed import HashedWorker
+        from study_models import DYNAMIC_MODELS, LOADERS, SPEC_REFS
 
         from downpour.models import build_model
         from downpour.spec import load_spec
@@ -279,8 +285,33 @@ class _Context:
 
         self.spec = load_spec(SPEC_REFS[model])
         self.data = LOADERS[model](self.spec)
-        self.model = build_model(self.spec, seed=0)
-        self.step = GradientStep(self.spec, self.model, self.data.element_spec)
+        self.rows: HashedWorker | None = None
+        if model in DYNAMIC_MODELS:
+            self.rows = HashedWorker(self.spec, self.data.element_spec)
+            self.model, self.step = self.rows.model, self.rows.step
+        else:
+            self.model = build_model(self.spec, seed=0)
+            self.step = GradientStep(self.spec, self.model, self.data.element_spec)
+
+    def begin(self, state: Any, policy: Any, fetch: str = "every") -> None:
+        """A run on ``state`` under ``policy`` starts (the row caches start empty)."""
+        if self.rows is not None:
+            self.rows.begin(state, policy, fetch)
+
+    def install(self, state: Any, version: int, weights: list[Any], x: Any) -> None:
+        """The weights a worker pulled (``version``) into the step, before its gradient on
+        features ``x`` (a model with dynamic tables: and the batch's rows from ``state``)."""
+        if self.rows is not None:
+            self.rows.install(state, version, weights, x)
+        else:
+            self.step.set_weights(weights)
+
+    def score(self, state: Any) -> float:
+        """The held-out metric of ``state``'s weights."""
+        if self.rows is not None:
+            held, _ = self.data.held_out
+            return self.rows.score(state, held)
+        return float(state.evaluate(*self.data.held_out))
 
 
 _CTX: dict[str, _Context] = {}
@@ -301,13 +332,16 @@ def _context(model: str = "mnist") -> _Context:
 
 
 def measure_costs(reps: int = 20, model: str = "mnist", shards: int = 1) -> dict[str, float]:
-    """Median seconds of one gradient (one batch) and one apply of a study model; with
+    """Median seconds of one gradient (one batch) and one apply of a study model (a model
+    with dynamic tables: the gradient's time includes pulling its batch's rows); with
     ``shards`` > 1 also each shard's apply of its part (a real shard's ``ParameterState`` fed
     ``Partition.split`` of the same gradients), in gradient-times."""
+    from downpour.server.policies import parse_policy
     from downpour.server.state import ParameterState
 
     ctx = _context(model)
     state = ParameterState(ctx.spec, OPTIMIZERS[model], 1e-3, seed=0)
+    ctx.begin(state, parse_policy("async"))
     parts = [
         ParameterState(ctx.spec, OPTIMIZERS[model], 1e-3, seed=0, shard=k, num_shards=shards)
         for k in range(shards if shards > 1 else 0)
@@ -317,7 +351,7 @@ def measure_costs(reps: int = 20, model: str = "mnist", shards: int = 1) -> dict
     ts_s: list[list[float]] = [[] for _ in parts]
     for i in range(reps + 5):
         t = time.perf_counter()
-        ctx.step.set_weights(state.weights()[1])
+        ctx.install(state, *state.weights(), x)
         _, grads = ctx.step(x, y)
         tg = time.perf_counter() - t
         t = time.perf_counter()
@@ -350,19 +384,23 @@ def one_process_server_optimizer(model: str, updates: int, lr: float) -> dict[st
     """The one-process reference under a row-wise optimizer Keras has no form of
     (``lazy_adam``): the 1-worker run's first ``updates`` batches trained in order in this
     process through the server's own optimizer (``ParameterState``), no wire, no staleness;
-    its held-out metric."""
+    its held-out metric (a model with dynamic tables: each batch's rows pulled from the state
+    first, as the simulated workers pull them)."""
+    from downpour.server.policies import parse_policy
     from downpour.server.state import ParameterState
 
     started = time.monotonic()
     ctx = _context(model)
     state = ParameterState(ctx.spec, OPTIMIZERS[model], lr, seed=0)
+    ctx.begin(state, parse_policy("async"))
     stream = ctx.data.stream(0, 1, 0)
     for _ in range(updates):
-        ctx.step.set_weights(state.weights()[1])
-        _, grads = ctx.step(*next(stream))
+        x, y = next(stream)
+        ctx.install(state, *state.weights(), x)
+        _, grads = ctx.step(x, y)
         state.apply(grads)
     return {
-        "auc": round(float(state.evaluate(*ctx.data.held_out)), 5),
+        "auc": round(ctx.score(state), 5),
         "updates": updates,
         "lr": lr,
         "optimizer": OPTIMIZERS[model],
@@ -396,6 +434,7 @@ def simulate(job: Job) -> dict[str, Any]:
     state = ParameterState(spec, OPTIMIZERS[job.model], job.lr, seed=0)
     policy = parse_policy(job.policy)
     policy.layout(state.sparse)  # as the server's handler context: which variables are rows
+    ctx.begin(state, policy, job.fetch)  # dynamic tables: what their server refuses, refused
     hybrid = isinstance(policy, HybridPolicy)  # workers do not wait for its dense rounds
     keep_sparse = not isinstance(policy, SyncPolicy)  # as the server's gradient handler
     w = job.workers
@@ -426,8 +465,8 @@ def simulate(job: Job) -> dict[str, Any]:
             weights = served[i][1]
         version, weights = pulls.take(i, version, weights, i in refresh)
         refresh.discard(i)
-        step.set_weights(weights)
         x, y = next(streams[i])
+        ctx.install(state, version, weights, x)  # dynamic tables: and the batch's rows
         _, grads = step(x, y)
         gradients += 1
         comp = compressors[i]
@@ -451,7 +490,7 @@ def simulate(job: Job) -> dict[str, Any]:
     curve: list[list[float]] = []
 
     def evaluate(clock: float) -> float:
-        acc = state.evaluate(*data.held_out)
+        acc = ctx.score(state)
         curve.append([state.version, gradients, round(clock * job.grad_s, 3), acc])
         return acc
 
@@ -567,6 +606,7 @@ def simulate(job: Job) -> dict[str, Any]:
             else None
         ),
         **pulls.record(),
+        **(ctx.rows.record() if ctx.rows is not None else {}),
         "bytes_pulled_to_target": reached["bytes_pulled"] if reached else None,
         "run_seconds": round(time.monotonic() - started, 1),
         "curve": curve,
@@ -1294,8 +1334,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards < 1 or (args.shards > 1 and args.costs):
         p.error("--shards must be >= 1, and its shards' costs are measured: not with --costs")
     models = tuple(args.models.split(","))
-    if "clicks-hashed" in models:
-        p.error(HASHED_BLOCKER)
     if unknown := [m for m in models if m not in MODELS]:
         p.error(f"--models: unknown {','.join(unknown)} (known: {','.join(MODELS)})")
     out = Path(args.out)

