@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+from downpour.buffers import private_empty
 from downpour.payloads import (
     BF16_DTYPES,
     INDEX_DTYPES,
@@ -170,12 +171,24 @@ def check_bf16_dtype(name: str, dtype: np.dtype) -> None:
 
 
 def widen_bf16(buf: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A frame of bfloat16 bits (length checked) as a fresh read-only array of ``dtype``:
-    the one pass that widens them, exact (every bfloat16 is a float32)."""
-    bits = np.frombuffer(buf, dtype=_BF16_WIRE).astype(np.uint16, copy=False)
-    a = bits.view(ml_dtypes.bfloat16).reshape(shape).astype(dtype.newbyteorder("="))
-    a.flags.writeable = False  # like every decoded tensor
-    return a
+    """A frame of bfloat16 bits (length checked) as a fresh read-only array of ``dtype``,
+    exact (every bfloat16 is a float32). The array is private memory
+    (``downpour.buffers.private_empty``): a worker may hand widened weights to TensorFlow
+    without another copy. float32 is widened by two integer passes (each bfloat16 is the
+    upper half of its float32), faster than the element-wise cast through ``ml_dtypes`` that
+    widens the other dtypes."""
+    bits = np.frombuffer(buf, dtype=_BF16_WIRE)
+    dtype = dtype.newbyteorder("=")
+    out = private_empty(shape, dtype)
+    if dtype == np.float32:
+        words = out.reshape(-1).view(np.uint32)
+        np.copyto(words, bits)
+        np.left_shift(words, 16, out=words)
+    else:
+        values = bits.astype(np.uint16, copy=False).view(ml_dtypes.bfloat16)
+        np.copyto(out.reshape(-1), values, casting="unsafe")
+    out.flags.writeable = False  # like every decoded tensor
+    return out
 
 
 class DenseCodec(Codec):

@@ -43,8 +43,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour.buffers import aligned_empty
 from downpour.hashing import mix64
-from downpour.tensors import aligned_empty
 
 log = logging.getLogger("downpour")
 

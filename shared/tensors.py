@@ -10,7 +10,8 @@ on. DLPack hands a buffer across without a copy; these helpers use it where that
   copies it first, so the array never changes under its reader.
 - ``to_tensor``: an ndarray copied once into fresh aligned memory that a tensor then uses as
   it is; nothing else refers to that memory, so a variable assigned from the tensor may keep
-  it.
+  it. A private array its holder gives up (``adopt``: weights widened from bfloat16 on
+  receipt) is taken as it is, without the copy.
 
 Small tensors, dtypes NumPy cannot exchange through DLPack (bfloat16, bool, strings) and
 tensors on another device take the plain conversions.
@@ -23,19 +24,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-# TensorFlow's kernels CHECK-fail on a tensor that is not aligned like its own allocator's
-# buffers (EIGEN_MAX_ALIGN_BYTES, at most 64), so arrays handed to it are at this alignment.
-ALIGN_BYTES = 64
+from downpour.buffers import aligned_empty, is_private
+
 SHARED_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 SHARE_MIN_BYTES = 64 * 1024  # below this the plain conversions cost no more
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN_BYTES) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 class _Capsule:
@@ -72,12 +64,21 @@ def as_array(t: tf.Tensor) -> np.ndarray:
     return _view(t) if _shareable(t) else t.numpy()
 
 
-def to_tensor(a: np.ndarray) -> tf.Tensor:
+def to_tensor(a: np.ndarray, adopt: bool = False) -> tf.Tensor:
     """``a`` as a tensor: one memcpy into fresh aligned memory that the tensor uses as it is
     (see the module docstring); small arrays and other dtypes through
-    ``tf.convert_to_tensor``."""
+    ``tf.convert_to_tensor``.
+
+    ``adopt``: the caller gives ``a`` up. When ``a`` is private memory (a bf16 tensor widened
+    on receipt: ``downpour.buffers.is_private``) the tensor takes that memory without the
+    copy; a variable assigned from it may keep it and later write it in place, so nothing may
+    read ``a`` afterwards."""
     if a.dtype not in SHARED_DTYPES or a.nbytes < SHARE_MIN_BYTES:
         return tf.convert_to_tensor(a)
-    out = aligned_empty(a.shape, a.dtype)
-    np.copyto(out, a)
+    if adopt and is_private(a):
+        out = a.view()
+        out.flags.writeable = True  # DLPack exports writeable arrays only; ``a`` is given up
+    else:
+        out = aligned_empty(a.shape, a.dtype)
+        np.copyto(out, a)
     return tf.experimental.dlpack.from_dlpack(out.__dlpack__())

@@ -18,6 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from downpour.buffers import is_private
+from downpour.codecs import widen_bf16
 from downpour.wire import (
     BF16,
     DEFAULT_LIMITS,
@@ -144,6 +146,20 @@ def test_bf16_rounds_to_nearest_even_and_keeps_specials() -> None:
     np.testing.assert_array_equal(out[:6], [1.0, 1 + 2**-6, 1 + 2**-7, -2.5, 0.0, 0.0])
     assert np.signbit(out[5]) and not np.signbit(out[4])
     assert out[6] == np.inf and out[7] == -np.inf and np.isnan(out[8])
+
+
+def test_bf16_widens_every_bit_pattern_exactly_into_private_memory() -> None:
+    bits = np.arange(1 << 16, dtype="<u2")  # every bfloat16: zeros, subnormals, inf, NaNs
+    for dtype in (np.float32, np.float64, np.float16):
+        with np.errstate(over="ignore", invalid="ignore"):  # float16 holds few of them
+            out = widen_bf16(memoryview(bits.tobytes()), np.dtype(dtype), (256, 256))
+            expected = bits.view(ml_dtypes.bfloat16).astype(dtype).reshape(256, 256)
+        assert out.dtype == dtype and not out.flags.writeable
+        unsigned = f"u{out.itemsize}"  # bit for bit: NaN payloads and the sign of zero too
+        np.testing.assert_array_equal(out.view(unsigned), expected.view(unsigned))
+        assert is_private(out)  # a worker may hand it to TensorFlow without a copy
+    (dense,) = roundtrip([np.ones((64, 64), np.float32)])
+    assert not is_private(dense)  # a view on the received frame never is
 
 
 def test_bf16_decodes_to_its_logical_dtype() -> None:

@@ -8,7 +8,8 @@ import gc
 import numpy as np
 import tensorflow as tf
 
-from downpour.tensors import ALIGN_BYTES, _Capsule, aligned_empty, as_array, to_tensor
+from downpour.buffers import ALIGN_BYTES, aligned_empty, is_private, private_empty
+from downpour.tensors import _Capsule, as_array, to_tensor
 from downpour.wire import Sparse
 from downpour.worker.step import to_wire
 
@@ -64,3 +65,29 @@ def test_aligned_empty_is_aligned_for_every_shape() -> None:
     for shape in [(), (1,), (3, 5), (1024, 10)]:
         a = aligned_empty(shape, np.dtype("float32"))
         assert a.shape == shape and a.ctypes.data % ALIGN_BYTES == 0
+
+
+def test_private_arrays_given_up_become_tensors_without_a_copy() -> None:
+    a = private_empty((256, 256), np.dtype("float32"))
+    assert is_private(a) and a.ctypes.data % ALIGN_BYTES == 0
+    a[:] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
+    expected = a.copy()
+    a.flags.writeable = False  # as a decoded tensor is
+    t = to_tensor(a, adopt=True)
+    assert _address(t) == a.ctypes.data  # the tensor took the memory as it was
+    v = tf.Variable(tf.zeros([256, 256]))
+    v.assign(t)
+    del t, a
+    gc.collect()
+    np.testing.assert_array_equal(v.numpy(), expected)  # the tensor kept the memory alive
+
+
+def test_adopt_copies_every_array_that_is_not_private() -> None:
+    plain = np.ones((256, 256), np.float32)
+    frame = np.frombuffer(plain.tobytes(), np.float32).reshape(256, 256)  # read-only view
+    sliced = private_empty((256, 257), np.dtype("float32"))[:, :256]  # not contiguous
+    for a in (plain, frame, sliced, aligned_empty((256, 256), np.dtype("float32"))):
+        assert not is_private(a)
+        assert _address(to_tensor(a, adopt=True)) != a.ctypes.data  # copied
+    private = private_empty((256, 256), np.dtype("float32"))
+    assert _address(to_tensor(private)) != private.ctypes.data  # not given up: copied

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from downpour import initial
+from downpour.buffers import aligned_empty
 from downpour.layers import DynamicEmbedding, served
 from downpour.models import (
     define_model,
@@ -48,7 +49,6 @@ from downpour.server.dynamic_store import RowOptimizer
 from downpour.server.policies import ALL, DENSE, ROWS, ApplyPart
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
-from downpour.tensors import aligned_empty
 from downpour.wire import Keyed, Sparse, all_finite, dedupe_rows
 
 log = logging.getLogger("downpour.server")

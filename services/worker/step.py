@@ -95,11 +95,12 @@ class GradientStep:
         return float(loss), out
 
     def prepare(self, arrays: list[np.ndarray]) -> list[tf.Tensor]:
-        """Pulled arrays as tensors (``to_tensor``), ready for ``set_weights``. The fetcher
-        thread calls this, so the copy out of ZeroMQ's buffers overlaps the next step's
-        computation instead of delaying it; the training thread's assign then takes the
-        tensors' memory as it is."""
-        return [to_tensor(a) for a in arrays]
+        """Pulled arrays as tensors, ready for ``set_weights``; the caller gives the arrays
+        up. The fetcher thread calls this, so the copy out of ZeroMQ's buffers overlaps the
+        next step's computation instead of delaying it; weights widened from bfloat16 on
+        receipt are private memory and become tensors without that copy (``to_tensor``'s
+        ``adopt``). The training thread's assign then takes the tensors' memory as it is."""
+        return [to_tensor(a, adopt=True) for a in arrays]
 
     def set_weights(self, arrays: list[np.ndarray] | list[tf.Tensor]) -> None:
         """Load pulled weights into the local model copy (one compiled call for all)."""
