@@ -26,7 +26,9 @@ import tensorflow as tf
 
 from downpour.buffers import aligned_empty, is_private
 
-SHARED_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+SHARED_DTYPES = frozenset(
+    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint16")
+)  # uint16: bfloat16 bits
 SHARE_MIN_BYTES = 64 * 1024  # below this the plain conversions cost no more
 
 

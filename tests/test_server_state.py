@@ -9,6 +9,7 @@ import pytest
 from downpour.models import build_model
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
+from downpour.wire import BFloat16, Keyed, KeyedBF16, as_bf16
 
 
 def _grads(state: ParameterState, seed: int) -> list[np.ndarray]:
@@ -42,6 +43,38 @@ def test_snapshot_is_shared_per_version_and_never_torn() -> None:
     v1, snap1 = state.weights()
     assert (v0, v1) == (0, 1)
     assert any(not np.array_equal(a, c) for a, c in zip(snap1, copy, strict=True))
+
+
+def _bits(t: object) -> tuple[str, np.ndarray]:
+    """A pulled tensor's encoding payload as comparable bits."""
+    if isinstance(t, BFloat16):
+        return f"bf16 {t.dtype}", t.values.view(np.uint16)
+    if isinstance(t, Keyed | KeyedBF16):
+        return type(t).__name__, np.asarray(t.values)
+    return f"as is {t.dtype}", np.asarray(t)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "ref", ["tiny_models:tiny", "dtype_models:mixed", "tiny_models:dynamic_tensor"]
+)
+def test_bf16_weights_are_what_as_bf16_makes_of_the_snapshot_once_per_version(ref: str) -> None:
+    """float32 variables rounded by TensorFlow, bit for bit what wire.as_bf16 gives (round to
+    nearest even); float16 as it is, float64 rounded from a snapshot, dynamic tables empty."""
+    state = ParameterState(load_spec(ref), "adam", 0.1)
+    for seed in range(3):
+        version, tensors = state.weights_bf16()
+        assert version == state.version and state.weights_bf16()[1] is tensors  # cached
+        expected = [as_bf16(a) for a in state.weights()[1]]
+        for got, want in zip(tensors, expected, strict=True):
+            (kind, bits), (kind_want, bits_want) = _bits(got), _bits(want)
+            assert kind == kind_want
+            np.testing.assert_array_equal(bits, bits_want)
+        grads: list[object] = list(_grads(state, seed))
+        for i, dim in enumerate(state.shapes):
+            if state.dynamic[i]:  # two ids' rows, which a whole pull does not carry
+                grads[i] = Keyed(np.array([7, -3]), np.ones((2, *dim[1:]), np.float32), dim)
+        state.apply(grads)  # a new version: rounded again, from the new values
+    assert any(isinstance(t, BFloat16) for t in tensors)
 
 
 def test_momentum_changes_at_run_time_without_a_retrace() -> None:

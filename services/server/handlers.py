@@ -321,18 +321,24 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         dropped, rec.dropped_unreported = rec.dropped_unreported, 0  # told now: refresh
     if rows is not None:
         return row_reply(ctx, req, rows, dropped)
-    version, arrays = ctx.state.weights()
+    version = ctx.state.version
     if req.have == version and req.incarnation == ctx.incarnation:
         ctx.stats.counters["pulls_unchanged"] += 1
         body = wire.PullReply(ctx.incarnation, unchanged=True, dropped_stale=dropped)
         return wire.weights_reply(version, body)
-    if ctx.policy.extrapolates:  # lookahead: this version's extrapolated weights (cached)
-        skip = [i for i, sparse in enumerate(ctx.state.sparse) if sparse]
-        arrays = ctx.policy.pull_weights(version, arrays, skip)
-    tensors: Sequence[wire.WireTensor] = arrays
-    if req.encoding == wire.BF16:
+    tensors: Sequence[wire.WireTensor]
+    if req.encoding == wire.BF16 and not ctx.policy.extrapolates:
         ctx.stats.counters["pulls_bf16"] += 1
-        tensors = bf16_weights(ctx, version, arrays)
+        version, tensors = ctx.state.weights_bf16()  # rounded from the variables
+    else:
+        version, arrays = ctx.state.weights()
+        if ctx.policy.extrapolates:  # lookahead: this version's extrapolated weights (cached)
+            skip = [i for i, sparse in enumerate(ctx.state.sparse) if sparse]
+            arrays = ctx.policy.pull_weights(version, arrays, skip)
+        tensors = arrays
+        if req.encoding == wire.BF16:  # the extrapolated arrays, which no variable holds
+            ctx.stats.counters["pulls_bf16"] += 1
+            tensors = bf16_weights(ctx, version, arrays)
     return wire.weights_reply(
         version,
         wire.PullReply(ctx.incarnation, dropped_stale=dropped),
@@ -425,9 +431,11 @@ def row_reply(
 def bf16_weights(
     ctx: HandlerContext, version: int, arrays: list[np.ndarray]
 ) -> list[wire.WireTensor]:
-    """The weights rounded to bfloat16 for pulls that ask for it (``--pull-compress bf16``):
-    half the bytes. Rounded once per version, shared by every worker pulling it; float16
-    and non-float variables go as they are. The server keeps and updates float32."""
+    """Weight arrays rounded to bfloat16 for pulls that ask for it (``--pull-compress bf16``)
+    under a policy whose pulls carry arrays no variable holds (lookahead's extrapolated
+    weights; the others' come from ``ParameterState.weights_bf16``): half the bytes. Rounded
+    once per version, shared by every worker pulling it; float16 and non-float variables go
+    as they are. The server keeps and updates float32."""
     if ctx.bf16_cache is None or ctx.bf16_cache[0] != version:
         ctx.bf16_cache = (version, [wire.as_bf16(a) for a in arrays])
     return ctx.bf16_cache[1]

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import keras
+import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
@@ -49,7 +50,8 @@ from downpour.server.dynamic_store import RowOptimizer
 from downpour.server.policies import ALL, DENSE, ROWS, ApplyPart
 from downpour.server.rows import ROW_WISE, make_optimizer, row_update
 from downpour.spec import ModelSpec
-from downpour.wire import Keyed, Sparse, all_finite, dedupe_rows
+from downpour.tensors import as_array
+from downpour.wire import BFloat16, Keyed, Sparse, WireTensor, all_finite, as_bf16, dedupe_rows
 
 log = logging.getLogger("downpour.server")
 
@@ -155,6 +157,17 @@ def _slices(it: Iterator[tf.Tensor], shape: tuple[int, ...]) -> tf.IndexedSlices
     indices = next(it)
     values = next(it)
     return tf.IndexedSlices(values, indices, dense_shape=tf.constant(shape, tf.int64))
+
+
+def _round_bf16_fn(variables: list[tf.Variable]) -> tf.types.experimental.ConcreteFunction:
+    """A compiled call returning ``variables`` (float32) rounded to bfloat16, as the bits
+    (uint16) NumPy can take without a copy."""
+
+    @tf.function(input_signature=[])
+    def round_bf16() -> list[tf.Tensor]:
+        return [tf.bitcast(tf.cast(v, tf.bfloat16), tf.uint16) for v in variables]
+
+    return round_bf16.get_concrete_function()
 
 
 def _gather_fn(variable: keras.Variable) -> tf.types.experimental.ConcreteFunction:
@@ -288,6 +301,11 @@ class ParameterState:
         self._snap_version = -1
         self._snap: list[np.ndarray | None] = []
         self._snapshot: tuple[int, list[np.ndarray]] | None = None
+        # Whole pulls in bfloat16: the float32 variables rounded by one compiled call, once
+        # per version, without a float32 snapshot (``weights_bf16``).
+        self._bf16: tuple[int, list[WireTensor]] | None = None
+        self._rounded = [i for i in self._fixed if self.dtypes[i] == np.float32]
+        self._round_bf16 = _round_bf16_fn([self._var[i] for i in self._rounded])
         self._gathers = {i: _gather_fn(v) for i, v in self._var.items() if self.sparse[i]}
         # One staging buffer per dense variable, reused by every apply (the step is
         # synchronous); a row-sparse one is fed its rows, never staged: a zero-stride view
@@ -565,6 +583,26 @@ class ParameterState:
             ]
             self._snapshot = (self.version, [a for a in arrays if a is not None])
         return self._snapshot
+
+    def weights_bf16(self) -> tuple[int, list[WireTensor]]:
+        """(version, tensors) for a whole pull in bfloat16 (``--pull-compress bf16``), one
+        list per version shared by every pull of it. The float32 variables are rounded by
+        one compiled call reading them (nearest even, bit for bit what ``wire.as_bf16``
+        gives a finite value; a NaN stays a NaN) and leave TensorFlow without a copy; no
+        float32 snapshot is taken. Other variables go as ``wire.as_bf16`` sends them:
+        float64 rounded from a snapshot, float16 and integers as they are, dynamic tables
+        without rows."""
+        if self._bf16 is None or self._bf16[0] != self.version:
+            rounded = dict(zip(self._rounded, self._round_bf16(), strict=True))
+            out: list[WireTensor] = []
+            for i in range(len(self.names)):
+                if i in rounded:
+                    bits = as_array(rounded[i])
+                    out.append(BFloat16(bits.view(ml_dtypes.bfloat16), self.dtypes[i]))
+                else:
+                    out.append(as_bf16(self.array(i)))
+            self._bf16 = (self.version, out)
+        return self._bf16
 
     def held_bytes(self) -> tuple[int, int]:
         """(parameter bytes, optimizer slot bytes) this shard holds now: its variables and
