@@ -23,6 +23,15 @@ BENCH = ROOT / "tests" / "bench" / "bench.py"
 # The keys every full run reports (the smoke plan checks they are all there).
 REQUIRED = {
     "wire": ["memcpy_ms", "push_decode_ms", "ratio_to_memcpy"],
+    # a whole pull in bfloat16: the server's rounding per version, the worker's install
+    "wire.bf16_pulls": [
+        "server_round_ms",
+        "server_round_numpy_ms",
+        "server_speedup",
+        "worker_install_bf16_ms",
+        "worker_install_float32_ms",
+        "worker_bf16_vs_float32",
+    ],
     "seed_gradients": ["per_variable_ms", "one_pass_ms", "speedup"],
     "server": [
         "bare_apply_per_s",

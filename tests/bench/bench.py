@@ -82,6 +82,14 @@ from downpour.spec import load_spec  # noqa: E402
 
 REQUIRED: dict[str, list[str]] = {
     "wire": ["memcpy_ms", "push_decode_ms", "ratio_to_memcpy"],
+    "wire.bf16_pulls": [
+        "server_round_ms",
+        "server_round_numpy_ms",
+        "server_speedup",
+        "worker_install_bf16_ms",
+        "worker_install_float32_ms",
+        "worker_bf16_vs_float32",
+    ],
     "wire_curve": ["push_decode_ms", "ratio_to_memcpy", "ratio_to_plain"],
     "seed_gradients": ["per_variable_ms", "one_pass_ms", "speedup"],
     "server": [
@@ -361,6 +369,20 @@ def _fetch_rows(f: dict[str, Any]) -> list[str]:
     ]
 
 
+def bf16_pull_rows(b: dict[str, Any] | None) -> list[str]:
+    """The table rows of the wire section's bf16 pull costs (none in results without them)."""
+    if not b:
+        return []
+    return [
+        f"| wire | bf16 pull, server: the weights rounded per version by one compiled call / "
+        f"NumPy's rounding of a float32 snapshot | {b['server_round_ms']:.2f} / "
+        f"{b['server_round_numpy_ms']:.2f} ms (**{b['server_speedup']:.2f}x**) |",
+        f"| wire | pull reply decoded into tensors on the worker, bf16 / float32 weights | "
+        f"{b['worker_install_bf16_ms']:.2f} / {b['worker_install_float32_ms']:.2f} ms "
+        f"({b['worker_bf16_vs_float32']:.2f}x) |",
+    ]
+
+
 def table(r: dict[str, Any]) -> str:
     """The results as a Markdown table (also what the README's Performance section shows)."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
@@ -378,6 +400,7 @@ def table(r: dict[str, Any]) -> str:
         f"| wire | **ratio to memcpy** | **{w['ratio_to_memcpy']:.2f}x** |",
         f"| wire | same frames, raw pyzmq (no encode/decode) | {w['raw_zmq_tcp_ms']:.2f} ms "
         f"({w['raw_zmq_tcp_ratio_to_memcpy']:.2f}x memcpy) |",
+        *bf16_pull_rows(w.get("bf16_pulls")),
         f"| wire | same push over CURVE (every byte encrypted) | "
         f"{r['wire_curve']['push_decode_ms']:.2f} ms "
         f"({r['wire_curve']['ratio_to_memcpy']:.2f}x memcpy, "
@@ -486,6 +509,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
             "bf16_push_decode_ms": w["curve_bf16_push_decode_ms"],
             "bf16_ratio_to_plain": w["curve_bf16_push_decode_ms"] / w["push_decode_ms"],
         }
+        result["wire"]["bf16_pulls"] = bench_wire.bf16_pulls(spec, plan.wire_reps)
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
         log("[2/13] seed gradients")

@@ -163,3 +163,61 @@ def run(names: list[str], grads: list[np.ndarray], reps: int) -> dict[str, Any]:
         "curve_bf16_push_decode_ms": m["curve_bf16_push_decode"],
         "reps": reps,
     }
+
+
+def bf16_pulls(spec: ModelSpec, reps: int) -> dict[str, Any]:
+    """What a whole pull in bfloat16 (the default ``--pull-compress bf16``) costs each side,
+    side by side in this process, medians over ``reps`` interleaved samples.
+
+    Server, per version (each sample after an apply, so that the version is new): the
+    variables rounded by ``ParameterState.weights_bf16`` (one compiled call) against
+    ``wire.as_bf16`` of the float32 snapshot (``weights``), the NumPy rounding that the
+    lookahead policy's extrapolated arrays take. Worker, per pull: decoding the reply's
+    frames and making tensors of them (``GradientStep.prepare``: widened bf16 weights are
+    adopted without a copy) for a bf16 reply against a float32 one.
+    """
+    from downpour.server.state import ParameterState  # TensorFlow: not at import
+    from downpour.tensors import to_tensor
+
+    state = ParameterState(spec, "adam", 1e-3)
+    grads = gradient_list(state.shapes)
+    version, arrays = state.weights()
+    replies = {
+        enc: [bytes(f) for f in wire.encode(wire.weights_reply(version, wire.PullReply(), t))]
+        for enc, t in (
+            ("bf16", dict(zip(state.names, state.weights_bf16()[1], strict=True))),
+            ("float32", dict(zip(state.names, arrays, strict=True))),
+        )
+    }
+    limits = wire.DEFAULT_LIMITS.for_payload(sum(a.nbytes for a in arrays))
+
+    def install(enc: str) -> None:
+        out = wire.decode(replies[enc], limits)
+        tensors = [to_tensor(a, adopt=True) for a in out.tensors.values()]
+        if len(tensors) != len(arrays):
+            raise RuntimeError("decoded reply lost tensors")
+
+    def rounded(tf_rounding: bool) -> float:
+        state.apply(grads)
+        if tf_rounding:
+            return time_ms(state.weights_bf16, 1, warmup=0)[0]
+        return time_ms(lambda: [wire.as_bf16(a) for a in state.weights()[1]], 1, warmup=0)[0]
+
+    samples: dict[str, list[float]] = {k: [] for k in ("tf", "numpy", "bf16", "float32")}
+    for _ in range(3):  # warm-up: traces, allocator
+        rounded(True), rounded(False), install("bf16"), install("float32")
+    for _ in range(reps):
+        samples["tf"].append(rounded(True))
+        samples["numpy"].append(rounded(False))
+        samples["bf16"] += time_ms(lambda: install("bf16"), 1, warmup=0)
+        samples["float32"] += time_ms(lambda: install("float32"), 1, warmup=0)
+    m = {k: median(v) for k, v in samples.items()}
+    return {
+        "server_round_ms": m["tf"],
+        "server_round_numpy_ms": m["numpy"],
+        "server_speedup": m["numpy"] / m["tf"],
+        "worker_install_bf16_ms": m["bf16"],
+        "worker_install_float32_ms": m["float32"],
+        "worker_bf16_vs_float32": m["bf16"] / m["float32"],
+        "reps": reps,
+    }
