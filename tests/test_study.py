@@ -62,6 +62,10 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
         assert reference["optimizer"] == part["optimizer"] == "lazy_adam"
         assert part["plan"]["target"] == pytest.approx(reference["auc"] - 0.005, abs=1e-5)
         assert doc["summary"][model]["target"] == part["plan"]["target"]
+    sizes = {m: doc["models"][m]["model"] for m in doc["models"]}
+    assert not sizes["mnist"]["dynamic_tables"] and not sizes["clicks"]["dynamic_tables"]
+    assert sizes["clicks-hashed"]["dynamic_tables"]  # its rows: no declared count
+    assert sizes["clicks-hashed"]["parameters"] < sizes["clicks"]["parameters"]
     hashed = [r for r in runs if r["model"] == "clicks-hashed"]
     for r in hashed:  # every gradient's batch pulled its rows from the dynamic tables
         assert r["rows_pulled"] >= r["gradients"] and r["row_bytes_pulled"] > 0

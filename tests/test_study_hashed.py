@@ -97,3 +97,12 @@ def test_a_policy_a_dynamic_server_refuses_is_refused_by_the_simulation(
         ctx.begin(state, parse_policy("sync:2/2"))
     with pytest.raises(ValueError, match="fetch 'every'"):
         ctx.begin(state, parse_policy("async"), "n-fetch:2")
+
+
+def test_study_md_names_dynamic_tables_by_width_not_their_declared_rows() -> None:
+    dense = {"parameters": 215306, "dynamic_tables": {}}
+    assert study.model_size(dense) == "215,306 parameters"
+    hashed = {"parameters": 1092, "dynamic_tables": {"a/embeddings": 16, "b/embeddings": 16}}
+    assert study.model_size(hashed) == (
+        "1,092 parameters outside 2 dynamic tables of 16-wide rows made on first touch"
+    )

@@ -1010,6 +1010,20 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def model_size(model: dict[str, Any]) -> str:
+    """A model's size for study.md: its fixed parameters, and its dynamic tables (rows made
+    on first touch, so no declared count) by width."""
+    text = f"{model['parameters']:,} parameters"
+    tables = model.get("dynamic_tables") or {}
+    if tables:
+        widths = sorted(set(tables.values()))
+        text += (
+            f" outside {len(tables)} dynamic table{'s' if len(tables) > 1 else ''} of "
+            f"{'/'.join(str(w) for w in widths)}-wide rows made on first touch"
+        )
+    return text
+
+
 def model_markdown(doc: dict[str, Any]) -> list[str]:
     """One model's section of study.md (``doc``: its ``model_view``)."""
     plan = doc["plan"]
@@ -1018,7 +1032,7 @@ def model_markdown(doc: dict[str, Any]) -> list[str]:
     base = {r["compress"]: r for r in runs if r["workers"] == 1 and not r.get("variant")}
     reference = doc.get("one_process")
     lines = [
-        f"## {doc['model']['name']} ({doc['model']['parameters']:,} parameters)",
+        f"## {doc['model']['name']} ({model_size(doc['model'])})",
         "",
         f"Data: {doc['data']}. Server `--optimizer {doc.get('optimizer', 'adam')}`, lr "
         f"{plan['lr']:g}. Target: {target_text(plan['target'], metric)} held-out"
@@ -1409,9 +1423,19 @@ def prepare(plan: Plan, model: str, given_costs: str | None) -> tuple[dict[str, 
         }
     log(f"{model}: costs {costs}")
     ctx = _context(model)
-    n_params = sum(int(v.numpy().size) for v in ctx.model.trainable_variables)
+    from downpour.models import dynamic_tables
+
+    tables = dynamic_tables(ctx.model)  # rows created on first touch: not declared parameters
+    n_params = sum(
+        int(v.numpy().size) for v in ctx.model.trainable_variables if v.path not in tables
+    )
     part: dict[str, Any] = {
-        "model": {"ref": SPEC_REFS[model], "name": ctx.spec.name, "parameters": n_params},
+        "model": {
+            "ref": SPEC_REFS[model],
+            "name": ctx.spec.name,
+            "parameters": n_params,
+            "dynamic_tables": {path: t.dim for path, t in tables.items()},
+        },
         "data": DATA[model],
         "costs": costs,
         "optimizer": OPTIMIZERS[model],
