@@ -20,25 +20,25 @@ class _Private(np.ndarray):
     """The raw bytes under a ``private_empty`` array: the mark ``is_private`` looks for."""
 
 
-def _aligned_raw(nbytes: int, align: int, kind: type[np.ndarray]) -> np.ndarray:
+def _aligned(shape: tuple[int, ...], dtype: np.dtype, align: int, kind: type) -> np.ndarray:
+    """An uninitialised C-contiguous ``shape`` array on an ``align``-byte boundary, viewing
+    raw bytes of class ``kind``."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + align, dtype=np.uint8).view(kind)
     offset = (-raw.ctypes.data) % align
-    return raw[offset : offset + nbytes]
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = ALIGN_BYTES) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return _aligned_raw(nbytes, align, np.ndarray).view(dtype).reshape(shape)
+    return _aligned(shape, dtype, align, np.ndarray)
 
 
 def private_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``aligned_empty`` marked private (see the module docstring): a plain ndarray whose
     memory ``is_private`` recognises."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return np.asarray(_aligned_raw(nbytes, ALIGN_BYTES, _Private).view(dtype).reshape(shape))
+    return np.asarray(_aligned(shape, dtype, ALIGN_BYTES, _Private))
 
 
 def is_private(a: np.ndarray) -> bool:

@@ -326,19 +326,19 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         ctx.stats.counters["pulls_unchanged"] += 1
         body = wire.PullReply(ctx.incarnation, unchanged=True, dropped_stale=dropped)
         return wire.weights_reply(version, body)
-    tensors: Sequence[wire.WireTensor]
-    if req.encoding == wire.BF16 and not ctx.policy.extrapolates:
+    bf16 = req.encoding == wire.BF16
+    if bf16:
         ctx.stats.counters["pulls_bf16"] += 1
+    tensors: Sequence[wire.WireTensor]
+    if bf16 and not ctx.policy.extrapolates:
         version, tensors = ctx.state.weights_bf16()  # rounded from the variables
     else:
         version, arrays = ctx.state.weights()
         if ctx.policy.extrapolates:  # lookahead: this version's extrapolated weights (cached)
             skip = [i for i, sparse in enumerate(ctx.state.sparse) if sparse]
             arrays = ctx.policy.pull_weights(version, arrays, skip)
-        tensors = arrays
-        if req.encoding == wire.BF16:  # the extrapolated arrays, which no variable holds
-            ctx.stats.counters["pulls_bf16"] += 1
-            tensors = bf16_weights(ctx, version, arrays)
+        # bf16: the extrapolated arrays, which no variable holds, rounded in NumPy
+        tensors = bf16_weights(ctx, version, arrays) if bf16 else arrays
     return wire.weights_reply(
         version,
         wire.PullReply(ctx.incarnation, dropped_stale=dropped),

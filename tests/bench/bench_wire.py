@@ -205,7 +205,10 @@ def bf16_pulls(spec: ModelSpec, reps: int) -> dict[str, Any]:
 
     samples: dict[str, list[float]] = {k: [] for k in ("tf", "numpy", "bf16", "float32")}
     for _ in range(3):  # warm-up: traces, allocator
-        rounded(True), rounded(False), install("bf16"), install("float32")
+        rounded(True)
+        rounded(False)
+        install("bf16")
+        install("float32")
     for _ in range(reps):
         samples["tf"].append(rounded(True))
         samples["numpy"].append(rounded(False))
