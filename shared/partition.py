@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from downpour.hashing import id_shard
-from downpour.wire import Keyed, Sparse, Tensor
+from downpour.wire import BFloat16, Keyed, Sparse, Tensor
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,9 @@ class Part:
         """The inverse of ``local``."""
         return ids if self.whole or self.dynamic else ids + self.start
 
-    def take(self, a: Tensor) -> Tensor:
-        """This piece of a full-variable gradient: a row view (no copy) or the sparse rows."""
+    def take(self, a: Tensor | BFloat16) -> Tensor | BFloat16:
+        """This piece of a full-variable gradient: a row view (no copy) or the sparse rows;
+        a gradient rounded to bfloat16 in the worker's step gives a row view of its bits."""
         if self.dynamic:
             if not isinstance(a, Keyed):
                 raise ValueError(f"{self.name}: a dynamic table's gradient must be Keyed rows")
@@ -109,6 +110,8 @@ class Part:
                 a.values[keep],
                 self.part_shape,
             )
+        if isinstance(a, BFloat16):
+            return BFloat16(a.values[self.start : self.stop], a.dtype)
         return a[self.start : self.stop]
 
 
@@ -144,7 +147,7 @@ class Partition:
         """Bytes of parameters per shard."""
         return [sum(p.nbytes for p in parts) for parts in self.shards]
 
-    def split(self, grads: Sequence[Tensor]) -> list[list[Tensor]]:
+    def split(self, grads: Sequence[Tensor | BFloat16]) -> list[list[Tensor | BFloat16]]:
         """A full gradient list (variable order) as one list per shard, in wire order."""
         return [[p.take(grads[p.var]) for p in parts] for parts in self.shards]
 

@@ -181,3 +181,30 @@ def test_worker_process_refuses_a_compression_the_server_cannot_decode(
     assert w.wait(timeout=120) == 3
     log = w.log_text()
     assert "cannot decode the topk encoding" in log and "--compress none" in log
+
+
+@pytest.mark.parametrize(
+    ("settings", "in_step", "warned"),
+    [
+        ({"compress": "bf16"}, True, None),
+        ({"compress": "bf16", "n_push": 2}, False, "--n-push 2 averages"),
+        ({"compress": "none"}, False, None),
+        ({"compress": "topk:0.01"}, False, None),
+    ],
+)
+def test_the_step_rounds_bf16_pushes_of_one_step_and_says_when_it_cannot(
+    settings: dict, in_step: bool, warned: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--compress bf16`` rounds in the compiled step; with ``--n-push`` above 1 the mean
+    is rounded at the push instead, and a warning says why. Nothing is sent to build one."""
+    caplog.set_level("WARNING", logger="downpour.worker")
+    worker = make_worker(1, WIDE, steps=1, **settings)
+    try:
+        assert worker.step_fn.round_bf16 is in_step
+    finally:
+        worker.close()
+    said = [r.getMessage() for r in caplog.records if "compiled step" in r.getMessage()]
+    if warned is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and warned in said[0] and "rounded in NumPy" in said[0]

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from downpour import wire
+from downpour.inputs import InputContext
 from downpour.models import build_model
+from downpour.pipeline import build_dataset, resolve_inputs
 from downpour.spec import load_spec
-from downpour.wire import Sparse
+from downpour.wire import BFloat16, Sparse
 from downpour.worker.step import Accumulator, GradientStep
 
 
@@ -113,3 +119,97 @@ def test_set_weights_from_arrays_and_prepared_tensors_load_the_same_values() -> 
     step.set_weights(doubled)
     for v, a in zip(model.trainable_variables, doubled, strict=True):
         np.testing.assert_array_equal(v.numpy(), a)
+
+
+def _first_batch(spec_name: str) -> tuple[Any, Any, Any]:
+    """The model spec's first training batch (and the dataset's element spec)."""
+    spec = load_spec(spec_name)
+    inputs = resolve_inputs(spec)
+    ds = build_dataset(inputs.train, InputContext(batch_size=spec.batch_size, seed=1))
+    x, y = next(iter(ds))
+    return spec, ds.element_spec, (x, y)
+
+
+@pytest.mark.parametrize(
+    "spec_name",
+    [
+        "tiny_models:tiny",  # one input, dense float32
+        "tiny_models:embedding_list",  # a list of inputs, a row-sparse table
+        "tiny_models:embedding_dict",  # a dict of inputs
+        "dtype_models:mixed",  # float16 and float64 variables beside float32
+    ],
+)
+def test_round_bf16_gives_the_bits_as_bf16_gives_of_the_float32_gradients(
+    spec_name: str,
+) -> None:
+    """``round_bf16``: every dense float32 gradient comes out as ``BFloat16``, bit for bit
+    what ``wire.as_bf16`` makes of the same gradient unrounded; the table's rows and the
+    other dtypes come out as without it. Both steps share one model, so the same weights."""
+    spec, element_spec, (x, y) = _first_batch(spec_name)
+    model = build_model(spec)
+    plain = GradientStep(spec, model, element_spec)
+    rounded = GradientStep(spec, model, element_spec, round_bf16=True)
+    loss, want = plain(x, y)
+    loss_r, got = rounded(x, y)
+    assert loss_r == loss and rounded.traces == 1
+    assert len(got) == len(want) == len(model.trainable_variables)
+    kinds = set()
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, np.ndarray) and w.dtype == np.float32:
+            assert isinstance(g, BFloat16) and g.dtype == np.float32
+            ref = wire.as_bf16(w)
+            assert g.values.shape == w.shape
+            np.testing.assert_array_equal(g.values.view(np.uint16), ref.values.view(np.uint16))
+            kinds.add("rounded")
+        elif isinstance(w, Sparse):
+            assert isinstance(g, Sparse) and g.values.dtype == w.values.dtype
+            np.testing.assert_array_equal(g.indices, w.indices)
+            np.testing.assert_array_equal(g.values, w.values)
+            kinds.add("rows")
+        else:
+            assert isinstance(g, np.ndarray) and g.dtype == w.dtype
+            np.testing.assert_array_equal(g, w)
+            kinds.add(str(w.dtype))
+    expected = {
+        "tiny_models:tiny": {"rounded"},
+        "tiny_models:embedding_list": {"rounded", "rows"},
+        "tiny_models:embedding_dict": {"rounded", "rows"},
+        "dtype_models:mixed": {"rounded", "float16", "float64"},
+    }[spec_name]
+    assert kinds == expected
+
+
+def test_bf16_rounded_gradients_split_across_shards_and_refuse_other_uses() -> None:
+    """A rounded gradient splits by rows like its float32 one (a view of its bits); only the
+    ``bf16`` compressor takes it, counting its float32 bytes as raw; it cannot be summed."""
+    from downpour.partition import make_partition
+    from downpour.worker.compress import parse_compression
+
+    spec, element_spec, (x, y) = _first_batch("tiny_models:wide")
+    model = build_model(spec)
+    _, grads = GradientStep(spec, model, element_spec, round_bf16=True)(x, y)
+    variables = model.trainable_variables
+    part = make_partition(
+        [v.path for v in variables],
+        [tuple(v.shape) for v in variables],
+        [v.dtype for v in variables],
+        2,
+        "fingerprint",
+    )
+    assert any(not p.whole for parts in part.shards for p in parts)  # a variable is sliced
+    halves = part.split(grads)
+    joined = part.join([[t.values.view(np.uint16) for t in shard] for shard in halves], len(grads))
+    for g, j in zip(grads, joined, strict=True):
+        np.testing.assert_array_equal(g.values.view(np.uint16), j)
+    bf16 = parse_compression("bf16")
+    out = bf16.compress(grads)
+    assert all(o is g for o, g in zip(out, grads, strict=True))
+    assert bf16.raw_bytes == sum(g.values.size * 4 for g in grads)
+    assert bf16.sent_bytes == sum(g.values.size * 2 for g in grads)
+    for other in ("none", "topk:0.01"):
+        with pytest.raises(ValueError, match="already rounded to bf16"):
+            parse_compression(other).compress(grads)
+    acc = Accumulator()
+    acc.add(grads)
+    with pytest.raises(TypeError, match="cannot be accumulated"):
+        acc.add(grads)

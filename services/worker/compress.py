@@ -54,6 +54,14 @@ from downpour.forms import Form, Forms, literal, pattern
 from downpour.wire import BFloat16, FlatSparse, Sparse, Tensor, WireTensor
 
 
+def raw_bytes(t: WireTensor) -> int:
+    """Bytes a gradient's payload takes uncompressed: a ``BFloat16`` (rounded in the step)
+    at its logical dtype's width, anything else as ``payload_bytes``."""
+    if isinstance(t, BFloat16):
+        return t.values.size * t.dtype.itemsize
+    return payload_bytes(t)
+
+
 def payload_bytes(t: WireTensor) -> int:
     """Bytes a tensor's frames take on the wire (indices and values; header not included)."""
     if isinstance(t, Sparse | FlatSparse):
@@ -87,16 +95,21 @@ class Compressor(ABC):
     def _compress(self, i: int, g: np.ndarray) -> WireTensor:
         """Compress variable ``i``'s dense float gradient."""
 
-    def compress(self, grads: Sequence[Tensor]) -> list[WireTensor]:
-        """One push's gradients (variable order) -> tensors for ``Message.tensors``, same order."""
+    def compress(self, grads: Sequence[Tensor | BFloat16]) -> list[WireTensor]:
+        """One push's gradients (variable order) -> tensors for ``Message.tensors``, same order.
+        A ``BFloat16`` gradient (rounded in the worker's step) is taken only by ``bf16``."""
         out: list[WireTensor] = []
         for i, g in enumerate(grads):
-            if isinstance(g, Sparse):
-                t: WireTensor = g  # already row-sparse: passed through
+            if isinstance(g, BFloat16):
+                if wire.BF16 not in self.encodings:
+                    raise ValueError(f"{self.spec}: gradient {i} is already rounded to bf16")
+                t: WireTensor = g  # rounded as bf16 would round it
+            elif isinstance(g, Sparse):
+                t = g  # already row-sparse: passed through
             else:
                 a = np.asarray(g)
                 t = self._compress(i, a) if a.dtype.name in wire.BF16_DTYPES else a
-            self.raw_bytes += payload_bytes(g)
+            self.raw_bytes += raw_bytes(g)
             self.sent_bytes += payload_bytes(t)
             out.append(t)
         return out

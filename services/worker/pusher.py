@@ -15,7 +15,7 @@ import time
 from downpour import wire
 from downpour.cluster import ShardSet
 from downpour.transport import Stopped
-from downpour.worker.compress import Compressor, parse_compression, payload_bytes
+from downpour.worker.compress import Compressor, parse_compression, payload_bytes, raw_bytes
 from downpour.worker.errors import translated
 from downpour.worker.splits import SplitMark
 from downpour.worker.step import Accumulator
@@ -95,7 +95,7 @@ class Pusher:
         def encode(shard: int, tensors: list[wire.Tensor]) -> list[wire.WireTensor]:
             nonlocal saved
             out = self.compressors[shard].compress(tensors)
-            saved += sum(map(payload_bytes, tensors)) - sum(map(payload_bytes, out))
+            saved += sum(map(raw_bytes, tensors)) - sum(map(payload_bytes, out))
             return out
 
         try:

@@ -157,10 +157,11 @@ class Worker:
         spec, spec_of = self.spec, first.element_spec
         check_element_spec(spec_of, self.model)
         self.element_spec = spec_of
+        fused = self._rounds_in_step()
         if self.config.graph == "tf1":  # the model's Session graph, checked against the model
             check_tf1_inputs(spec, spec_of)
             return Tf1Step(spec, self.model)
-        step = GradientStep(spec, self.model, spec_of, self.caches)
+        step = GradientStep(spec, self.model, spec_of, self.caches, round_bf16=fused)
         try:
             step.trace()
         except (ValueError, TypeError) as exc:
@@ -172,6 +173,27 @@ class Worker:
             for features, _ in first.take(1):
                 check_batch(self.model, self.caches, features)
         return step
+
+    def _rounds_in_step(self) -> bool:
+        """Whether the compiled step rounds the gradients for ``--compress bf16``: only a
+        push of one step's gradients from a Keras step (a warning names why not)."""
+        cfg = self.config
+        if cfg.compress != "bf16":
+            return False
+        why = (
+            f"--n-push {cfg.n_push} averages several steps' gradients before the push"
+            if cfg.n_push > 1
+            else "--graph tf1 computes them in a Session graph"
+            if cfg.graph == "tf1"
+            else None
+        )
+        if why is not None:
+            log.warning(
+                "--compress bf16: gradients are rounded in NumPy at each push, not in the "
+                "compiled step, because %s",
+                why,
+            )
+        return why is None
 
     def _partition(self, num_shards: int) -> Partition:
         """The model's variables over ``num_shards`` shards, as the servers partition them;
