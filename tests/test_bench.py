@@ -115,6 +115,7 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
             assert math.isfinite(value) and value > 0, f"{section}.{key} = {value!r}"
     pulls = doc["wire"]["bf16_pulls"]  # bench's own check (rc 0 above) found them finite
     assert pulls["reps"] >= 1 and "| wire | bf16 pull, server:" in done.stdout
+    assert doc["wire"]["bf16_pushes"]["reps"] >= 1 and "| wire | bf16 push, worker:" in done.stdout
     assert doc["seed_gradients"]["traces_one_pass"] == 1
     assert set(doc["seed_gradients"]["traces_per_variable"]) == {1}
     assert doc["input"]["traces"] == 1  # both feeds ran the one compiled step

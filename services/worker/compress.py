@@ -12,7 +12,9 @@ bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulativel
 - ``none``: the gradients as they are.
 - ``bf16``: each float32/float64 tensor rounded to the nearest bfloat16 (ties to even):
   half the bytes of float32, 8 significant bits (relative error at most 2**-8). The server
-  decodes it back to float32.
+  decodes it back to float32. A worker whose compiled step already rounded its dense
+  float32 gradients (``GradientStep(round_bf16=True)``) hands them over as ``BFloat16``,
+  which this compressor passes on as they are and the others refuse.
 - ``topk:RATIO`` (0 < RATIO <= 1), with error feedback: per variable a float32 residual ``r``
   is kept; each push computes ``v = r + g``, sends the ``k = max(1, ceil(RATIO * size))``
   entries of largest ``|v|`` (``np.argpartition``: linear, no full sort) and keeps

@@ -90,6 +90,12 @@ REQUIRED: dict[str, list[str]] = {
         "worker_install_float32_ms",
         "worker_bf16_vs_float32",
     ],
+    "wire.bf16_pushes": [
+        "step_round_tf_ms",
+        "step_round_numpy_ms",
+        "step_float32_ms",
+        "numpy_vs_tf",
+    ],
     "wire_curve": ["push_decode_ms", "ratio_to_memcpy", "ratio_to_plain"],
     "seed_gradients": ["per_variable_ms", "one_pass_ms", "speedup"],
     "server": [
@@ -383,6 +389,18 @@ def bf16_pull_rows(b: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def bf16_push_rows(b: dict[str, Any] | None) -> list[str]:
+    """The table row of the wire section's bf16 push cost (none in results without it)."""
+    if not b:
+        return []
+    return [
+        f"| wire | bf16 push, worker: the step rounding its gradients / the step, then "
+        f"NumPy's rounding / the float32 step alone | {b['step_round_tf_ms']:.2f} / "
+        f"{b['step_round_numpy_ms']:.2f} / {b['step_float32_ms']:.2f} ms "
+        f"(**{b['numpy_vs_tf']:.2f}x**) |",
+    ]
+
+
 def table(r: dict[str, Any]) -> str:
     """The results as a Markdown table (also what the README's Performance section shows)."""
     w, s, v, e = r["wire"], r["seed_gradients"], r["server"], r["end_to_end"]
@@ -401,6 +419,7 @@ def table(r: dict[str, Any]) -> str:
         f"| wire | same frames, raw pyzmq (no encode/decode) | {w['raw_zmq_tcp_ms']:.2f} ms "
         f"({w['raw_zmq_tcp_ratio_to_memcpy']:.2f}x memcpy) |",
         *bf16_pull_rows(w.get("bf16_pulls")),
+        *bf16_push_rows(w.get("bf16_pushes")),
         f"| wire | same push over CURVE (every byte encrypted) | "
         f"{r['wire_curve']['push_decode_ms']:.2f} ms "
         f"({r['wire_curve']['ratio_to_memcpy']:.2f}x memcpy, "
@@ -510,6 +529,7 @@ def run(plan: Plan, logdir: Path) -> dict[str, Any]:
             "bf16_ratio_to_plain": w["curve_bf16_push_decode_ms"] / w["push_decode_ms"],
         }
         result["wire"]["bf16_pulls"] = bench_wire.bf16_pulls(spec, plan.wire_reps)
+        result["wire"]["bf16_pushes"] = bench_wire.bf16_pushes(spec, plan.wire_reps)
         timings["wire"] = time.monotonic() - t
         t = time.monotonic()
         log("[2/13] seed gradients")

@@ -224,3 +224,46 @@ def bf16_pulls(spec: ModelSpec, reps: int) -> dict[str, Any]:
         "worker_bf16_vs_float32": m["bf16"] / m["float32"],
         "reps": reps,
     }
+
+
+def bf16_pushes(spec: ModelSpec, reps: int) -> dict[str, Any]:
+    """What producing a ``--compress bf16`` push costs the worker, per step, side by side in
+    this process (medians over ``reps`` interleaved samples, one batch of the model's data):
+
+    - ``step_round_tf_ms``: ``GradientStep(round_bf16=True)``, the compiled step rounding its
+      dense float32 gradients (what a worker with ``--n-push 1`` runs);
+    - ``step_round_numpy_ms``: the plain step, then ``wire.as_bf16`` of every gradient (what
+      ``--n-push`` above 1 and ``--graph tf1`` do at the push);
+    - ``step_float32_ms``: the plain step alone (``--compress none``), the floor.
+    """
+    from downpour.worker.step import GradientStep  # TensorFlow: not at import
+
+    data = spec.load_data(None)
+    model = build_model(spec, seed=0)
+    x, y = data.x_train[: spec.batch_size], data.y_train[: spec.batch_size]
+    plain = GradientStep(spec, model, data.x_train[:1])
+    fused = GradientStep(spec, model, data.x_train[:1], round_bf16=True)
+
+    def numpy_rounding() -> None:
+        _, grads = plain(x, y)
+        [wire.as_bf16(g) for g in grads]
+
+    timed = {
+        "tf": lambda: fused(x, y),
+        "numpy": numpy_rounding,
+        "float32": lambda: plain(x, y),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in timed}
+    for fn in timed.values():  # warm-up: traces, allocator
+        time_ms(fn, 0, warmup=3)
+    for _ in range(reps):
+        for k, fn in timed.items():
+            samples[k] += time_ms(fn, 1, warmup=0)
+    m = {k: median(v) for k, v in samples.items()}
+    return {
+        "step_round_tf_ms": m["tf"],
+        "step_round_numpy_ms": m["numpy"],
+        "step_float32_ms": m["float32"],
+        "numpy_vs_tf": m["numpy"] / m["tf"],
+        "reps": reps,
+    }

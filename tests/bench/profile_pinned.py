@@ -97,24 +97,27 @@ def steps_and_version(endpoint: Any, wid: str) -> tuple[int, int, float]:
     return int(doc["workers"].get(wid, {}).get("steps") or 0), int(doc["version"]), doc["uptime_s"]
 
 
-def e2e(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
-    """Worker on core 0, server on core 1 (``bench_e2e.downpour``'s pinned set-up)."""
+def e2e(
+    procs: Procs, out: Path, seconds: float, rate: int, worker: dict[str, str] | None = None
+) -> list[str]:
+    """Worker on core 0, server on core 1 (``bench_e2e.downpour``'s pinned set-up);
+    ``worker``: more worker settings by name (``{"compress": "bf16"}``)."""
     worker_cpus, server_cpus = host_cpus(0), host_cpus(1)
     port, wid = free_port(), "profile-w0"
     server, pending = start_server(procs, "server", port=port, wait=False, cpus=server_cpus)
     args = service_args(
         "worker", server=f"127.0.0.1:{port}", id=wid, steps=1000000, log_every=0,
-        log_level="WARNING",
+        log_level="WARNING", **(worker or {}),
     )  # fmt: skip
-    worker, _ = procs.start(args, wid, cpus=worker_cpus)
+    proc, _ = procs.start(args, wid, cpus=worker_cpus)
     endpoint = status_endpoint(server_ready(procs, server, Path(pending["ready_file"])))
     deadline = time.monotonic() + 180.0
     while steps_and_version(endpoint, wid)[0] < 20:  # tracing and the first pulls done
-        if time.monotonic() > deadline or worker.poll() is not None:
-            raise RuntimeError(f"worker not warmed up:\n{procs.log_tail(worker)}")
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"worker not warmed up:\n{procs.log_tail(proc)}")
         time.sleep(0.2)
     s0, v0, t0 = steps_and_version(endpoint, wid)
-    profiles = record({"worker": worker.pid, "server": server.pid}, seconds, rate, out)
+    profiles = record({"worker": proc.pid, "server": server.pid}, seconds, rate, out)
     s1, v1, t1 = steps_and_version(endpoint, wid)
     head = f"worker on core {worker_cpus}, server on core {server_cpus}: "
     head += f"{(s1 - s0) / (t1 - t0):.2f} steps/s, {(v1 - v0) / (t1 - t0):.2f} updates/s profiled"
@@ -167,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="profiled window")
     p.add_argument("--rate", type=int, default=100, help="samples per second")
     p.add_argument("--out", help="directory for the raw profiles (default: a new temp dir)")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a worker setting for the e2e set-up (compress=bf16); repeatable",
+    )
     args = p.parse_args(argv)
+    worker = dict(kv.split("=", 1) for kv in args.worker)
     if not Path(PY_SPY).exists():
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
@@ -175,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log(f"profiling the pinned {args.setup} set-up for {args.seconds:.0f} s; raw profiles in {out}")
     with Procs(out) as procs:
-        setup = {"e2e": e2e, "flood": flood, "goodput": goodput}[args.setup]
-        lines = setup(procs, out, args.seconds, args.rate)
+        if args.setup == "e2e":
+            lines = e2e(procs, out, args.seconds, args.rate, worker)
+        else:
+            lines = {"flood": flood, "goodput": goodput}[args.setup](
+                procs, out, args.seconds, args.rate
+            )
     print("\n".join(lines))
     return 0
 
