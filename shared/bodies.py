@@ -207,12 +207,16 @@ class PullReply(Body):
     sender's version is current (no tensors follow); ``dropped_stale``: how many of the
     sender's gradients the policy dropped as too old since its last pull; ``wait_ms`` > 0:
     the policy holds this pull (ssp: the sender is too far ahead), no tensors follow, ask
-    again after that many milliseconds."""
+    again after that many milliseconds. ``dense_version``: under a hybrid policy, on a shard
+    holding dense variables, the dense updates it has made (the version its dense half's
+    rounds count: row applies move the reply's version but not this); absent otherwise. A
+    worker that does not know the field ignores it."""
 
     incarnation: str | None = wire_field("str", None)
     unchanged: bool = wire_field("bool", False)
     dropped_stale: int = wire_field("int", 0, lo=0)
     wait_ms: int = wire_field("int", 0, lo=0, hi=MAX_WAIT_MS)
+    dense_version: int | None = wire_field("int", None, lo=0)
 
 
 def _read_position(key: str, v: list[Any]) -> tuple[int, int, int]:

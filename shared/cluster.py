@@ -81,6 +81,9 @@ class Shard:
     hello_incarnation: str | None = None  # the incarnation this client said hello to
     seen_incarnation: str | None = None  # the newest one any thread heard in a reply
     version: int = -1  # this shard's weight version held locally; -1 = none yet
+    # a hybrid policy's dense updates as of the weights held (None: not under a hybrid, or
+    # the shard holds no dense variable); its dense rounds count these, not versions
+    dense_version: int | None = None
     arrays: list[Any] = field(default_factory=list)  # its slice, as last pulled
     last_contact: float = field(default_factory=time.monotonic)
     ends_job: bool = False  # its hello said it ends a job when its workers finish
@@ -173,14 +176,41 @@ class ShardSet:
         return min(self.versions)
 
     @property
+    def dense_versions(self) -> list[int | None]:
+        """Each shard's dense updates as of the weights held (``Shard.dense_version``)."""
+        return [s.dense_version for s in self.shards]
+
+    @property
+    def hybrid(self) -> bool:
+        """The hello's policy is a hybrid (``dense=SPEC,rows=SPEC``)."""
+        return "=" in self.policy
+
+    @property
+    def dense_policy(self) -> str:
+        """The policy the dense variables follow: the hello's, or a hybrid's dense half."""
+        for item in self.policy.split(","):
+            key, sep, spec = (s.strip() for s in item.partition("="))
+            if sep and key == "dense":
+                return spec
+        return self.policy
+
+    @property
     def sync(self) -> bool:
-        """The servers aggregate synchronously (hello: policy ``sync:K/N``)."""
-        return self.policy.startswith("sync:")
+        """The servers aggregate the dense gradients synchronously (hello: policy
+        ``sync:K/N``, or a hybrid's ``dense=sync:K/N``)."""
+        return self.dense_policy.startswith("sync:")
 
     @property
     def ssp(self) -> bool:
-        """The servers hold pulls of workers too far ahead (hello: policy ``ssp:K``)."""
-        return self.policy.startswith("ssp:")
+        """The servers hold pulls of workers too far ahead (hello: policy ``ssp:K``, or a
+        hybrid's ``dense=ssp:K``)."""
+        return self.dense_policy.startswith("ssp:")
+
+    def note_dense_version(self, shard: Shard, reply: wire.PullReply) -> None:
+        """Keep the dense version of a served pull (whole weights or ``unchanged``; a reply
+        to a row top-up carries no dense weights and must not be given here)."""
+        if reply.wait_ms == 0:
+            shard.dense_version = reply.dense_version
 
     def new_client(self, shard: Shard) -> ShardClient:
         """Another client for ``shard`` (one per thread): same options, its own socket."""

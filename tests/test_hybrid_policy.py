@@ -5,6 +5,7 @@ accounting, and two in-process workers training under it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from tiny_models import embedding_form, hashed
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.server.handlers import HandlerContext, handle_gradients
+from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
 from downpour.server.hybrid import HybridPolicy
 from downpour.server.policies import (
     APPLY,
@@ -206,6 +207,70 @@ def test_dense_rounds_wait_for_k_dense_pushes_while_rows_are_applied_at_once(spe
     assert doc["rows"]["counters"]["applied"] == 3 and doc["dense"]["counters"]["applied"] == 2
 
 
+def pulled_dense_version(ctx: HandlerContext, have: int = -1, row_ids: bool = False) -> Any:
+    """What a pull reply of the handler says as ``dense_version`` (whole weights, unchanged,
+    or a row request)."""
+    body = wire.PullRequest(have, ctx.incarnation) if have >= 0 else None
+    (table,) = ctx.state.row_parts
+    rows = {ctx.state.names[table]: IDS} if row_ids else None
+    reply = wire.decode(
+        frames(handle_request(frames(wire.pull_request("a", body, rows)), ctx).message)
+    )
+    return wire.PullReply.from_body(reply.body).dense_version
+
+
+def test_pull_replies_carry_the_dense_updates_under_a_hybrid_only() -> None:
+    """A worker waits on ``dense_version`` after a push to a sync dense half: every kind of
+    pull reply carries it under a hybrid (whole, unchanged, rows), it moves with dense
+    updates only, and a plain policy's replies leave it out."""
+    ctx = make_ctx(FIXED, "dense=sync:2/2,rows=async")
+    assert pulled_dense_version(ctx) == 0
+    push(ctx, "a", 1, 0, 1.0)  # rows applied, dense held: the version moves, dense does not
+    assert ctx.state.version == 1
+    assert [pulled_dense_version(ctx, 1), pulled_dense_version(ctx, row_ids=True)] == [0, 0]
+    push(ctx, "b", 1, 0, 3.0)  # the round completes
+    assert ctx.state.version == 3
+    assert [pulled_dense_version(ctx), pulled_dense_version(ctx, 3)] == [1, 1]
+    assert pulled_dense_version(ctx, row_ids=True) == 1
+    plain = make_ctx(FIXED, "sync:2/2")
+    assert pulled_dense_version(plain) is None
+    assert "dense_version" not in wire.PullReply("i").to_body()
+    rows_only = parse_policy("dense=sync:2/2,rows=async")
+    rows_only.layout([True])  # a shard holding table rows only: nothing to wait for
+    assert rows_only.dense_version is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "dense", "sync", "ssp"),
+    [
+        ("dense=sync:7/8,rows=async", "sync:7/8", True, False),
+        ("dense=ssp:2,rows=bounded:8", "ssp:2", False, True),
+        ("dense=async,rows=async", "async", False, False),
+        ("sync:2/4", "sync:2/4", True, False),
+        ("ssp:3", "ssp:3", False, True),
+        ("async", "async", False, False),
+    ],
+)
+def test_a_worker_reads_its_dense_policy_from_the_hello(
+    policy: str, dense: str, sync: bool, ssp: bool
+) -> None:
+    """The worker waits for rounds (``sync``) and counts its pushes for pull holds
+    (``ssp``) by the policy its dense variables follow: a hybrid's dense half."""
+    import zmq
+
+    from downpour.cluster import ShardSet
+    from downpour.partition import make_partition
+
+    partition = make_partition(["v"], [(4,)], ["float32"], 1, "f")
+    shards = ShardSet(zmq.Context.instance(), [("127.0.0.1", 1)], partition, sender="w")
+    try:
+        shards.policy = policy
+        assert (shards.dense_policy, shards.sync, shards.ssp) == (dense, sync, ssp)
+        assert shards.hybrid is ("=" in policy)
+    finally:
+        shards.close()
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
 def test_a_rows_apply_leaves_the_dense_variables_alone(optimizer: str) -> None:
     """Adam moves a variable with a zero gradient (its momentum): a rows apply must not feed
@@ -279,4 +344,57 @@ def test_two_workers_train_a_dynamic_table_under_a_sync_dense_half() -> None:
     assert rows["applied"] == 120  # every push's rows, at once
     assert dense["applied"] == 2 * dense["updates"] and dense["updates"] >= 10
     assert doc["version"] == rows["updates"] + dense["updates"]
+    assert all(s["held_out"] is not None and s["held_out"] > 0.9 for s in sums), sums
+
+
+@pytest.mark.parametrize(
+    ("form", "dynamic", "shards"),
+    [("tensor", False, 1), ("list", False, 3), ("dict", True, 1)],
+    ids=["tensor-fixed-1-shard", "list-fixed-3-shards", "dict-dynamic-1-shard"],
+)
+def test_workers_wait_for_each_dense_round_while_their_rows_apply_at_once(
+    form: str, dynamic: bool, shards: int
+) -> None:
+    """Under ``dense=sync:2/2,rows=async`` a worker waits after each push until the dense
+    round it pushed to is applied, as under plain ``sync:K/N``: with two workers of equal
+    steps every dense half joins its round (none late, none a duplicate), while every
+    push's rows are applied when it arrives. The pull replies' ``dense_version`` is what
+    they wait on; a shard that holds no dense variable reports none and is not waited for
+    (over 3 shards the last holds only table rows)."""
+    spec = embedding_form(form, dynamic=dynamic)
+    steps = 60
+    config = {"policy": "dense=sync:2/2,rows=async", "optimizer": "sgd", "learning_rate": 0.5}
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(serving(spec, num_shards=shards, shard=k, **config))
+            for k in range(shards)
+        ]
+        ports = [s.port for s in servers]
+        workers = [
+            WorkerThread(make_worker(ports, spec, worker_id=f"w{i}", steps=steps)) for i in range(2)
+        ]
+        sums = [w.result() for w in workers]
+        docs = [
+            wait_until(
+                lambda s=s: (
+                    (d := fetch_status(s.status))["policy"]["counters"]["offered"] == 2 * steps
+                    and d
+                ),
+                30,
+                f"{2 * steps} pushes offered",
+            )
+            for s in servers
+        ]
+    assert all(s["sync_wait_timeouts"] == 0 for s in sums), sums
+    with_dense = [d for d in docs if d["policy"]["counters"]["no_dense"] == 0]
+    with_rows = [d for d in docs if d["policy"]["rows"]["counters"]["offered"] > 0]
+    assert len(with_dense) == min(shards, 2) and with_rows
+    for doc in with_rows:  # every push's rows, when it arrived
+        assert doc["policy"]["rows"]["counters"]["applied"] == 2 * steps
+    for doc in docs:
+        assert doc["version"] == doc["policy"]["counters"]["updates"]
+    for doc in with_dense:
+        dense = doc["policy"]["dense"]["counters"]
+        assert dense["late"] == 0 and dense["duplicate"] == 0, dense
+        assert dense["applied"] == 2 * steps and doc["policy"]["dense_version"] == steps
     assert all(s["held_out"] is not None and s["held_out"] > 0.9 for s in sums), sums

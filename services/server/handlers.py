@@ -316,7 +316,7 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         ctx.registry.touch(msg.sender, rec, ctx.clock())
         # a rows-only top-up serves a step the worker was already let through to: never held
         if not req.rows_only and (wait_ms := pull_wait_ms(ctx, msg.sender, rec.last_seq, req)):
-            body = wire.PullReply(ctx.incarnation, unchanged=True, wait_ms=wait_ms)
+            body = pull_reply(ctx, unchanged=True, wait_ms=wait_ms)
             return wire.weights_reply(ctx.state.version, body)
         dropped, rec.dropped_unreported = rec.dropped_unreported, 0  # told now: refresh
     if rows is not None:
@@ -324,7 +324,7 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     version = ctx.state.version
     if req.have == version and req.incarnation == ctx.incarnation:
         ctx.stats.counters["pulls_unchanged"] += 1
-        body = wire.PullReply(ctx.incarnation, unchanged=True, dropped_stale=dropped)
+        body = pull_reply(ctx, unchanged=True, dropped_stale=dropped)
         return wire.weights_reply(version, body)
     bf16 = req.encoding == wire.BF16
     if bf16:
@@ -341,9 +341,16 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         tensors = bf16_weights(ctx, version, arrays) if bf16 else arrays
     return wire.weights_reply(
         version,
-        wire.PullReply(ctx.incarnation, dropped_stale=dropped),
+        pull_reply(ctx, dropped_stale=dropped),
         dict(zip(ctx.state.names, tensors, strict=True)),
     )
+
+
+def pull_reply(ctx: HandlerContext, **fields: Any) -> wire.PullReply:
+    """A pull reply's body: this incarnation, ``fields``, and the policy's dense version
+    (a hybrid's dense updates, which a worker waits to see move after a push to its dense
+    rounds)."""
+    return wire.PullReply(ctx.incarnation, dense_version=ctx.policy.dense_version, **fields)
 
 
 def pull_wait_ms(ctx: HandlerContext, worker: str, last_seq: int, req: wire.PullRequest) -> int:
@@ -424,7 +431,7 @@ def row_reply(
         elif not (unchanged or req.rows_only):
             a = dense[i] if dense[i] is not None else state.array(i)
             tensors[name] = wire.as_bf16(a) if bf16 else a
-    body = wire.PullReply(ctx.incarnation, unchanged=unchanged, dropped_stale=dropped)
+    body = pull_reply(ctx, unchanged=unchanged, dropped_stale=dropped)
     return wire.weights_reply(version, body, tensors)
 
 

@@ -102,7 +102,7 @@ class HybridPolicy(Policy):
         self.rows = rows
         self.gates_pulls = dense.gates_pulls
         self.counters = {"offered": 0, "updates": 0, "no_dense": 0}
-        self.dense_version = 0  # dense updates applied
+        self.dense_updates = 0  # dense updates applied
         # the global version each of the last dense updates made; the first is the version
         # the policy started at, so a push from before it (weights a restored server no
         # longer has) is dense-stale
@@ -145,6 +145,12 @@ class HybridPolicy(Policy):
         self._row_idx = tuple(i for i, r in enumerate(row_sparse) if r)
         self._dense_idx = tuple(i for i, r in enumerate(row_sparse) if not r)
 
+    @property
+    def dense_version(self) -> int | None:
+        """The dense updates made, for pull replies; None on a shard without dense variables
+        (nothing there for a worker to wait for)."""
+        return self.dense_updates if self._dense_idx else None
+
     def dense_staleness(self, base_version: int) -> int:
         """Dense updates produced after global version ``base_version`` (at least
         ``DENSE_MARKS`` when the base is older than every mark kept)."""
@@ -169,8 +175,8 @@ class HybridPolicy(Policy):
         dense_tau = self.dense_staleness(base)
         dense = self.dense.offer(
             [grads[i] for i in self._dense_idx],
-            self.dense_version - dense_tau,
-            self.dense_version,
+            self.dense_updates - dense_tau,
+            self.dense_updates,
             worker,
         )
         if dense.action == APPLY:
@@ -180,14 +186,14 @@ class HybridPolicy(Policy):
     def _dense_applied(self, made: int) -> None:
         """Count a dense update that will make global version ``made``."""
         self.counters["updates"] += 1
-        self.dense_version += 1
+        self.dense_updates += 1
         self._marks.append(made)
         if len(self._marks) > 2 * DENSE_MARKS:
             del self._marks[:DENSE_MARKS]
 
     def flush(self, version: int) -> Decision | None:
         """At shutdown: the dense policy's partial sync round, if any (rows hold nothing)."""
-        decision = self.dense.flush(self.dense_version)
+        decision = self.dense.flush(self.dense_updates)
         if decision is None:
             return None
         if decision.action == APPLY:
@@ -206,7 +212,7 @@ class HybridPolicy(Policy):
             "policy": self.spec,
             "kind": self.kind,
             "counters": counters,
-            "dense_version": self.dense_version,
+            "dense_version": self.dense_updates,
             "dense": dense,
             "rows": rows,
         }

@@ -208,6 +208,12 @@ class Policy(ABC):
         workers the registry calls alive. Only policies with ``gates_pulls`` hold pulls."""
         return 0
 
+    @property
+    def dense_version(self) -> int | None:
+        """What every pull reply carries as ``dense_version``: the dense updates made, where
+        they differ from the versions (a hybrid on a shard with dense variables); else None."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """For the status document: the policy, its parameters and counters."""
         return {"policy": self.spec, "kind": self.kind, "counters": dict(self.counters)}

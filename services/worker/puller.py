@@ -13,7 +13,9 @@ using the prefetched ones, which are a step old. When the servers aggregate sync
 so before the first step after a push the puller waits (polling pulls, at most
 ``sync_wait_s``) until every shard's version has moved on, as SyncReplicasOptimizer's workers
 wait for the new global step; after a wait times out (fewer than K workers left) it stops
-waiting until it sees the version move again. Under ``ssp:K`` the server may hold a pull while
+waiting until it sees the version move again. Under a hybrid policy whose dense half is
+``sync:K/N`` it waits the same way for the dense updates each pull reply reports
+(``dense_version``), since row applies move the versions all the time. Under ``ssp:K`` the server may hold a pull while
 this worker is more than K pushes ahead of the slowest; the puller then pulls right before it
 computes (no prefetch), since a prefetched pull would pass the server's check a push early.
 
@@ -95,12 +97,19 @@ class Puller:
         self.install(self._fetch_all(), time.perf_counter())
         self._schedule_request(0)  # no step time known yet: at once
 
-    def before_step(self, step: int, x: Any, fresh: bool, pushed_from: list[int] | None) -> bool:
+    def before_step(
+        self,
+        step: int,
+        x: Any,
+        fresh: bool,
+        pushed_from: list[int] | None,
+        pushed_dense_from: list[int | None] | None = None,
+    ) -> bool:
         """Before computing ``step`` on features ``x``: install a pull when it is a fetch
         step, wait for a new version after a sync push (``fresh``: the step begins an
-        accumulation; ``pushed_from``: the last push's base versions), request the next
-        prefetch when due, and top up the batch's rows. False when the worker was stopped
-        meanwhile."""
+        accumulation; ``pushed_from``: the last push's base versions; ``pushed_dense_from``:
+        its dense versions, under a hybrid), request the next prefetch when due, and top up
+        the batch's rows. False when the worker was stopped meanwhile."""
         now = time.perf_counter()
         if self._step_started is not None:  # input, compute and push: what a prefetch overlaps
             self.schedule.note_step(now - self._step_started)
@@ -109,7 +118,7 @@ class Puller:
             if self._stop.is_set():
                 return False
         if fresh and self.shards.sync and pushed_from is not None:
-            self.await_new_version(pushed_from)
+            self.await_new_version(pushed_from, pushed_dense_from)
             if self._stop.is_set():
                 return False
         self._schedule_request(step)
@@ -186,6 +195,7 @@ class Puller:
             if weights.reply.dropped_stale > 0:
                 self.stats["dropped_stale"] += weights.reply.dropped_stale
                 stale = True
+            self.shards.note_dense_version(shard, weights.reply)
             if weights.unchanged:
                 continue
             try:
@@ -200,14 +210,26 @@ class Puller:
             self.step_fn.set_weights(self.shards.join())
         return changed, stale
 
-    def await_new_version(self, pushed_from: list[int]) -> None:
+    def await_new_version(
+        self, pushed_from: list[int], pushed_dense_from: list[int | None] | None = None
+    ) -> None:
         """With a sync:K/N server: pull until every shard has moved past the versions the last
         push was computed from, at most ``sync_wait_s``; a timeout means fewer than K workers
         are pushing, so stop waiting until a version moves again. A shard that restarted
         since the push ends the wait at once: the round it held died with it, and its version
-        would only move once the waiting workers push again."""
+        would only move once the waiting workers push again.
+
+        Under a hybrid whose dense half is ``sync:K/N`` the versions move with every row
+        apply, so the wait is for the dense versions (``pushed_dense_from``: those the last
+        push was computed from) instead: every shard that reports one must have made a dense
+        update since. A shard that reports none (it holds no dense variable, or does not
+        send it) is not waited for."""
 
         def moved() -> bool:
+            if self.shards.hybrid:
+                now = self.shards.dense_versions
+                then = pushed_dense_from or [None] * len(now)
+                return all(v is None or p is None or v > p for v, p in zip(now, then, strict=True))
             return all(v > p for v, p in zip(self.shards.versions, pushed_from, strict=True))
 
         if self._sync_stalled or moved():

@@ -36,7 +36,9 @@ class Pusher:
         self._seq = 0
         self.acc = Accumulator()
         self.base_versions = [0] * len(shards.shards)  # of the accumulation under way
+        self.base_dense: list[int | None] = [None] * len(shards.shards)  # its dense versions
         self.pushed_from: list[int] | None = None  # base versions of the last push
+        self.pushed_dense_from: list[int | None] = list(self.base_dense)  # and dense versions
 
     @property
     def seq(self) -> int:
@@ -67,10 +69,12 @@ class Pusher:
         the batch stands in its split, sent with the push). True when a push was sent."""
         if self.acc.count == 0:
             self.base_versions = self.shards.versions
+            self.base_dense = self.shards.dense_versions
         self.acc.add(grads)
         if self.acc.count < self.n_push and not (mark and mark.last):
             return False
         self.pushed_from = self.base_versions
+        self.pushed_dense_from = self.base_dense
         split = None if mark is None else (mark.epoch, mark.index, mark.done)
         return self.push(self.acc.take(), self.base_versions, loss, steps, batch_size, split)
 

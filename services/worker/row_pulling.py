@@ -82,6 +82,8 @@ class RowPuller:
                 self.stats["dropped_stale"] += weights.reply.dropped_stale
                 stale = True
             whole = not (weights.unchanged or rows_only)
+            if not rows_only:
+                self.shards.note_dense_version(shard, weights.reply)
             self._check(shard, weights, whole)
             self._load(shard, weights, rows_only)
             if whole:

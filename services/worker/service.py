@@ -415,7 +415,10 @@ class Worker:
                 finished = not self._stop.is_set()
                 break
             x, y, mark = batch
-            if not self.puller.before_step(step, x, self.pusher.empty, self.pusher.pushed_from):
+            pusher = self.pusher
+            if not self.puller.before_step(
+                step, x, pusher.empty, pusher.pushed_from, pusher.pushed_dense_from
+            ):
                 break
             t0 = time.perf_counter()
             loss, grads = self.step_fn(x, y)

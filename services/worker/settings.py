@@ -211,8 +211,9 @@ WORKER_OPTIONS: tuple[Option, ...] = (
     Option(
         "sync_wait",
         5.0,
-        "with a sync:K/N server: longest wait, in seconds, for the next version after a "
-        "push (a second gradient from the same weights would be dropped)",
+        "with a sync:K/N server (or a hybrid's dense=sync:K/N): longest wait, in seconds, "
+        "for the round's update after a push (a second gradient from the same weights "
+        "would be dropped)",
         _CONN,
         type=positive(),
         attr="sync_wait_s",

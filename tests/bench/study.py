@@ -42,8 +42,9 @@ its simulated workers pull the rows of each batch by id and push them keyed, thr
 worker's own row cache and row plan, and is scored from the server's rows as serving scores
 it (``study_hashed``). The staleness
 of a gradient is therefore what W equally busy machines would produce (about W - 1), not
-what two oversubscribed cores produce. A worker of a ``sync:K/N`` server whose gradient was
-held waits for the next version (as ``downpour worker`` does); a dropped gradient's worker
+what two oversubscribed cores produce. A worker of a ``sync:K/N`` server (or of a hybrid
+whose dense half is ``sync:K/N``) whose gradient was held waits for the round's update (as
+``downpour worker`` does); a dropped gradient's worker
 starts again from the current weights (the ``dropped_stale`` refresh). "Simulated seconds"
 are that clock times the measured gradient time: the time W such machines would take.
 Every run uses one TensorFlow thread, so it is reproducible; runs go two at a time.
@@ -422,7 +423,6 @@ def simulate(job: Job) -> dict[str, Any]:
 
     from downpour import wire
     from downpour.server.handlers import check_gradients
-    from downpour.server.hybrid import HybridPolicy
     from downpour.server.policies import APPLY, HOLD, SyncPolicy, parse_policy
     from downpour.server.state import ParameterState
     from downpour.wire import Message
@@ -435,7 +435,6 @@ def simulate(job: Job) -> dict[str, Any]:
     policy = parse_policy(job.policy)
     policy.layout(state.sparse)  # as the server's handler context: which variables are rows
     ctx.begin(state, policy, job.fetch)  # dynamic tables: what their server refuses, refused
-    hybrid = isinstance(policy, HybridPolicy)  # workers do not wait for its dense rounds
     keep_sparse = not isinstance(policy, SyncPolicy)  # as the server's gradient handler
     w = job.workers
     compressors = [parse_compression(job.compress) for _ in range(w)]
@@ -544,12 +543,12 @@ def simulate(job: Job) -> dict[str, Any]:
             staleness.append(d.staleness)
             server_free = take(t, True)
             resume, waiting = [*waiting, i], []
-        elif d.action == HOLD and not hybrid:  # sync: this worker waits for the next version
-            server_free = take(t, False)
+        elif d.action == HOLD:  # sync, or a hybrid's sync dense half: wait for the round
+            server_free = take(t, rows_applied)
             waiting.append(i)
             refresh.add(i)
             resume = []
-        else:  # dropped, or a hybrid's dense half held: the worker refreshes and goes on
+        else:  # dropped: the worker refreshes and goes on
             server_free = take(t, rows_applied)
             refresh.add(i)
             resume = [i]
