@@ -398,3 +398,70 @@ def test_workers_wait_for_each_dense_round_while_their_rows_apply_at_once(
         assert dense["late"] == 0 and dense["duplicate"] == 0, dense
         assert dense["applied"] == 2 * steps and doc["policy"]["dense_version"] == steps
     assert all(s["held_out"] is not None and s["held_out"] > 0.9 for s in sums), sums
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["waits", "sync-wait-0"])
+def test_a_fast_worker_follows_the_slow_ones_dense_rounds_unless_told_not_to_wait(
+    wait: bool,
+) -> None:
+    """Two workers under ``dense=sync:2/2,rows=async``, one computing a step only when the
+    test grants it. Waiting (the default), the fast one is never more than one push ahead:
+    each of its pushes waits for the slow one's to complete the round, and no dense half is
+    late or a duplicate. With ``--sync-wait 0`` it does not wait: it finishes all its steps
+    while the slow one has made none, its rows applied at once and every dense half after
+    its first dropped as a duplicate of its held one."""
+    from test_policies_integration import GatedStep
+
+    steps = 6
+    config = {"policy": "dense=sync:2/2,rows=async", "optimizer": "sgd", "learning_rate": 0.5}
+    with serving(FIXED, **config) as server:
+        slow_worker = make_worker(server.port, FIXED, worker_id="slow", steps=steps)
+        gate = GatedStep(slow_worker.step_fn)
+        slow_worker.step_fn = gate  # type: ignore[assignment]
+        slow = WorkerThread(slow_worker)
+        fast = WorkerThread(
+            make_worker(
+                server.port, FIXED, worker_id="fast", steps=steps, sync_wait_s=60 if wait else 0
+            )
+        )
+        try:
+
+            def pushes() -> tuple[int, int]:
+                workers = fetch_status(server.status)["workers"]
+                got = tuple(int(workers.get(w, {}).get("pushes", 0)) for w in ("fast", "slow"))
+                if wait:
+                    assert got[0] - got[1] <= 1, got  # never further ahead, at every look
+                return got
+
+            if wait:
+                wait_until(lambda: pushes() == (1, 0), 60, "the fast worker's first push")
+                for k in range(1, steps + 1):
+                    gate.grants.release()
+                    ahead = min(k + 1, steps)
+                    wait_until(lambda k=k, a=ahead: pushes() == (a, k), 60, f"slow push {k}")
+            else:
+                fast_summary = fast.result(120)  # all its steps, the slow one at none
+                assert fast_summary["steps"] == steps
+                wait_until(lambda: pushes() == (steps, 0), 60, "the fast worker's pushes taken")
+                for _ in range(steps):
+                    gate.grants.release()
+        finally:
+            for _ in range(steps):
+                gate.grants.release()
+        sums = [fast.result(120), slow.result(120)]
+        doc = wait_until(
+            lambda: (
+                (d := fetch_status(server.status))["policy"]["counters"]["offered"] == 2 * steps
+                and d
+            ),
+            30,
+            "every push offered",
+        )
+    pol = doc["policy"]
+    dense, rows = pol["dense"]["counters"], pol["rows"]["counters"]
+    assert rows["applied"] == 2 * steps  # rows at once, waiting or not
+    if wait:
+        assert dense["late"] == dense["duplicate"] == 0 and dense["applied"] == 2 * steps
+        assert all(s["sync_wait_timeouts"] == 0 for s in sums)
+    else:
+        assert dense["duplicate"] >= steps - 1 and dense["applied"] < 2 * steps

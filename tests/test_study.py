@@ -4,6 +4,7 @@ The smoke grid, per model: MNIST with 1 and 2 workers, ``sync``, ``ssp`` and ``l
 for 2, ``none`` and ``bf16``, ``lookahead`` without compression only, 30 updates, a 70 %
 target; the click model (``clicks``) with the same workers and policies, no compression, 60
 updates, its target the one-process AUC on the 1-worker run's batches minus 0.005; the
+click model with a dense tower (``clicks-tower``) likewise; the
 hashed-id model (``clicks-hashed``) with the smoke kinds its dynamic tables allow (``ssp``
 and the hybrid), 40 updates, its target likewise. It exercises the same code as the full
 study: the real ParameterState (row-sparse applies for the click model, dynamic tables for
@@ -36,7 +37,7 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert doc["plan_name"] == "smoke" and doc["machine"]["cores"] >= 1
     assert all(part["plan"]["name"] == "smoke" for part in doc["models"].values())
     runs = doc["runs"]
-    assert len(runs) == 15 and not any("error" in r for r in runs)
+    assert len(runs) == 20 and not any("error" in r for r in runs)
     assert {(r["model"], r["workers"], r["policy"], r["compress"]) for r in runs} == {
         ("mnist", 1, "async", "none"),
         ("mnist", 1, "async", "bf16"),
@@ -50,12 +51,18 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
         ("clicks", 2, "ssp:2", "none"),
         ("clicks", 2, "lookahead", "none"),
         ("clicks", 2, "dense=sync:2/2,rows=async", "none"),
+        ("clicks-tower", 1, "async", "none"),
+        ("clicks-tower", 2, "sync:2/2", "none"),
+        ("clicks-tower", 2, "ssp:2", "none"),
+        ("clicks-tower", 2, "lookahead", "none"),
+        ("clicks-tower", 2, "dense=sync:2/2,rows=async", "none"),
         ("clicks-hashed", 1, "async", "none"),
         ("clicks-hashed", 2, "ssp:2", "none"),
         ("clicks-hashed", 2, "dense=sync:2/2,rows=async", "none"),
     }
-    assert set(doc["models"]) == set(doc["summary"]) == {"mnist", "clicks", "clicks-hashed"}
-    for model, updates in (("clicks", 60), ("clicks-hashed", 40)):
+    models = {"mnist", "clicks", "clicks-tower", "clicks-hashed"}
+    assert set(doc["models"]) == set(doc["summary"]) == models
+    for model, updates in (("clicks", 60), ("clicks-tower", 60), ("clicks-hashed", 40)):
         part = doc["models"][model]
         reference = part["one_process"]
         assert 0.5 < reference["auc"] <= 1.0 and reference["updates"] == updates
@@ -66,6 +73,7 @@ def test_study_smoke_writes_results_table_and_plots(tmp_path: Path) -> None:
     assert not sizes["mnist"]["dynamic_tables"] and not sizes["clicks"]["dynamic_tables"]
     assert sizes["clicks-hashed"]["dynamic_tables"]  # its rows: no declared count
     assert sizes["clicks-hashed"]["parameters"] < sizes["clicks"]["parameters"]
+    assert sizes["clicks-tower"]["parameters"] == sizes["clicks"]["parameters"] - 4 + 5_249
     hashed = [r for r in runs if r["model"] == "clicks-hashed"]
     for r in hashed:  # every gradient's batch pulled its rows from the dynamic tables
         assert r["rows_pulled"] >= r["gradients"] and r["row_bytes_pulled"] > 0

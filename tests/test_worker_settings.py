@@ -28,3 +28,16 @@ def test_pulls_are_bf16_and_every_step_by_default() -> None:
 @pytest.mark.parametrize("form", ["none", "bf16"])
 def test_pull_compress_takes_none_for_float32_pulls(form: str) -> None:
     assert worker_config("--pull-compress", form).pull_compress == form
+
+
+def test_sync_wait_is_five_seconds_by_default_and_zero_turns_the_wait_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--sync-wait 0``: a worker of a sync (or hybrid dense=sync) server never waits for
+    the round; a negative wait is a usage error naming the option."""
+    assert worker_config().sync_wait_s == 5.0
+    assert worker_config("--sync-wait", "0").sync_wait_s == 0.0
+    with pytest.raises(SystemExit) as err:
+        worker_config("--sync-wait", "-1")
+    assert err.value.code == 2
+    assert "--sync-wait: -1.0 is out of range: allowed a number >= 0" in capsys.readouterr().err

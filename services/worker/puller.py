@@ -13,11 +13,12 @@ using the prefetched ones, which are a step old. When the servers aggregate sync
 so before the first step after a push the puller waits (polling pulls, at most
 ``sync_wait_s``) until every shard's version has moved on, as SyncReplicasOptimizer's workers
 wait for the new global step; after a wait times out (fewer than K workers left) it stops
-waiting until it sees the version move again. Under a hybrid policy whose dense half is
-``sync:K/N`` it waits the same way for the dense updates each pull reply reports
-(``dense_version``), since row applies move the versions all the time. Under ``ssp:K`` the server may hold a pull while
-this worker is more than K pushes ahead of the slowest; the puller then pulls right before it
-computes (no prefetch), since a prefetched pull would pass the server's check a push early.
+waiting until it sees the version move again; ``--sync-wait 0`` turns the wait off. Under a
+hybrid policy whose dense half is ``sync:K/N`` it waits the same way for the dense updates
+each pull reply reports (``dense_version``), since row applies move the versions all the
+time. Under ``ssp:K`` the server may hold a pull while this worker is more than K pushes
+ahead of the slowest; the puller then pulls right before it computes (no prefetch), since a
+prefetched pull would pass the server's check a push early.
 
 Tables served by row go through a ``RowPuller`` (``downpour.worker.row_pulling``).
 """
@@ -117,7 +118,7 @@ class Puller:
             self.pull()  # under ssp it may wait here for the slowest worker
             if self._stop.is_set():
                 return False
-        if fresh and self.shards.sync and pushed_from is not None:
+        if fresh and self.shards.sync and self.config.sync_wait_s > 0 and pushed_from is not None:
             self.await_new_version(pushed_from, pushed_dense_from)
             if self._stop.is_set():
                 return False

