@@ -64,8 +64,9 @@ RECORD = {
 }
 
 
-def build_model(users: int, items: int, dim: int = DIM) -> keras.Model:
-    """The factorization model (see the module); variables named by layer."""
+def _tables(users: int, items: int, dim: int) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The ``user`` and ``item`` inputs and their embedded rows: (user factors, item
+    factors, user bias, item bias), factors drawn with stddev 0.05, biases at zero."""
     user = keras.Input((), dtype="int64", name="user")
     item = keras.Input((), dtype="int64", name="item")
     init = keras.initializers.RandomNormal(stddev=0.05)
@@ -73,7 +74,12 @@ def build_model(users: int, items: int, dim: int = DIM) -> keras.Model:
     i = keras.layers.Embedding(items, dim, embeddings_initializer=init, name="item_factors")(item)
     ub = keras.layers.Embedding(users, 1, embeddings_initializer="zeros", name="user_bias")(user)
     ib = keras.layers.Embedding(items, 1, embeddings_initializer="zeros", name="item_bias")(item)
-    return factor_model(user, item, (u, i, ub, ib), "recsys")
+    return user, item, (u, i, ub, ib)
+
+
+def build_model(users: int, items: int, dim: int = DIM) -> keras.Model:
+    """The factorization model (see the module); variables named by layer."""
+    return factor_model(*_tables(users, items, dim), "recsys")
 
 
 TOWER = (64, 32)  # the tower's hidden widths
@@ -84,13 +90,7 @@ def build_tower(users: int, items: int, dim: int = DIM) -> keras.Model:
     through ``Dense`` layers of ``TOWER`` widths (relu), then ``logit = Dense(1)(h) +
     user_bias + item_bias``. Its dense part (5,249 parameters at 16 dims) is what every batch
     updates; the tables are what it touches a row at a time."""
-    user = keras.Input((), dtype="int64", name="user")
-    item = keras.Input((), dtype="int64", name="item")
-    init = keras.initializers.RandomNormal(stddev=0.05)
-    u = keras.layers.Embedding(users, dim, embeddings_initializer=init, name="user_factors")(user)
-    i = keras.layers.Embedding(items, dim, embeddings_initializer=init, name="item_factors")(item)
-    ub = keras.layers.Embedding(users, 1, embeddings_initializer="zeros", name="user_bias")(user)
-    ib = keras.layers.Embedding(items, 1, embeddings_initializer="zeros", name="item_bias")(item)
+    user, item, (u, i, ub, ib) = _tables(users, items, dim)
     h = keras.layers.Concatenate(name="tower_in")([u, i, keras.layers.Multiply(name="uxi")([u, i])])
     for k, width in enumerate(TOWER):
         h = keras.layers.Dense(width, activation="relu", name=f"tower_{k}")(h)

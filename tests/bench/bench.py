@@ -375,30 +375,27 @@ def _fetch_rows(f: dict[str, Any]) -> list[str]:
     ]
 
 
-def bf16_pull_rows(b: dict[str, Any] | None) -> list[str]:
-    """The table rows of the wire section's bf16 pull costs (none in results without them)."""
-    if not b:
-        return []
-    return [
-        f"| wire | bf16 pull, server: the weights rounded per version by one compiled call / "
-        f"NumPy's rounding of a float32 snapshot | {b['server_round_ms']:.2f} / "
-        f"{b['server_round_numpy_ms']:.2f} ms (**{b['server_speedup']:.2f}x**) |",
-        f"| wire | pull reply decoded into tensors on the worker, bf16 / float32 weights | "
-        f"{b['worker_install_bf16_ms']:.2f} / {b['worker_install_float32_ms']:.2f} ms "
-        f"({b['worker_bf16_vs_float32']:.2f}x) |",
-    ]
-
-
-def bf16_push_rows(b: dict[str, Any] | None) -> list[str]:
-    """The table row of the wire section's bf16 push cost (none in results without it)."""
-    if not b:
-        return []
-    return [
-        f"| wire | bf16 push, worker: the step rounding its gradients / the step, then "
-        f"NumPy's rounding / the float32 step alone | {b['step_round_tf_ms']:.2f} / "
-        f"{b['step_round_numpy_ms']:.2f} / {b['step_float32_ms']:.2f} ms "
-        f"(**{b['numpy_vs_tf']:.2f}x**) |",
-    ]
+def bf16_rows(w: dict[str, Any]) -> list[str]:
+    """The table rows of the wire section's bf16 pull and push costs (none for results
+    without them)."""
+    rows = []
+    if b := w.get("bf16_pulls"):
+        rows += [
+            f"| wire | bf16 pull, server: the weights rounded per version by one compiled call "
+            f"/ NumPy's rounding of a float32 snapshot | {b['server_round_ms']:.2f} / "
+            f"{b['server_round_numpy_ms']:.2f} ms (**{b['server_speedup']:.2f}x**) |",
+            f"| wire | pull reply decoded into tensors on the worker, bf16 / float32 weights | "
+            f"{b['worker_install_bf16_ms']:.2f} / {b['worker_install_float32_ms']:.2f} ms "
+            f"({b['worker_bf16_vs_float32']:.2f}x) |",
+        ]
+    if b := w.get("bf16_pushes"):
+        rows.append(
+            f"| wire | bf16 push, worker: the step rounding its gradients / the step, then "
+            f"NumPy's rounding / the float32 step alone | {b['step_round_tf_ms']:.2f} / "
+            f"{b['step_round_numpy_ms']:.2f} / {b['step_float32_ms']:.2f} ms "
+            f"(**{b['numpy_vs_tf']:.2f}x**) |"
+        )
+    return rows
 
 
 def table(r: dict[str, Any]) -> str:
@@ -418,8 +415,7 @@ def table(r: dict[str, Any]) -> str:
         f"| wire | **ratio to memcpy** | **{w['ratio_to_memcpy']:.2f}x** |",
         f"| wire | same frames, raw pyzmq (no encode/decode) | {w['raw_zmq_tcp_ms']:.2f} ms "
         f"({w['raw_zmq_tcp_ratio_to_memcpy']:.2f}x memcpy) |",
-        *bf16_pull_rows(w.get("bf16_pulls")),
-        *bf16_push_rows(w.get("bf16_pushes")),
+        *bf16_rows(w),
         f"| wire | same push over CURVE (every byte encrypted) | "
         f"{r['wire_curve']['push_decode_ms']:.2f} ms "
         f"({r['wire_curve']['ratio_to_memcpy']:.2f}x memcpy, "
