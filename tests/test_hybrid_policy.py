@@ -472,7 +472,7 @@ def test_a_dense_ssp_half_holds_the_fast_worker_within_k_of_the_slow_one() -> No
     counts its pushes in its pulls, as under plain ``ssp:2``, so the server holds the fast
     one's pull at K + 1 pushes ahead of the slow one (the dense half's clocks), no further,
     and it follows the slow one step by step."""
-    from test_policies_integration import GatedStep
+    from test_policies_integration import GatedStep, follow_the_slow_worker
 
     k = 2
     config = {"policy": f"dense=ssp:{k},rows=async", "optimizer": "sgd", "learning_rate": 0.5}
@@ -483,24 +483,8 @@ def test_a_dense_ssp_half_holds_the_fast_worker_within_k_of_the_slow_one() -> No
         slow = WorkerThread(slow_worker)
         fast = WorkerThread(make_worker(server.port, FIXED, worker_id="fast", steps=100_000))
         try:
-
-            def clocks() -> dict[str, int]:
-                c = fetch_status(server.status)["policy"]["dense"]["clocks"]
-                if "fast" in c and "slow" in c:
-                    assert c["fast"] - c["slow"] <= k + 1, c  # the SSP bound, at every look
-                return c
-
-            def fast_at(lead: int) -> bool:
-                c = clocks()
-                return "slow" in c and c.get("fast", 0) - c["slow"] == lead
-
-            wait_until(lambda: fast_at(k + 1), 60, "the fast worker to be held K + 1 ahead")
+            follow_the_slow_worker(server.status, k, gate, lambda doc: doc["policy"]["dense"])
             assert fast.worker.shards.ssp and fast.worker.shards.hybrid
-            for _ in range(3):  # the slow worker steps; the fast one follows, and no further
-                before = clocks()["slow"]
-                gate.grants.release()
-                wait_until(lambda b=before: clocks()["slow"] == b + 1, 60, "a slow step")
-                wait_until(lambda: fast_at(k + 1), 60, "the fast worker to follow")
         finally:
             slow.worker.stop()
             fast.worker.stop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -294,6 +294,36 @@ class GatedStep:
         return getattr(self._step, name)
 
 
+def follow_the_slow_worker(
+    status: str,
+    k: int,
+    gate: GatedStep,
+    section: Callable[[dict[str, Any]], dict[str, Any]] = lambda doc: doc["policy"],
+) -> Callable[[], dict[str, int]]:
+    """The SSP bound as the status socket shows it (``section``: where the policy's
+    ``clocks`` are): wait until worker "fast" is held K + 1 pushes ahead of the gated worker
+    "slow", then grant the slow one 3 steps, the fast one following each to K + 1 ahead and
+    never further (checked at every look). Returns the clocks reader."""
+
+    def clocks() -> dict[str, int]:
+        c = section(fetch_status(status))["clocks"]
+        if "fast" in c and "slow" in c:
+            assert c["fast"] - c["slow"] <= k + 1, c  # the SSP bound, at every look
+        return c
+
+    def fast_at(lead: int) -> bool:
+        c = clocks()
+        return "slow" in c and c.get("fast", 0) - c["slow"] == lead
+
+    wait_until(lambda: fast_at(k + 1), 60, "the fast worker to be held K + 1 ahead")
+    for _ in range(3):  # the slow worker steps; the fast one follows, and no further
+        before = clocks()["slow"]
+        gate.grants.release()
+        wait_until(lambda b=before: clocks()["slow"] == b + 1, 60, "a slow step")
+        wait_until(lambda: fast_at(k + 1), 60, "the fast worker to follow")
+    return clocks
+
+
 def test_ssp_holds_the_fast_worker_within_k_of_the_slowest_until_it_goes_missing() -> None:
     """ssp:2, two workers, one computing a step only when the test grants it: the fast one's
     clock never gets more than K + 1 pushes ahead of the slow one's (status: the policy's
@@ -308,24 +338,7 @@ def test_ssp_holds_the_fast_worker_within_k_of_the_slowest_until_it_goes_missing
         slow = WorkerThread(slow_worker)
         fast = WorkerThread(make_worker(server.port, worker_id="fast", **endless))
         try:
-
-            def clocks() -> dict[str, int]:
-                doc = fetch_status(server.status)
-                c = doc["policy"]["clocks"]
-                if "fast" in c and "slow" in c:
-                    assert c["fast"] - c["slow"] <= k + 1, c  # the SSP bound, at every look
-                return c
-
-            def fast_at(lead: int) -> bool:
-                c = clocks()
-                return "slow" in c and c.get("fast", 0) - c["slow"] == lead
-
-            wait_until(lambda: fast_at(k + 1), 60, "the fast worker to be held K + 1 ahead")
-            for _ in range(3):  # the slow worker steps; the fast one follows, and no further
-                before = clocks()["slow"]
-                gate.grants.release()
-                wait_until(lambda b=before: clocks()["slow"] == b + 1, 60, "a slow step")
-                wait_until(lambda: fast_at(k + 1), 60, "the fast worker to follow")
+            clocks = follow_the_slow_worker(server.status, k, gate)
             doc = fetch_status(server.status)
             assert doc["policy"]["counters"]["held_pulls"] > 0
             assert doc["policy"]["counters"]["dropped_stale"] == 0
