@@ -88,6 +88,21 @@ def _strings(key: str, v: list[Any]) -> tuple[str, ...]:
     return tuple(v)
 
 
+MAX_NOTICES = 8  # notices a push or heartbeat may carry (a worker keeps its first ones)
+NOTICE_CHARS = 300  # the longest notice a push or heartbeat may carry
+
+
+def _notices(key: str, v: list[Any]) -> tuple[str, ...]:
+    items = _strings(key, v)
+    if len(items) > MAX_NOTICES or any(len(s) > NOTICE_CHARS for s in items):
+        raise ProtocolError(
+            R_HEADER,
+            f"body field {key!r}: at most {MAX_NOTICES} notices of at most {NOTICE_CHARS} "
+            "characters each",
+        )
+    return items
+
+
 def _body_map(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise ProtocolError(R_HEADER, f"body must be a map, not {type(body).__name__}")
@@ -232,24 +247,28 @@ class PushBody(Body):
     worker's step count and its figures (``downpour.metrics.WORKER_REPORTED``). Under
     ``--data-dispatch server``, ``split`` is ``[epoch, index, batches]``: with this push the
     worker has sent the gradients of the first ``batches`` batches of that split, so a
-    split taken back from a worker that died resumes after them."""
+    split taken back from a worker that died resumes after them. ``notices``: the slow or
+    degraded paths the worker runs on (``downpour.metrics.Notices``), sent while it has any;
+    a server that does not know the field ignores it."""
 
     loss: float | None = wire_field("float", None)
     batch_size: int | None = wire_field("int", None)
     steps: int | None = wire_field("int", None)
     stats: Mapping[str, float] | None = wire_field("map", None)
     split: tuple[int, int, int] | None = wire_field("list", None, read=_read_position, write=list)
+    notices: tuple[str, ...] | None = wire_field("list", None, read=_notices, write=list)
 
 
 @dataclass(frozen=True)
 class HeartbeatRequest(Body):
     """A silent worker's "still alive", with its figures. ``finished``: sent once the worker
     has done its epochs or steps, the sequence number of its last push (0: it pushed none),
-    so a server counts it finished once that push has arrived (``--job-workers``). A server
-    that does not know the field ignores it."""
+    so a server counts it finished once that push has arrived (``--job-workers``).
+    ``notices``: as a push's. A server that does not know these fields ignores them."""
 
     stats: Mapping[str, float] | None = wire_field("map", None)
     finished: int | None = wire_field("int", None, lo=0)
+    notices: tuple[str, ...] | None = wire_field("list", None, read=_notices, write=list)
 
 
 @dataclass(frozen=True)

@@ -211,20 +211,26 @@ class ShardClient:
         reply = wire.expect(self.request(msg), wire.WEIGHTS)
         return Weights(reply.base_version, wire.PullReply.from_body(reply.body), reply.tensors)
 
-    def heartbeat(self, stats: dict[str, float] | None = None) -> tuple[int, wire.HeartbeatReply]:
-        """One heartbeat attempt, no retry: (the server's version, its reply)."""
-        msg = wire.heartbeat_request(self.sender, wire.HeartbeatRequest(stats))
+    def heartbeat(
+        self, stats: dict[str, float] | None = None, notices: tuple[str, ...] = ()
+    ) -> tuple[int, wire.HeartbeatReply]:
+        """One heartbeat attempt, no retry: (the server's version, its reply). ``stats`` and
+        ``notices``: the sender's reported figures and slow paths (``metrics.Notices``)."""
+        body = wire.HeartbeatRequest(stats, notices=notices or None)
+        msg = wire.heartbeat_request(self.sender, body)
         reply = self.req.request(msg, self.limits, retries=0)
         if self.on_reply is not None:
             self.on_reply()
         wire.expect(reply, wire.HEARTBEAT)
         return reply.base_version, wire.HeartbeatReply.from_body(reply.body)
 
-    def finished(self, last_seq: int, stats: dict[str, float] | None = None) -> int:
+    def finished(
+        self, last_seq: int, stats: dict[str, float] | None = None, notices: tuple[str, ...] = ()
+    ) -> int:
         """Tell the server the sender has done its work, its last push being ``last_seq``
         (a heartbeat with ``finished``), retried until ``server_timeout_s`` like hello and
         pull: the job's end depends on every shard hearing it. The server's version."""
-        body = wire.HeartbeatRequest(stats, finished=last_seq)
+        body = wire.HeartbeatRequest(stats, finished=last_seq, notices=notices or None)
         reply = wire.expect(self.request(wire.heartbeat_request(self.sender, body)), wire.HEARTBEAT)
         return reply.base_version
 

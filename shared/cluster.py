@@ -37,6 +37,7 @@ import zmq
 
 from downpour import security, wire
 from downpour.client import Hello, ShardClient, Weights
+from downpour.metrics import Notices
 from downpour.partition import Partition, make_partition
 from downpour.transport import Counters, PushSocket, ServerUnavailable, make_context, tcp
 
@@ -84,6 +85,7 @@ class Shard:
     # a hybrid policy's dense updates as of the weights held (None: not under a hybrid, or
     # the shard holds no dense variable); its dense rounds count these, not versions
     dense_version: int | None = None
+    holds_dense: bool = True  # its hello's row_tables leave some of its variables dense
     arrays: list[Any] = field(default_factory=list)  # its slice, as last pulled
     last_contact: float = field(default_factory=time.monotonic)
     ends_job: bool = False  # its hello said it ends a job when its workers finish
@@ -108,6 +110,7 @@ class ShardSet:
     and ``dropped``; ``stop`` ends every wait early. ``encodings``: what this client's pushes
     use, which every hello (a restarted shard's too) checks the shard decodes (Incompatible);
     ``sends`` names where they come from in that error (``--compress topk:0.01``).
+    ``notices``: the sender's slow paths, for its pushes and heartbeats to report.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class ShardSet:
         stop: threading.Event | None = None,
         encodings: frozenset[str] = frozenset(),
         sends: str = "this client",
+        notices: Notices | None = None,
     ) -> None:
         if len(endpoints) != partition.num_shards:
             raise ValueError(f"{len(endpoints)} endpoints for {partition.num_shards} shards")
@@ -162,6 +166,8 @@ class ShardSet:
         self.sends = sends
         self.policy = ""  # the staleness policy the last hello named (``sync:2/4``, ``async``)
         self.resume_seq = 0  # the highest sequence number a hello said the server accepted
+        # the sender's slow paths, sent with its pushes and heartbeats (and warned here)
+        self.notices = notices if notices is not None else Notices()
 
     # ------------------------------------------------------------ state
 
@@ -208,9 +214,20 @@ class ShardSet:
 
     def note_dense_version(self, shard: Shard, reply: wire.PullReply) -> None:
         """Keep the dense version of a served pull (whole weights or ``unchanged``; a reply
-        to a row top-up carries no dense weights and must not be given here)."""
-        if reply.wait_ms == 0:
-            shard.dense_version = reply.dense_version
+        to a row top-up carries no dense weights and must not be given here). Under a
+        hybrid's ``dense=sync:K/N``, a shard holding dense variables whose reply has none
+        is a server that does not send it: nothing to wait on there (a notice says so)."""
+        if reply.wait_ms != 0:
+            return
+        shard.dense_version = reply.dense_version
+        if reply.dense_version is None and shard.holds_dense and self.hybrid and self.sync:
+            self.notices.warn(
+                log,
+                "server %s runs %s but its pull replies carry no dense_version (a server older "
+                "than this client): the dense rounds are not waited for there",
+                shard.endpoint,
+                self.policy,
+            )
 
     def new_client(self, shard: Shard) -> ShardClient:
         """Another client for ``shard`` (one per thread): same options, its own socket."""
@@ -305,6 +322,8 @@ class ShardSet:
                 f"{self.sends} sends (it decodes {', '.join(offered)})"
             )
         self.policy = hello.reply.policy
+        rows = hello.reply.row_tables
+        shard.holds_dense = rows is None or not set(self.wire_names[shard.index]) <= set(rows)
         shard.ends_job = hello.reply.job_workers is not None
         self.resume_seq = max(self.resume_seq, hello.reply.last_seq)
         push_port = hello.reply.push_port
@@ -476,7 +495,7 @@ class ShardSet:
         not answer for ``server_timeout_s``."""
         told = [s for s in self.shards if s.ends_job]
         for shard in told:
-            shard.client.finished(last_seq, stats)
+            shard.client.finished(last_seq, stats, self.notices.items())
         return len(told)
 
     # ------------------------------------------------------------ lifecycle

@@ -11,12 +11,16 @@ one name means one thing everywhere.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from downpour.bodies import MAX_NOTICES, NOTICE_CHARS
 
 # Staleness buckets (upper bounds, inclusive); the last bucket is "+Inf".
 STALENESS_BOUNDS: tuple[float, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
@@ -377,6 +381,15 @@ WORKER_METRICS: tuple[MetricInfo, ...] = (
     ),
 )
 
+# How many slow paths a worker reports it runs on (``workers.<id>.notices``, a list of them).
+WORKER_NOTICES = MetricInfo(
+    "notices",
+    "downpour_worker_notices",
+    GAUGE,
+    "",
+    "Slow or degraded paths the worker reports it runs on (downpour status prints them).",
+)
+
 # The per-worker staleness histogram (``workers.<id>.staleness_histogram``).
 WORKER_STALENESS = MetricInfo(
     "staleness_histogram",
@@ -614,3 +627,32 @@ def clean_reported(stats: Any) -> dict[str, float]:
         ):
             out[k] = v
     return out
+
+
+class Notices:
+    """The slow or degraded paths a worker runs on, each a sentence naming what and why.
+
+    ``warn`` logs one at warning level and keeps it; the worker sends what it keeps with every
+    push and heartbeat, so the servers' status shows it under the worker (``notices``) and
+    ``downpour status`` prints it. At most ``MAX_NOTICES`` are kept, each cut to
+    ``NOTICE_CHARS``; a notice already kept is not logged again. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._items: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+
+    def warn(self, logger: logging.Logger, fmt: str, *args: Any) -> None:
+        """Log ``fmt % args`` at warning level (once) and keep it for the servers."""
+        text = " ".join((fmt % args if args else fmt).split())
+        with self._lock:
+            kept = text[:NOTICE_CHARS]
+            if kept in self._items:
+                return
+            if len(self._items) < MAX_NOTICES:
+                self._items = (*self._items, kept)
+        logger.warning("%s", text, stacklevel=2)
+
+    def items(self) -> tuple[str, ...]:
+        """The notices kept, in the order they were first given."""
+        return self._items

@@ -208,3 +208,24 @@ def test_the_step_rounds_bf16_pushes_of_one_step_and_says_when_it_cannot(
         assert said == []
     else:
         assert len(said) == 1 and warned in said[0] and "rounded in NumPy" in said[0]
+
+
+def test_a_bf16_push_rounded_in_numpy_is_a_notice_in_the_servers_status(
+    services: Services,
+) -> None:
+    """The slow bf16 path is not silent: the worker's pushes carry its notice, the server's
+    status lists it under the worker and ``downpour status`` prints it. A worker on the
+    fast path reports none."""
+    from downpour.cli.status import render
+
+    server = services.server(WIDE)
+    (slow,) = services.train(server.port, 1, WIDE, ids=["slow"], steps=4, compress="bf16", n_push=2)
+    (fast,) = services.train(server.port, 1, WIDE, ids=["fast"], steps=2, compress="bf16")
+    (notice,) = slow["notices"]
+    assert "rounded in NumPy" in notice and "--n-push 2" in notice
+    assert fast["notices"] == []
+    doc = fetch_status(server.status)
+    assert doc["workers"]["slow"]["notices"] == [notice]
+    assert doc["workers"]["fast"]["notices"] == []
+    warned = [line for line in render(doc).splitlines() if line.startswith("WARNING: worker")]
+    assert warned == [f"WARNING: worker slow: {notice}"]

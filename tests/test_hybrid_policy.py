@@ -398,6 +398,31 @@ def test_workers_wait_for_each_dense_round_while_their_rows_apply_at_once(
         assert dense["late"] == 0 and dense["duplicate"] == 0, dense
         assert dense["applied"] == 2 * steps and doc["policy"]["dense_version"] == steps
     assert all(s["held_out"] is not None and s["held_out"] > 0.9 for s in sums), sums
+    assert all(s["notices"] == [] for s in sums), sums  # a rows-only shard is no old server
+
+
+def test_a_hybrid_sync_worker_says_when_a_server_sends_no_dense_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server whose pull replies carry no ``dense_version`` under ``dense=sync:K/N`` (one
+    older than the worker) leaves the worker nothing to wait on: the worker says so at
+    warning level, and its pushes carry the notice into the server's status, where
+    ``downpour status`` prints it."""
+    from downpour.cli.status import render
+
+    monkeypatch.setattr(HybridPolicy, "dense_version", property(lambda self: None))
+    config = {"policy": "dense=sync:2/2,rows=async", "optimizer": "sgd", "learning_rate": 0.5}
+    with serving(FIXED, **config) as server:
+        summary = WorkerThread(make_worker(server.port, FIXED, worker_id="w0", steps=4)).result(120)
+        doc = wait_until(
+            lambda: (d := fetch_status(server.status))["workers"]["w0"]["notices"] and d,
+            30,
+            "the worker's notice in the status",
+        )
+    (notice,) = summary["notices"]
+    assert "carry no dense_version" in notice and "dense=sync:2/2,rows=async" in notice
+    assert doc["workers"]["w0"]["notices"] == [notice]
+    assert f"WARNING: worker w0: {notice}" in render(doc).splitlines()
 
 
 @pytest.mark.parametrize("wait", [True, False], ids=["waits", "sync-wait-0"])

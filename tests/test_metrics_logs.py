@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from downpour import logs, metrics
+from downpour import logs, metrics, wire
 from downpour.cli.status import merge_workers, render, render_cluster
 from downpour.metrics import STALENESS_BOUNDS, Histogram
+
+BF16_NOTICE = "--compress bf16: gradients are rounded in NumPy at each push"
 
 
 def _doc(model: str = "tiny", workers: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -61,6 +63,7 @@ def _doc(model: str = "tiny", workers: dict[str, Any] | None = None) -> dict[str
                 "loss": 0.4,
                 "staleness": 1,
                 "reported": {"steps_per_s": 2.0, "compute_ms": 250.0, "loss": 0.4},
+                "notices": [BF16_NOTICE],
             },
             "w1": {
                 "state": "missing",
@@ -119,6 +122,30 @@ def test_clean_reported_keeps_only_finite_numbers() -> None:
     assert len(metrics.clean_reported(many)) == metrics.MAX_REPORTED
 
 
+def test_notices_are_logged_once_and_the_first_few_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from downpour.bodies import MAX_NOTICES, NOTICE_CHARS
+
+    log = logging.getLogger("downpour.worker.test")
+    caplog.set_level("WARNING", logger="downpour.worker.test")
+    notices = metrics.Notices()
+    notices.warn(log, "row pulls off: %s", "no\n  extractor")
+    notices.warn(log, "row pulls off: %s", "no extractor")  # the same sentence: once
+    assert notices.items() == ("row pulls off: no extractor",)
+    assert [r.getMessage() for r in caplog.records] == ["row pulls off: no extractor"]
+    notices.warn(log, "x" * (NOTICE_CHARS + 50))
+    assert notices.items()[1] == "x" * NOTICE_CHARS  # cut for the wire; logged whole
+    assert caplog.records[-1].getMessage() == "x" * (NOTICE_CHARS + 50)
+    for i in range(MAX_NOTICES + 3):
+        notices.warn(log, "slow path %d", i)
+    assert len(notices.items()) == MAX_NOTICES
+    assert notices.items()[-1] == f"slow path {MAX_NOTICES - 3}"
+    assert caplog.records[-1].getMessage() == f"slow path {MAX_NOTICES + 2}"  # still logged
+    body = wire.PushBody(stats={"q": 1.0}, notices=notices.items())
+    assert wire.PushBody.from_body(body.to_body()).notices == notices.items()
+
+
 def test_catalogue_names_follow_prometheus_conventions() -> None:
     catalogue = [
         *metrics.SERVER_METRICS,
@@ -126,6 +153,7 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
         *metrics.WORKER_REPORTED,
         *metrics.EVAL_METRICS,
         metrics.HELDOUT_METRIC,
+        metrics.WORKER_NOTICES,
         metrics.STALENESS,
         metrics.REJECTED,
         metrics.AUTH_DENIED,
@@ -177,6 +205,8 @@ def test_collector_turns_a_status_document_into_metric_families() -> None:
     assert fams["downpour_heldout_accuracy"].samples[0].value == 0.75
     (score,) = fams["downpour_heldout_metric"].samples  # a result without "metric": accuracy
     assert score.labels == {"metric": "accuracy"} and score.value == 0.75
+    notices = {s.labels["worker"]: s.value for s in fams["downpour_worker_notices"].samples}
+    assert notices == {"w0": 1, "w1": 0}
     assert {s.labels["state"]: s.value for s in fams["downpour_workers"].samples} == {
         "alive": 1,
         "missing": 1,
@@ -296,6 +326,7 @@ def test_cluster_view_merges_the_workers_of_several_servers() -> None:
                 "loss": 0.2,
                 "staleness": 4,
                 "reported": {"steps_per_s": 3.0},
+                "notices": ["row pulls off", BF16_NOTICE],
             }
         }
     )
@@ -305,7 +336,8 @@ def test_cluster_view_merges_the_workers_of_several_servers() -> None:
     assert w0["steps"] == 9 and w0["staleness"] == 4 and w0["applied"] == 5
     assert w0["shards"] == 2 and w0["loss"] == pytest.approx(0.3)
     assert w0["reported"]["steps_per_s"] == 3.0
-    assert merged["w1"]["shards"] == 1
+    assert w0["notices"] == [BF16_NOTICE, "row pulls off"]  # each once, over the shards
+    assert merged["w1"]["shards"] == 1 and merged["w1"]["notices"] == []
 
     text = render_cluster({"tcp://a:1": a, "tcp://b:2": b, "tcp://c:3": {"error": "timeout"}})
     assert "cluster: 2/3 servers answering, model tiny" in text
@@ -314,6 +346,8 @@ def test_cluster_view_merges_the_workers_of_several_servers() -> None:
     rows = {line.split()[0]: line.split() for line in text.splitlines()[-2:]}
     assert rows["w0"][1] == "gone" and rows["w0"][-1] == "2/2"
     assert rows["w1"][-1] == "1/2"
+    warned = [line for line in text.splitlines() if line.startswith("WARNING: worker")]
+    assert warned == [f"WARNING: worker w0: {BF16_NOTICE}", "WARNING: worker w0: row pulls off"]
     other = render_cluster({"a": a, "b": _doc(model="other")})
     assert "DIFFERENT MODELS" in other
 
@@ -325,6 +359,8 @@ def test_single_server_table_has_a_row_per_worker() -> None:
     assert header.split()[:6] == ["worker", "state", "steps", "steps/s", "staleness", "loss"]
     assert rows[0].split()[:6] == ["w0", "alive", "4", "2", "1", "0.4"]
     assert rows[1].split()[:6] == ["w1", "missing", "2", "-", "-", "-"]
+    assert f"WARNING: worker w0: {BF16_NOTICE}" in text.splitlines()
+    assert "WARNING: worker w1" not in text
 
 
 # ------------------------------------------------------------------ plots

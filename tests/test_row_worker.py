@@ -18,6 +18,7 @@ from inproc import InprocServer, WorkerThread, make_worker, serving, train
 from downpour import wire
 from downpour.cli.status import fetch_status
 from downpour.cluster import ShardSet, partition_of, pull_full
+from downpour.metrics import Notices
 from downpour.models import build_model
 from downpour.partition import make_partition
 from downpour.spec import load_spec
@@ -236,11 +237,19 @@ def test_a_model_without_a_layer_graph_falls_back_to_whole_pulls(
         "fp",
     )
     offered = [[variables[0].path]]
+    spec = tf.TensorSpec((None, 3), tf.int32)
+    notices = Notices()  # what the worker's pushes report to the servers' status
     with caplog.at_level("INFO", logger="downpour.worker"):
-        plan = RowPlan.build(model, part, offered, tf.TensorSpec((None, 3), tf.int32), 0)
+        plan = RowPlan.build(model, part, offered, spec, 0, notices=notices)
     assert plan is None
     assert "row pulls off" in caplog.text and "pulled whole" in caplog.text
-    assert RowPlan.build(model, part, [[]], tf.TensorSpec((None, 3), tf.int32), 0) is None
+    (off,) = notices.items()
+    assert off.startswith("row pulls off") and "tables are pulled whole" in off
+    assert RowPlan.build(model, part, [[]], spec, 0, notices=notices) is None  # not served
+    assert notices.items()[1] == (
+        f"tables {variables[0].path} are pulled whole: the servers do not serve them by row "
+        "(their log and `downpour status` say why)"
+    )
 
 
 def test_a_row_pulling_worker_carries_on_through_a_server_restart(tmp_path: Path) -> None:

@@ -185,6 +185,27 @@ def test_liveness_follows_the_time_since_the_worker_was_last_heard(spec: Any) ->
     assert rec.reported == {"q": 1.5}
 
 
+def test_a_workers_notices_ride_with_its_figures_into_its_status_entry(spec: Any) -> None:
+    """Pushes and heartbeats carrying figures set the worker's notices (none: cleared); a
+    message without figures leaves them; the status entry lists them."""
+    ctx = make_ctx(spec)
+    assert hello(ctx).type == wire.HELLO
+    rec = ctx.registry.get("w0")
+    assert rec is not None and rec.notices == ()
+    slow = "--compress bf16: gradients are rounded in NumPy at each push"
+    body = {"loss": 0.5, "steps": 1, "stats": {"q": 1.0}, "notices": [slow]}
+    assert offer(ctx, push(ctx, 1, body=body)).decision is not None
+    assert rec.notices == (slow,)
+    assert rec.status(ALIVE, ctx.clock())["notices"] == [slow]
+    assert offer(ctx, push(ctx, 2, body={"loss": 0.5, "steps": 2})).decision is not None
+    assert rec.notices == (slow,)  # no figures: not a worker's report, nothing changes
+    beat = {"stats": {"q": 2.0}, "notices": [slow, "row pulls off"]}
+    assert request(ctx, Message(wire.HEARTBEAT, "w0", body=beat)).type == wire.HEARTBEAT
+    assert rec.notices == (slow, "row pulls off")
+    assert offer(ctx, push(ctx, 3, body={"steps": 3, "stats": {"q": 3.0}})).decision is not None
+    assert rec.notices == () and rec.status(ALIVE, ctx.clock())["notices"] == []
+
+
 # Each request with one body field of the wrong type: the server answers ERROR bad_header,
 # counts it, and nothing it holds about the sender changes.
 BAD_REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -196,6 +217,7 @@ BAD_REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "pull incarnation": (wire.PULL, {"have": 0, "incarnation": 1}),
     "pull encoding": (wire.PULL, {"encoding": 16}),
     "heartbeat stats": (wire.HEARTBEAT, {"stats": [1.0, 2.0]}),
+    "heartbeat notices": (wire.HEARTBEAT, {"stats": {"q": 1.0}, "notices": ["slow"] * 9}),
 }
 
 
@@ -209,7 +231,11 @@ def test_a_request_with_a_wrongly_typed_body_field_is_refused_as_bad_header(
     assert stale.decision is not None and stale.decision.action == DROP
     rec = ctx.registry.get("w0")
     assert rec is not None
-    seen = (rec.last_seen, rec.pulls, rec.reported, rec.dropped_unreported, rec.last_seq)
+
+    def held() -> tuple[Any, ...]:
+        return (rec.last_seen, rec.pulls, rec.reported, rec.notices, rec.dropped_unreported)
+
+    seen = (held(), rec.last_seq)
     before = weights(ctx)
     mtype, body = BAD_REQUESTS[case]
     if mtype == wire.HELLO:
@@ -222,7 +248,7 @@ def test_a_request_with_a_wrongly_typed_body_field_is_refused_as_bad_header(
     assert field_name in got.body["message"]  # names the field
     assert reply.rejection is not None and reply.rejection.code == wire.R_HEADER
     assert ctx.stats.rejected == {wire.R_HEADER: 1}
-    assert (rec.last_seen, rec.pulls, rec.reported, rec.dropped_unreported, rec.last_seq) == seen
+    assert (held(), rec.last_seq) == seen
     assert ctx.state.version == 1 and weights(ctx) == before
     # the worker's stale drop is still reported by its next well-formed pull
     assert request(ctx, Message(wire.PULL, "w0")).body["dropped_stale"] == 1
@@ -356,6 +382,7 @@ BAD_PUSH_BODIES: dict[str, dict[str, Any]] = {
     "steps": {"loss": 0.5, "steps": 2.5},
     "stats": {"loss": 0.5, "steps": 2, "stats": [["steps_per_s", 3.0]]},
     "batch_size": {"batch_size": "32"},
+    "notices": {"loss": 0.5, "steps": 2, "stats": {"q": 1.0}, "notices": ["x" * 301]},
 }
 
 
@@ -363,7 +390,9 @@ BAD_PUSH_BODIES: dict[str, dict[str, Any]] = {
 def test_a_push_with_a_wrongly_typed_body_field_is_refused_and_changes_nothing(
     ctx: HandlerContext, field_name: str
 ) -> None:
-    first = push(ctx, 1, body={"loss": 0.25, "steps": 1, "stats": {"steps_per_s": 2.0}})
+    first = push(
+        ctx, 1, body={"loss": 0.25, "steps": 1, "stats": {"steps_per_s": 2.0}, "notices": ["a"]}
+    )
     assert offer(ctx, first).decision is not None
     before = weights(ctx)
     rec = ctx.registry.get("w0")
@@ -376,6 +405,7 @@ def test_a_push_with_a_wrongly_typed_body_field_is_refused_and_changes_nothing(
     assert ctx.state.version == 1 and weights(ctx) == before
     assert (rec.last_seq, rec.applied, rec.rejected) == (1, 1, 1)
     assert (rec.loss, rec.steps, rec.reported) == (0.25, 1, {"steps_per_s": 2.0})
+    assert rec.notices == ("a",)
     assert ctx.stats.loss.value == 0.25  # the refused loss never reaches the server's figure
     # the same seq with a well-formed body is still accepted: the refusal consumed nothing
     assert offer(ctx, push(ctx, 2, body={"loss": 0.5, "steps": 2})).decision is not None

@@ -84,6 +84,15 @@ def _worker_row(wid: str, w: dict[str, Any], extra: str = "") -> str:
     )
 
 
+def _notice_lines(workers: dict[str, dict[str, Any]]) -> list[str]:
+    """A warning line per slow path a worker reports it runs on (its ``notices``)."""
+    return [
+        f"WARNING: worker {wid}: {text}"
+        for wid, w in sorted(workers.items())
+        for text in w.get("notices") or ()
+    ]
+
+
 def render(doc: dict[str, Any]) -> str:
     """A human-readable table of one server's status document."""
     st = doc.get("staleness", {})
@@ -115,6 +124,7 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(_table_line(path, t))
     if (ev := _eval_line(doc)) is not None:
         lines.append(ev)
+    lines += _notice_lines(doc.get("workers", {}))
     lines += ["", WORKER_HEADER]
     for wid, w in sorted(doc.get("workers", {}).items()):
         lines.append(_worker_row(wid, w))
@@ -137,7 +147,7 @@ def _table_line(path: str, t: dict[str, Any]) -> str:
 def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """One row per worker id over several servers (shards): the worst state, the longest
     silence, the largest staleness and step count, applied and rejected summed, the mean
-    loss; ``shards`` is how many servers know the worker."""
+    loss, the notices any server has; ``shards`` is how many servers know the worker."""
     merged: dict[str, dict[str, Any]] = {}
     for doc in docs.values():
         for wid, w in (doc.get("workers") or {}).items():
@@ -153,6 +163,7 @@ def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     "shards": 0,
                     "_losses": [],
                     "reported": {},
+                    "notices": [],
                 },
             )
             m["shards"] += 1
@@ -164,6 +175,7 @@ def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 m["staleness"] = max(m["staleness"] or 0, w["staleness"])
             m["applied"] += int(w.get("applied") or 0)
             m["rejected"] += int(w.get("rejected") or 0)
+            m["notices"] += [n for n in w.get("notices") or () if n not in m["notices"]]
             reported = w.get("reported") or {}
             loss = reported.get("loss", w.get("loss"))
             if loss is not None:
@@ -233,8 +245,10 @@ def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
             f"{_fmt(d.get('loss')):>8} {_fmt((d.get('staleness') or {}).get('mean')):>10} "
             f"{d.get('rejected_total', 0):>8} {_fmt(eval_score(ev)[1]):>8}"
         )
+    workers = merge_workers(ok)
+    lines += _notice_lines(workers)
     lines += ["", WORKER_HEADER + f" {'shards':>6}"]
-    for wid, w in sorted(merge_workers(ok).items()):
+    for wid, w in sorted(workers.items()):
         lines.append(_worker_row(wid, w, f" {w['shards']:>3}/{len(ok):<2}"))
     return "\n".join(lines)
 

@@ -286,8 +286,9 @@ def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
     now = ctx.clock()
     if rec is not None:
         ctx.registry.touch(msg.sender, rec, now)
-        if req.stats is not None:
+        if req.stats is not None:  # a worker's figures; its notices ride with them
             rec.reported = clean_reported(req.stats)
+            rec.notices = req.notices or ()
     if req.finished is not None and ctx.job is not None:
         ctx.job.note_finished(msg.sender, req.finished, ctx.registry, now)
     return wire.heartbeat_reply(ctx.state.version, wire.HeartbeatReply(ctx.incarnation))
@@ -675,8 +676,9 @@ def handle_gradients(
     if body.loss is not None and np.isfinite(body.loss):
         rec.loss = float(body.loss)
         ctx.stats.loss.update(float(body.loss))
-    if body.stats is not None:
+    if body.stats is not None:  # a worker's figures; its notices ride with them
         rec.reported = clean_reported(body.stats)
+        rec.notices = body.notices or ()
     if decision.rows is not None and decision.rows.action == APPLY:  # hybrid: rows first
         apply_decision(decision.rows, ctx, credit=False)
     if decision.action == APPLY:

@@ -185,6 +185,10 @@ class SnapshotCollector(Collector):
             if h := w.get(m.WORKER_STALENESS.key):
                 hist.add_metric([wid], _cumulative(h), sum_value=float(h.get("sum", 0.0)))
         yield hist
+        notices = _family(m.WORKER_NOTICES, ["worker"])
+        for wid, w in sorted(workers.items()):
+            notices.add_metric([wid], float(len(w.get(m.WORKER_NOTICES.key) or ())))
+        yield notices
         for source, catalogue in ((None, m.WORKER_METRICS), ("reported", m.WORKER_REPORTED)):
             for mi in catalogue:
                 fam = _family(mi, ["worker"])

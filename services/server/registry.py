@@ -66,6 +66,7 @@ class WorkerRecord:
     index: int = 0  # the order in which the server first heard of this id
     staleness: int | None = None
     reported: dict[str, Any] = field(default_factory=dict)
+    notices: tuple[str, ...] = ()  # the slow paths the worker reports it runs on
     staleness_hist: Histogram = field(default_factory=lambda: Histogram(WORKER_STALENESS_BOUNDS))
 
     def observe_staleness(self, staleness: int) -> None:
@@ -90,6 +91,7 @@ class WorkerRecord:
             "staleness": self.staleness,
             "staleness_histogram": self.staleness_hist.snapshot(),
             "reported": dict(self.reported),
+            "notices": list(self.notices),
         }
 
 

@@ -142,7 +142,7 @@ class Fetcher:
         if idle < self._times.heartbeat_s or self._stop.is_set():
             return
         try:
-            _, reply = self.client.heartbeat(dict(self._stats))
+            _, reply = self.client.heartbeat(dict(self._stats), self.shards.notices.items())
             self.shards.saw(self.shard, reply.incarnation)  # a restart: greeted again later
         except (ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
             log.debug("heartbeat failed: %s", exc)

@@ -91,7 +91,12 @@ class Pusher:
         timeout. False when a planned stop dropped the gradient."""
         self._seq = self.seq + 1
         body = wire.PushBody(
-            loss=loss, batch_size=batch_size, steps=steps, stats=self.stats, split=split
+            loss=loss,
+            batch_size=batch_size,
+            steps=steps,
+            stats=self.stats,
+            split=split,
+            notices=self.shards.notices.items() or None,
         )
         t0 = time.perf_counter()
         saved = 0  # payload bytes compression saved in this push

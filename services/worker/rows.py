@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from downpour import wire
+from downpour.metrics import Notices
 from downpour.models import embedding_tables, gathered_ids, id_extractor
 from downpour.partition import Part, Partition
 from downpour.worker.errors import WorkerError
@@ -82,7 +83,10 @@ class RowTable:
 
 
 def _row_tables(
-    model: keras.Model, partition: Partition, offered: Sequence[Sequence[str] | None]
+    model: keras.Model,
+    partition: Partition,
+    offered: Sequence[Sequence[str] | None],
+    notices: Notices,
 ) -> list[int]:
     """The variables to pull by row: every shard holding a part serves it by row and a Keras
     Embedding owns it. Embedding tables the servers do not serve by row are a warning."""
@@ -96,7 +100,8 @@ def _row_tables(
     by_path = embedding_tables(model)
     unserved = sorted(set(by_path) - {variables[i].path for i in candidates})
     if unserved:
-        log.warning(
+        notices.warn(
+            log,
             "tables %s are pulled whole: the servers do not serve them by row (their log "
             "and `downpour status` say why)",
             ", ".join(unserved),
@@ -161,17 +166,21 @@ class RowPlan:
         features_spec: Any,
         staleness: int,
         caches: dict[str, RowCache] | None = None,
+        notices: Notices | None = None,
     ) -> RowPlan | None:
         """The plan for the tables every shard serves by row (``offered``: each shard's
         hello ``row_tables``), or None when there are none or the model gives no extractor
-        (logged). WorkerError when a cached table (``caches``) cannot go by row."""
-        tables = _row_tables(model, partition, offered)
+        (a warning, kept in ``notices``). WorkerError when a cached table (``caches``)
+        cannot go by row."""
+        notices = notices if notices is not None else Notices()
+        tables = _row_tables(model, partition, offered, notices)
         plan = None
         if tables:
             try:
                 plan = cls(model, partition, tables, features_spec, staleness, caches)
             except (ValueError, AttributeError, TypeError) as exc:  # Keras: not functional
-                log.warning(
+                notices.warn(
+                    log,
                     "row pulls off: cannot find the ids a batch gathers in model %s (%s); "
                     "tables are pulled whole",
                     model.name,

@@ -38,7 +38,7 @@ from downpour.cluster import ShardSet
 from downpour.device import configure_device
 from downpour.inputs import InputContext
 from downpour.logs import set_log_context, stop_on_signals
-from downpour.metrics import Rate, new_worker_stats, peak_rss_mib, reported_counts
+from downpour.metrics import Notices, Rate, new_worker_stats, peak_rss_mib, reported_counts
 from downpour.models import build_model, evaluate, fingerprint_of
 from downpour.partition import Partition, make_partition, message_bytes
 from downpour.pipeline import (
@@ -103,6 +103,8 @@ class Worker:
             batch_size=spec.batch_size,
             worker_id=self.id,
         )
+        # the slow paths this worker takes: logged, and reported to the servers' status
+        self.notices = Notices()
         with row_cache_scope(config.row_cache_rows):  # big Embeddings as row caches
             self.model = build_model(spec)
         self.caches = caches_of(self.model)
@@ -188,7 +190,8 @@ class Worker:
             else None
         )
         if why is not None:
-            log.warning(
+            self.notices.warn(
+                log,
                 "--compress bf16: gradients are rounded in NumPy at each push, not in the "
                 "compiled step, because %s",
                 why,
@@ -231,6 +234,7 @@ class Worker:
             push_endpoint=cfg.push_endpoint,
             counters=self.stats,
             stop=self._stop,
+            notices=self.notices,
         )
 
     @property
@@ -300,6 +304,7 @@ class Worker:
             batch_signature(tuple(self.element_spec))[0],
             cfg.row_staleness,
             self.caches,
+            self.notices,
         )
         if plan is None:
             return None
@@ -492,6 +497,7 @@ class Worker:
             "last_seq": self.pusher.seq,
             "epochs": self.epoch + 1 if steps else 0,
             "stopped_early": not finished,
+            "notices": list(self.notices.items()),
         }
         if self.feed is not None:
             out["dispatch"] = dict(self.feed.counts)
