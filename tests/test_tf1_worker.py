@@ -137,7 +137,8 @@ def test_a_tf1_worker_and_a_tf2_worker_train_one_server(
 def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(services: Services) -> None:
     """A row-sparse variable in a TF1 graph: ``embedding_lookup``'s gradient comes out of the
     one ``sess.run`` as an IndexedSlicesValue, travels as rows (``Sparse``), equals the Keras
-    model's gradient, and a TF1 worker trains a server that applies it as rows."""
+    model's gradient, and a TF1 worker trains a server that applies it as rows. Its pulls
+    are whole (a notice says so)."""
     ref_model = "tiny_models:embedding"
     spec = load_spec(ref_model)
     model = build_model(spec)
@@ -170,6 +171,10 @@ def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(services: Se
     assert s["steps"] == s["pushes"] == steps
     doc = fetch_status(server.status)
     assert doc["version"] == steps and doc["rejected_total"] == 0
+    # the server serves the table by row; the Session graph pulls it whole and says so
+    (notice,) = s["notices"]
+    assert notice.startswith(f"--graph tf1: tables {variables[0].path} are pulled whole")
+    assert doc["workers"]["tf1"]["notices"] == [notice]
     # 120 rows of 32 bytes and their indices, the dense layer: far below the 160 kB table
     assert s["bytes_sent"] / steps < 0.1 * variables[0].numpy().nbytes
     _, arrays = pull_weights(server.rep)

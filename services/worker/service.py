@@ -295,6 +295,14 @@ class Worker:
                 self.spec.name,
             )
         cfg = self.config
+        served = sorted({t for h in hellos for t in h.reply.row_tables or ()})
+        if cfg.graph == "tf1" and served and cfg.row_pulls == "auto":
+            self.notices.warn(
+                log,
+                "--graph tf1: tables %s are pulled whole, though the servers serve them by "
+                "row: a Session graph's step takes whole variables",
+                ", ".join(served),
+            )
         if cfg.row_pulls != "auto" or cfg.graph != "tf2" or self._stream is None:
             return None
         plan = RowPlan.build(
