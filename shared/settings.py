@@ -276,6 +276,8 @@ def _flag_text(option: Option, value: Any) -> str:
     if not isinstance(value, str | int | float) or isinstance(value, bool):
         raise ValueError(f"{dashed}: {value!r} cannot be given as a flag's value")
     text = str(value)
+    if text == "--":  # argparse drops a bare "--" even as --name=--, reading it as nothing
+        raise ValueError(f"{dashed}: '--' cannot be given as a flag's value")
     try:
         back = text if option.type is str else option.type(text)
     except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
