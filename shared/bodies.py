@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Self
@@ -101,6 +102,12 @@ def _notices(key: str, v: list[Any]) -> tuple[str, ...]:
             "characters each",
         )
     return items
+
+
+def _bound(key: str, v: float) -> float:
+    if not math.isfinite(v) or v < 0:
+        raise ProtocolError(R_HEADER, f"body field {key!r} is {v}, not a finite number >= 0")
+    return float(v)
 
 
 def _body_map(body: Any) -> Mapping[str, Any]:
@@ -207,13 +214,17 @@ class PullRequest(Body):
     (None: it holds none, send everything). ``encoding``: dense or bf16 weights (which
     encodings a server serves is the server's check). ``pushed``: the seq of the sender's
     latest push (an ssp server counts the pushes it has not received yet). ``rows_only``:
-    with a row request, send the requested rows and nothing else."""
+    with a row request, send the requested rows and nothing else. ``bound``: send the
+    weights only if they moved by more than that fraction of their norm since ``have``,
+    else answer ``unchanged`` (``downpour.server.movement``); a server that does not know
+    the field sends them."""
 
     have: int | None = wire_field("int", None)
     incarnation: str | None = wire_field("str", None)
     encoding: str = wire_field("str", DENSE)
     pushed: int | None = wire_field("int", None)
     rows_only: bool = wire_field("bool", False)
+    bound: float | None = wire_field("float", None, read=_bound)
 
 
 @dataclass(frozen=True)
@@ -224,14 +235,18 @@ class PullReply(Body):
     the policy holds this pull (ssp: the sender is too far ahead), no tensors follow, ask
     again after that many milliseconds. ``dense_version``: under a hybrid policy, on a shard
     holding dense variables, the dense updates it has made (the version its dense half's
-    rounds count: row applies move the reply's version but not this); absent otherwise. A
-    worker that does not know the field ignores it."""
+    rounds count: row applies move the reply's version but not this); absent otherwise.
+    ``moved``: with ``unchanged``, to a pull with a ``bound``, the estimated fraction of
+    their norm the weights moved since the sender's version (at most the bound: the sender
+    computes on the weights it holds). A worker that does not know these fields ignores
+    them."""
 
     incarnation: str | None = wire_field("str", None)
     unchanged: bool = wire_field("bool", False)
     dropped_stale: int = wire_field("int", 0, lo=0)
     wait_ms: int = wire_field("int", 0, lo=0, hi=MAX_WAIT_MS)
     dense_version: int | None = wire_field("int", None, lo=0)
+    moved: float | None = wire_field("float", None, read=_bound)
 
 
 def _read_position(key: str, v: list[Any]) -> tuple[int, int, int]:

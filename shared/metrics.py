@@ -465,6 +465,13 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         "Weight pulls answered 'unchanged'.",
     ),
     MetricInfo(
+        "pulls_within_bound",
+        "downpour_worker_pulls_within_bound_total",
+        COUNTER,
+        "",
+        "Weight pulls a server answered 'moved at most --pull-bound': computed on held weights.",
+    ),
+    MetricInfo(
         "reconnects",
         "downpour_worker_reconnects_total",
         COUNTER,

@@ -88,7 +88,7 @@ def test_bf16_pulls_install_rounded_weights_for_half_the_bytes() -> None:
     assert every.bytes_pulled - bf16.bytes_pulled == pytest.approx(tensors / 2, abs=16)
 
 
-def test_adaptive_skips_until_the_summed_update_norms_pass_the_bound() -> None:
+def test_adaptive_skips_until_the_weights_moved_past_the_bound() -> None:
     pulls = Pulls("adaptive:0.1", 1, NAMES, LIMITS)
     base = weights(1.0)
     w_norm = np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in base))
@@ -103,6 +103,18 @@ def test_adaptive_skips_until_the_summed_update_norms_pass_the_bound() -> None:
     assert pulls.skipped == 4 and pulls.installed == 2 and pulls.requests == 6
     full = sum(a.nbytes for a in base)
     assert 2 * full < pulls.bytes_pulled < 2 * full + 6 * 200  # skipped: headers only
+
+
+def test_adaptive_measures_the_distance_not_the_path() -> None:
+    """Weights that step away and back have not moved: the distance to the held version
+    decides (as ``--pull-bound``'s server measures it), not the sum of the steps."""
+    pulls = Pulls("adaptive:0.1", 1, NAMES, LIMITS)
+    base = weights(1.0)
+    w_norm = np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in base))
+    step = [np.full_like(a, 0.06 * w_norm / np.sqrt(a.size * 2)) for a in base]  # 6 %
+    away = [a + s for a, s in zip(base, step, strict=True)]
+    versions = [pulls.take(0, v, away if v % 2 else base)[0] for v in range(6)]
+    assert versions == [0] * 6 and pulls.skipped == 5  # summed steps would pass 10 % at v2
 
 
 @pytest.mark.slow

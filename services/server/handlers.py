@@ -43,6 +43,7 @@ from downpour.metrics import clean_reported
 from downpour.receive import Bound, Oversize
 from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher
 from downpour.server.job import JobTracker
+from downpour.server.movement import Movement
 from downpour.server.policies import (
     APPLY,
     DROP,
@@ -94,9 +95,11 @@ class HandlerContext:
     bf16_cache: tuple[int, list[wire.WireTensor]] | None = field(default=None, repr=False)
     dispatcher: Dispatcher | None = None
     job: JobTracker | None = None
+    movement: Movement = field(init=False, repr=False)  # for pulls with a bound
 
     def __post_init__(self) -> None:
         self.policy.layout(self.state.sparse)  # which of its variables are row-sparse
+        self.movement = Movement(self.state.dense_variables())
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,10 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         ctx.stats.counters["pulls_unchanged"] += 1
         body = pull_reply(ctx, unchanged=True, dropped_stale=dropped)
         return wire.weights_reply(version, body)
+    if (moved := within_bound(ctx, req, version)) is not None:
+        ctx.stats.counters["pulls_unchanged"] += 1
+        body = pull_reply(ctx, unchanged=True, dropped_stale=dropped, moved=moved)
+        return wire.weights_reply(version, body)
     bf16 = req.encoding == wire.BF16
     if bf16:
         ctx.stats.counters["pulls_bf16"] += 1
@@ -345,6 +352,17 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
         pull_reply(ctx, dropped_stale=dropped),
         dict(zip(ctx.state.names, tensors, strict=True)),
     )
+
+
+def within_bound(ctx: HandlerContext, req: wire.PullRequest, version: int) -> float | None:
+    """How far the weights moved since the version a pull with a ``bound`` holds, when at
+    most the bound (the pull is answered "unchanged"); None: serve the weights (no bound,
+    another incarnation's version, weights a policy extrapolates, or moved further)."""
+    if req.bound is None or req.have is None or req.incarnation != ctx.incarnation:
+        return None
+    if ctx.policy.extrapolates:  # the pull carries weights no version's sample shows
+        return None
+    return ctx.movement.within_bound(req.have, version, req.bound)
 
 
 def pull_reply(ctx: HandlerContext, **fields: Any) -> wire.PullReply:
@@ -414,6 +432,8 @@ def row_reply(
     state = ctx.state
     version, dense = state.dense_weights()
     unchanged = req.have == version and req.incarnation == ctx.incarnation
+    moved = None if unchanged or req.rows_only else within_bound(ctx, req, version)
+    unchanged = unchanged or moved is not None  # the rows travel; the rest stays as held
     bf16 = req.encoding == wire.BF16
     counters = ctx.stats.counters
     counters["row_pulls"] += 1
@@ -432,7 +452,7 @@ def row_reply(
         elif not (unchanged or req.rows_only):
             a = dense[i] if dense[i] is not None else state.array(i)
             tensors[name] = wire.as_bf16(a) if bf16 else a
-    body = pull_reply(ctx, unchanged=unchanged, dropped_stale=dropped)
+    body = pull_reply(ctx, unchanged=unchanged, dropped_stale=dropped, moved=moved)
     return wire.weights_reply(version, body, tensors)
 
 
@@ -740,6 +760,7 @@ def apply_decision(decision: Decision, ctx: HandlerContext, credit: bool = True)
     if decision.momentum is not None:  # momentum-aware: Adam's beta_1 from this update on
         ctx.state.set_momentum(decision.momentum)
     ctx.state.apply(decision.grads, decision.lr_scale, decision.part)
+    ctx.movement.record(ctx.state.version)  # once a pull asked for a bound
     ctx.stats.apply_ms.update(1e3 * (time.perf_counter() - t0))
     ctx.stats.update_rate.mark()
     ctx.stats.staleness.observe(decision.staleness)

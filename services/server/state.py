@@ -642,6 +642,10 @@ class ParameterState:
         assert a is not None
         return a
 
+    def dense_variables(self) -> list[keras.Variable]:
+        """This shard's TF variables that are not row-sparse (what a row pull sends whole)."""
+        return [self._var[i] for i in self._fixed if not self.sparse[i]]
+
     def dense_weights(self) -> tuple[int, list[np.ndarray | None]]:
         """(version, arrays) of the variables that are not row-sparse; None for row-sparse
         ones, which are not snapshotted: a row pull gathers their rows (``gather``)."""

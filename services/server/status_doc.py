@@ -54,6 +54,7 @@ def build_status(
         "staleness": stats.staleness.snapshot(),
         "policy": {**ctx.policy.describe(), "learning_rate": state.learning_rate},
         "row_tables": [n for n, sparse in zip(state.names, state.sparse, strict=True) if sparse],
+        "pull_bounds": ctx.movement.describe(),
         "row_detection": None if state.row_sparsity is None else state.row_sparsity.problem,
         "dynamic_tables": state.table_status(),
         "rejected": _rejected(ctx),

@@ -135,7 +135,27 @@ class Puller:
         pushed = self._pushed() if self.shards.ssp else None
         if have < 0:
             return wire.PullRequest(encoding=encoding, pushed=pushed, rows_only=rows_only)
-        return wire.PullRequest(have, shard.incarnation, encoding, pushed, rows_only)
+        # after a stale drop the weights are taken whatever they moved
+        bound = None if self._refresh or rows_only else self.bound
+        return wire.PullRequest(have, shard.incarnation, encoding, pushed, rows_only, bound)
+
+    @property
+    def bound(self) -> float | None:
+        """The ``--pull-bound`` pulls carry (None: off, or a policy that counts versions:
+        a sync round's wait and an ssp hold need every version the server makes)."""
+        b = self.config.pull_bound
+        if not b:
+            return None
+        if self.shards.sync or self.shards.ssp:
+            self.shards.notices.warn(
+                log,
+                "--pull-bound %g is off: under %s every new version is taken (its rounds or "
+                "holds count versions)",
+                b,
+                self.shards.policy,
+            )
+            return None
+        return b
 
     def _prepare(self, shard: Shard, weights: Weights) -> Weights:
         """On the fetcher thread: a single shard's new weights converted for the step function
@@ -172,6 +192,8 @@ class Puller:
         unchanged; a step then never sees weights of two pulls. Then greet again every shard
         that restarted since its hello."""
         self.stats["pulls"] += 1
+        if any(w.reply.moved is not None for w in replies):  # --pull-bound: kept the held
+            self.stats["pulls_within_bound"] += 1
         if self.rows is not None:
             changed, stale = self.rows.install(replies)
         else:

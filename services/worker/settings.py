@@ -118,6 +118,17 @@ SPLIT_SIZE = Option(
     type=at_least(1),
 )
 N_FETCH = Option("n_fetch", 1, "pull weights every N steps", _TRAIN, type=at_least(1))
+PULL_BOUND = Option(
+    "pull_bound",
+    0.0,
+    "B > 0: take new weights only when the server estimates they moved by more than B of "
+    "their norm since the version held, else compute on from the held ones (fewer bytes, "
+    "older weights; its measured cost is in docs/policies.md); 0 (the default): take every "
+    "new version. Not under sync:K/N or ssp:K, whose rounds and holds count versions",
+    _TRAIN,
+    type=non_negative(),
+    metavar="B",
+)
 N_PUSH = Option("n_push", 1, "push gradients every N steps (averaged)", _TRAIN, type=at_least(1))
 GRAPH = Option(
     "graph",
@@ -196,6 +207,7 @@ WORKER_OPTIONS: tuple[Option, ...] = (
     DATA_DISPATCH,
     SPLIT_SIZE,
     N_FETCH,
+    PULL_BOUND,
     N_PUSH,
     dataclasses.replace(
         SEED,

@@ -13,20 +13,14 @@ A fetch setting (``Job.fetch``) is one of, or several joined by ``+``:
 ``bf16``          ``--pull-compress bf16``: the reply carries ``wire.as_bf16`` of the weights
                   (the codec the server's pull handler uses) and the worker computes on what
                   ``wire.decode`` widens back to float32; the server keeps float32;
-``adaptive:B``    the worker asks before every step; the server answers "unchanged" (no
-                  tensors) unless the weights moved by more than ``B`` since the worker's
-                  version, where the movement is ``(S[v_now] - S[v_have]) / ||w_now||`` and
-                  ``S[v]`` is the running sum of the L2 norms of the updates applied up to
-                  version ``v``. By the triangle inequality this bounds the relative distance
-                  ``||w_now - w_have|| / ||w_now||`` from above. A server computes it without
-                  an extra pass over the weights: the apply step already reads every
-                  element of the update and of the new weights, so the two sums of squares
-                  can be reductions fused into that same kernel; it then keeps one float per
-                  version (``S``) for the versions workers still hold. (This simulation
-                  stands outside the apply kernel, so it takes the norm of the difference
-                  between consecutive versions it sees instead: the same figure when it sees
-                  every version, as the study's async runs do; a version it skipped folds
-                  into the next difference, which is then smaller than the sum it replaces.)
+``adaptive:B``    ``--pull-bound B``: the worker asks before every step; the server answers
+                  "unchanged" (no tensors) unless the weights moved by more than ``B`` of
+                  their norm since the worker's version: ``||w_now - w_have|| / ||w_now||``.
+                  The server (``downpour.server.movement``) estimates it on a fixed sample
+                  of the dense weights' elements; this simulation computes it exactly, over
+                  every variable a simulated worker pulls (the whole model: a real worker
+                  pulls tables by row, and the server measures only the variables it sends
+                  whole).
 
 A worker that the server held (``sync``) or whose gradient it dropped as stale pulls fresh
 weights whatever the setting, as the real puller does (``await_new_version``, the
@@ -41,6 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 FETCH_EVERY = "every"
 
@@ -112,9 +108,8 @@ class Pulls:
         self.skipped = 0  # adaptive: requests answered "unchanged" as moved too little
         self.bytes_pulled = 0
         self._frames: tuple[int, list[bytes]] | None = None  # one version's encoded reply
-        # adaptive: S[v] (the running sum of update norms) and the last version seen
-        self._moved: dict[int, float] = {}
-        self._last: tuple[int, list[Any], float] | None = None  # (version, weights, ||w||)
+        # adaptive: the server's weights at the version each worker holds
+        self._base: list[list[Any] | None] = [None] * workers
 
     def take(
         self, i: int, version: int, weights: list[Any], refresh: bool = False
@@ -124,21 +119,21 @@ class Pulls:
         must pull fresh weights (held by sync, or a gradient dropped as stale)."""
         step, held = self.steps[i], self.held[i]
         self.steps[i] += 1
-        if self.mode.bound is not None:
-            self._observe(version, weights)
         if held is not None and not refresh and step % self.mode.n_fetch != 0:
             return held  # no pull this step
         self.requests += 1
         if held is not None and held[0] == version:
             self.bytes_pulled += self._unchanged_bytes(version)
             return held
-        if held is not None and not refresh and not self._moved_enough(held[0], version):
+        if held is not None and not refresh and not self._moved_enough(i, weights):
             self.skipped += 1
             self.bytes_pulled += self._unchanged_bytes(version)
             return held
         pulled = self._pull(version, weights)
         self.installed += 1
         self.held[i] = (version, pulled)
+        if self.mode.bound is not None:
+            self._base[i] = [np.array(a, copy=True) for a in weights]
         return version, pulled
 
     def record(self) -> dict[str, Any]:
@@ -178,24 +173,12 @@ class Pulls:
         msg = wire.weights_reply(version, wire.PullReply("sim", unchanged=True))
         return sum(memoryview(f).nbytes for f in wire.encode(msg))
 
-    def _observe(self, version: int, weights: list[Any]) -> None:
-        """adaptive: extend ``S`` to ``version`` (see the module docstring)."""
-        last = self._last
-        if last is not None and last[0] == version:
-            return
-        if last is None:
-            self._moved[version] = 0.0
-        else:
-            step = _norm([a - b for a, b in zip(weights, last[1], strict=True)])
-            self._moved[version] = self._moved[last[0]] + step
-        self._last = (version, weights, _norm(weights))
-
-    def _moved_enough(self, have: int, version: int) -> bool:
-        """Whether the weights moved more than the bound since ``have`` (always, but for
-        adaptive settings)."""
-        if self.mode.bound is None:
+    def _moved_enough(self, i: int, weights: list[Any]) -> bool:
+        """Whether the server's ``weights`` moved more than the bound since the version
+        worker ``i`` holds (always, but for adaptive settings)."""
+        base = self._base[i]
+        if self.mode.bound is None or base is None:
             return True
-        assert self._last is not None and self._last[0] == version
-        w_norm = self._last[2]
-        moved = self._moved[version] - self._moved[have]
+        w_norm = _norm(weights)
+        moved = _norm([np.asarray(a) - b for a, b in zip(weights, base, strict=True)])
         return w_norm == 0.0 or moved / w_norm > self.mode.bound
