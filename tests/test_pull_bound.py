@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import wait_until
-from inproc import WorkerThread, make_worker, serving
+from inproc import Services, WorkerThread, make_worker, serving
 from test_server_handlers import grads, hello, make_ctx, offer, push, request
 from tiny_models import embedding_form
 
@@ -193,14 +193,50 @@ def test_without_a_bound_nothing_is_sampled() -> None:
     assert not doc["pull_bounds"]["sampling"] and doc["pull_bounds"]["within"] == 0
 
 
-def test_under_sync_the_bound_is_off_and_a_notice_says_so() -> None:
+@pytest.mark.parametrize(
+    ("policy", "why"),
+    [
+        ("sync:1/1", "counts versions"),
+        ("ssp:2", "counts versions"),
+        ("dense=sync:1/1,rows=async", "counts versions"),
+        ("lookahead", "serves extrapolated weights"),
+    ],
+)
+def test_where_the_bound_does_not_fit_it_is_off_and_a_notice_says_so(policy: str, why: str) -> None:
     spec = embedding_form("tensor")
-    with serving(spec, policy="sync:1/1", optimizer="sgd", learning_rate=0.5) as server:
+    with serving(spec, policy=policy, optimizer="sgd", learning_rate=0.5) as server:
         s = WorkerThread(
             make_worker(server.port, spec, worker_id="w0", steps=6, pull_bound=0.5)
         ).result(120)
-        doc = fetch_status(server.status)
+        doc = wait_until(
+            lambda: (d := fetch_status(server.status))["workers"]["w0"]["notices"] and d,
+            30,
+            "the notice in the server's status",
+        )
     (notice,) = s["notices"]
-    assert notice.startswith("--pull-bound 0.5 is off: under sync:1/1")
+    assert notice == f"--pull-bound 0.5 is off: {policy} {why}; every new version is taken"
+    assert doc["workers"]["w0"]["notices"] == [notice]
     assert s["pulls_within_bound"] == 0 and not doc["pull_bounds"]["sampling"]
     assert s["sync_wait_timeouts"] == 0
+
+
+def test_a_bounded_worker_process_and_its_server_agree_on_the_pulls_kept(
+    services: Services,
+) -> None:
+    """``downpour worker --pull-bound`` against a server, in this process and as real
+    processes: the worker's kept pulls are the server's ``within`` answers."""
+    model = "tiny_models:embedding"
+    server = services.server(model, optimizer="sgd", learning_rate=0.5)
+    (s,) = services.train(server.port, 1, model, steps=60, pull_bound=0.05)
+    doc = wait_until(
+        lambda: (
+            (d := fetch_status(server.status))["pull_bounds"]["within"] >= s["pulls_within_bound"]
+            and d
+        ),
+        30,
+        "the server's count of kept pulls",
+    )
+    assert s["pulls_within_bound"] > 0 and s["notices"] == []
+    # a prefetched reply still in flight at the worker's stop is the server's only extra
+    assert s["pulls_within_bound"] <= doc["pull_bounds"]["within"] <= s["pulls_within_bound"] + 1
+    assert doc["workers"]["w0"]["reported"]["pulls_within_bound"] <= s["pulls_within_bound"]

@@ -141,18 +141,17 @@ class Puller:
 
     @property
     def bound(self) -> float | None:
-        """The ``--pull-bound`` pulls carry (None: off, or a policy that counts versions:
-        a sync round's wait and an ssp hold need every version the server makes)."""
+        """The ``--pull-bound`` pulls carry (None: off, or a policy it does not fit: a sync
+        round's wait and an ssp hold count every version the server makes, and lookahead
+        serves extrapolated weights no version holds)."""
         b = self.config.pull_bound
         if not b:
             return None
-        if self.shards.sync or self.shards.ssp:
+        policy = self.shards.policy
+        if self.shards.sync or self.shards.ssp or "lookahead" in policy:
+            why = "serves extrapolated weights" if "lookahead" in policy else "counts versions"
             self.shards.notices.warn(
-                log,
-                "--pull-bound %g is off: under %s every new version is taken (its rounds or "
-                "holds count versions)",
-                b,
-                self.shards.policy,
+                log, "--pull-bound %g is off: %s %s; every new version is taken", b, policy, why
             )
             return None
         return b

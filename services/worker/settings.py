@@ -124,7 +124,8 @@ PULL_BOUND = Option(
     "B > 0: take new weights only when the server estimates they moved by more than B of "
     "their norm since the version held, else compute on from the held ones (fewer bytes, "
     "older weights; its measured cost is in docs/policies.md); 0 (the default): take every "
-    "new version. Not under sync:K/N or ssp:K, whose rounds and holds count versions",
+    "new version. Off under sync:K/N and ssp:K, whose rounds and holds count versions, and "
+    "under lookahead, whose pulls are extrapolated",
     _TRAIN,
     type=non_negative(),
     metavar="B",
