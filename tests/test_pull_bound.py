@@ -34,13 +34,14 @@ def test_the_sampled_distance_estimates_the_relative_distance() -> None:
     shapes = [(300, 200), (200,), (200, 50), (7,)]
     variables = [keras.Variable(rng.normal(size=s).astype(np.float32)) for s in shapes]
     movement = Movement(variables, sample_elements=8192, kept_versions=4)
-    assert movement.measurable and not movement.started
-    movement.start(0)
+    assert movement.measurable and movement.reads == 0
+    movement.note(0)
     before = [v.numpy() for v in variables]
     for version, scale in enumerate((0.01, 0.05, 0.2), start=1):
         for v in variables:
             v.assign(v.numpy() + scale * rng.normal(size=v.shape).astype(np.float32))
-        movement.record(version)
+        movement.note(version)
+        movement.note(version)  # once per version
         now = [v.numpy() for v in variables]
         flat = np.concatenate([a.ravel() for a in now])
         exact = np.linalg.norm(flat - np.concatenate([b.ravel() for b in before])) / (
@@ -49,15 +50,37 @@ def test_the_sampled_distance_estimates_the_relative_distance() -> None:
         got = movement.moved(0, version)
         assert got == pytest.approx(exact, rel=0.05), (version, got, exact)
     assert movement.moved(3, 3) == 0.0
-    movement.record(4)  # four kept: version 0 is forgotten
+    assert movement.reads == 4
+    movement.note(4)  # four kept: version 0 is forgotten
     assert movement.moved(0, 4) is None and movement.moved(1, 4) is not None
     assert movement.describe()["versions_kept"] == 4
+
+
+@pytest.mark.parametrize("moving", [0, 1, 2])
+def test_the_estimate_holds_when_one_variable_moves_alone(moving: int) -> None:
+    """Each sampled element stands for its variable's share of the weights (a stratified
+    sample): a small variable taken whole and a large one read in runs weigh as they do
+    in the full norms, whichever of them moved."""
+    rng = np.random.default_rng(2)
+    shapes = [(500, 128), (200,), (65, 70)]  # runs by rows; whole; runs element by element
+    variables = [keras.Variable(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    movement = Movement(variables, sample_elements=4096)
+    assert [p is None for p in movement.plan] == [False, True, False]
+    assert movement.sampled <= 4096 + 200  # the runs, and the small variable whole
+    movement.note(0)
+    before = np.concatenate([v.numpy().ravel() for v in variables])
+    v = variables[moving]
+    v.assign(v.numpy() + 0.3 * rng.normal(size=v.shape).astype(np.float32))
+    movement.note(1)
+    now = np.concatenate([v.numpy().ravel() for v in variables])
+    exact = np.linalg.norm(now - before) / np.linalg.norm(now)
+    assert movement.moved(0, 1) == pytest.approx(exact, rel=0.1), (moving, exact)
 
 
 def test_nothing_to_measure_means_every_bounded_pull_is_served() -> None:
     ints = Movement([keras.Variable(np.zeros(4, np.int32))])
     assert not ints.measurable
-    assert ints.within_bound(0, 3, 1.0) is None and not ints.started
+    assert ints.within_bound(0, 3, 1.0) is None and ints.reads == 0
     assert ints.describe()["beyond"] == 1
 
 
@@ -69,12 +92,12 @@ def _pull(ctx: Any, have: int | None, bound: float | None, **kw: Any) -> Message
 def test_the_pull_handler_keeps_the_held_version_while_the_weights_moved_within_the_bound() -> None:
     ctx = make_ctx(load_spec("tiny_models:tiny"))
     assert hello(ctx).type == wire.HELLO
-    assert not fetch_doc(ctx)["sampling"]
+    assert fetch_doc(ctx)["reads"] == 0
     for seq in (1, 2):
         assert offer(ctx, push(ctx, seq, tensors=grads(ctx, 0.01))).decision is not None
-    first = _pull(ctx, 0, 1.0)  # sampling starts now, at version 2: version 0 is not kept
+    first = _pull(ctx, 0, 1.0)  # no sample of version 0 (served without a bound): served
     assert not first.body.get("unchanged") and first.tensors and first.base_version == 2
-    assert fetch_doc(ctx)["sampling"] and fetch_doc(ctx)["beyond"] == 1
+    assert fetch_doc(ctx)["reads"] == 1 and fetch_doc(ctx)["beyond"] == 1
     assert offer(ctx, push(ctx, 3, tensors=grads(ctx, 0.01))).decision is not None
     held = _pull(ctx, 2, 1.0)  # moved a little since version 2: keep it
     assert held.body["unchanged"] and not held.tensors and held.base_version == 3
@@ -89,6 +112,7 @@ def test_the_pull_handler_keeps_the_held_version_while_the_weights_moved_within_
     assert plain.tensors and "moved" not in plain.body
     doc = fetch_doc(ctx)
     assert (doc["within"], doc["beyond"], doc["versions_kept"]) == (1, 2, 2)  # measured ones
+    assert doc["reads"] == 2  # versions 2 and 3, each once
 
 
 def fetch_doc(ctx: Any) -> dict[str, Any]:
@@ -104,7 +128,7 @@ def test_a_bad_bound_is_refused_as_bad_header(bound: Any) -> None:
     reply = request(ctx, Message(wire.PULL, "w0", body=body))
     assert reply.type == wire.ERROR and reply.body["code"] == wire.R_HEADER
     assert "bound" in reply.body["message"]
-    assert ctx.stats.rejected == {wire.R_HEADER: 1} and not ctx.movement.started
+    assert ctx.stats.rejected == {wire.R_HEADER: 1} and ctx.movement.reads == 0
 
 
 def test_a_row_pull_within_the_bound_brings_the_rows_and_not_the_dense_variables() -> None:
@@ -126,7 +150,7 @@ def test_a_row_pull_within_the_bound_brings_the_rows_and_not_the_dense_variables
         return request(ctx, wire.pull_request("w0", body, rows))
 
     assert offer(ctx, push(ctx, 1, tensors=tensors)).decision is not None
-    first = pull(0, 10.0)  # starts sampling at version 1: version 0 is not kept
+    first = pull(0, 10.0)  # no sample of version 0: served, and version 1 sampled
     assert not first.body.get("unchanged") and set(first.tensors) == set(state.names)
     assert offer(ctx, push(ctx, 2, tensors=tensors)).decision is not None
     reply = pull(1, 10.0)
@@ -180,7 +204,7 @@ def test_a_worker_with_a_bound_computes_on_held_weights_and_still_learns(
     assert sum(d["pull_bounds"]["within"] for d in docs) > 0
     for doc in docs:  # a shard with dense weights samples them; one with rows only cannot
         bounds = doc["pull_bounds"]
-        assert bounds["sampling"] == (bounds["dense_elements"] > 0) and bounds["beyond"] > 0
+        assert (bounds["reads"] > 0) == (bounds["dense_elements"] > 0) and bounds["beyond"] > 0
     assert bounded["held_out"] is not None and bounded["held_out"] > 0.6, bounded
 
 
@@ -190,7 +214,7 @@ def test_without_a_bound_nothing_is_sampled() -> None:
         s = WorkerThread(make_worker(server.port, spec, worker_id="w0", steps=10)).result(120)
         doc = fetch_status(server.status)
     assert s["pulls_within_bound"] == 0
-    assert not doc["pull_bounds"]["sampling"] and doc["pull_bounds"]["within"] == 0
+    assert doc["pull_bounds"]["reads"] == 0 and doc["pull_bounds"]["within"] == 0
 
 
 @pytest.mark.parametrize(
@@ -216,7 +240,7 @@ def test_where_the_bound_does_not_fit_it_is_off_and_a_notice_says_so(policy: str
     (notice,) = s["notices"]
     assert notice == f"--pull-bound 0.5 is off: {policy} {why}; every new version is taken"
     assert doc["workers"]["w0"]["notices"] == [notice]
-    assert s["pulls_within_bound"] == 0 and not doc["pull_bounds"]["sampling"]
+    assert s["pulls_within_bound"] == 0 and doc["pull_bounds"]["reads"] == 0
     assert s["sync_wait_timeouts"] == 0
 
 

@@ -357,10 +357,12 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
 def within_bound(ctx: HandlerContext, req: wire.PullRequest, version: int) -> float | None:
     """How far the weights moved since the version a pull with a ``bound`` holds, when at
     most the bound (the pull is answered "unchanged"); None: serve the weights (no bound,
-    another incarnation's version, weights a policy extrapolates, or moved further)."""
-    if req.bound is None or req.have is None or req.incarnation != ctx.incarnation:
+    another incarnation's version, weights a policy extrapolates, or moved further). A
+    bounded pull that is served has the sample of the version it gets kept."""
+    if req.bound is None or ctx.policy.extrapolates:  # extrapolated: no version's weights
         return None
-    if ctx.policy.extrapolates:  # the pull carries weights no version's sample shows
+    if req.have is None or req.incarnation != ctx.incarnation:
+        ctx.movement.note(version)  # served: the version its worker holds next
         return None
     return ctx.movement.within_bound(req.have, version, req.bound)
 
@@ -760,7 +762,6 @@ def apply_decision(decision: Decision, ctx: HandlerContext, credit: bool = True)
     if decision.momentum is not None:  # momentum-aware: Adam's beta_1 from this update on
         ctx.state.set_momentum(decision.momentum)
     ctx.state.apply(decision.grads, decision.lr_scale, decision.part)
-    ctx.movement.record(ctx.state.version)  # once a pull asked for a bound
     ctx.stats.apply_ms.update(1e3 * (time.perf_counter() - t0))
     ctx.stats.update_rate.mark()
     ctx.stats.staleness.observe(decision.staleness)

@@ -133,10 +133,13 @@ class Puller:
         ``rows_only``: a row top-up, the requested rows and nothing else."""
         encoding = wire.BF16 if self.config.pull_compress == "bf16" else wire.DENSE
         pushed = self._pushed() if self.shards.ssp else None
-        if have < 0:
-            return wire.PullRequest(encoding=encoding, pushed=pushed, rows_only=rows_only)
-        # after a stale drop the weights are taken whatever they moved
-        bound = None if self._refresh or rows_only else self.bound
+        bound = None if rows_only else self.bound
+        if bound is not None and self._refresh:  # after a stale drop: whatever they moved
+            bound = 0.0
+        if have < 0:  # a bound here has the server keep a sample of what it serves
+            return wire.PullRequest(
+                encoding=encoding, pushed=pushed, rows_only=rows_only, bound=bound
+            )
         return wire.PullRequest(have, shard.incarnation, encoding, pushed, rows_only, bound)
 
     @property
