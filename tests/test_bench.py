@@ -35,6 +35,8 @@ REQUIRED = {
         # the server on its own core, flooded from another
         "pinned_ratio",
         "pinned_overhead_memcpys",
+        # --pull-bound: one sample read after an apply
+        "pull_bound_sample_ms",
     ],
     "end_to_end": [
         "local_steps_per_s",

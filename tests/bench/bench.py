@@ -108,6 +108,7 @@ REQUIRED: dict[str, list[str]] = {
         "pull_p99_ms",
         "pinned_ratio",
         "pinned_overhead_memcpys",
+        "pull_bound_sample_ms",
     ],
     "end_to_end": [
         "local_steps_per_s",
@@ -434,6 +435,9 @@ def table(r: dict[str, Any]) -> str:
         f"{v['apply_ms_graph']:.2f} ms (XLA {v['xla_speedup']:.2f}x faster) |",
         f"| server | apply floor (7 x 13.1 MB at memcpy rate) | {v['apply_floor_ms']:.2f} ms "
         f"(apply = {v['apply_ms'] / v['apply_floor_ms']:.2f}x floor) |",
+        f"| server | --pull-bound: a sample of {v['pull_bound_sampled']:,} weights after an "
+        f"apply, once per version bounded pulls see | {v['pull_bound_sample_ms']:.2f} ms "
+        f"({v['pull_bound_sample_ms'] / v['apply_ms']:.2f}x the apply) |",
         f"| server | bare apply loop | {v['bare_apply_per_s']:.1f} applies/s |",
         f"| server | real server under a flood | {v['server_apply_per_s']:.1f} applies/s |",
         f"| server | **ratio server / bare** | **{v['ratio']:.2f}** |",

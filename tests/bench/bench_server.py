@@ -46,6 +46,7 @@ from bench_wire import run as run_wire
 from downpour import wire
 from downpour.cli.status import fetch_status
 from downpour.client import ShardClient
+from downpour.server.movement import Movement
 from downpour.server.state import ParameterState
 from downpour.spec import ModelSpec, load_spec
 from downpour.transport import make_context, tcp
@@ -71,7 +72,9 @@ class BareApply:
     """ParameterState.apply in a loop in this process, XLA and graph, beside a memcpy.
 
     The three are sampled interleaved, so the apply time and the memcpy that sets its floor
-    are measured under the same conditions.
+    are measured under the same conditions; so is a fourth, the default apply followed by
+    the ``--pull-bound`` sample of its version (``Movement.note``), whose extra time is
+    what a server pays per version bounded pulls see.
     """
 
     def __init__(self, spec: ModelSpec, grads: list[np.ndarray]) -> None:
@@ -81,10 +84,18 @@ class BareApply:
             jit: ParameterState(spec, "adam", 1e-3, seed=0, jit=jit) for jit in (True, False)
         }
         self.dst = [np.empty_like(g) for g in grads]
-        self.samples: dict[str, list[float]] = {"xla": [], "graph": [], "memcpy": []}
+        self.samples: dict[str, list[float]] = {"xla": [], "graph": [], "memcpy": [], "noted": []}
         self.cpu_s = 0.0  # CPU seconds of the default variant's timed applies
         for st in self.states.values():
             time_ms(lambda st=st: st.apply(grads), 0, warmup=3)  # compile, warm caches
+        default = self.states[self.default_jit]
+        self.movement = Movement(default.dense_variables())
+        time_ms(self._noted_apply, 0, warmup=3)  # the sampling call compiles
+
+    def _noted_apply(self) -> None:
+        st = self.states[self.default_jit]
+        st.apply(self.grads)
+        self.movement.note(st.version)
 
     def _memcpy(self) -> None:
         for d, g in zip(self.dst, self.grads, strict=True):
@@ -102,6 +113,7 @@ class BareApply:
                 if jit == self.default_jit:
                     self.cpu_s += cpu_seconds() - c0
                     batch += t
+            self.samples["noted"] += time_ms(self._noted_apply, 1, warmup=0)
         return 1e3 / median(batch)
 
     def result(self) -> dict[str, Any]:
@@ -113,6 +125,7 @@ class BareApply:
         apply_ms = xla if self.default_jit else graph
         memcpy_ms = median(self.samples["memcpy"])
         n = len(self.samples["xla"])
+        noted_ms = median(self.samples["noted"])
         return {
             "default_jit": self.default_jit,
             "apply_ms_xla": xla,
@@ -125,6 +138,9 @@ class BareApply:
             # CPU time over wall time of the timed applies: cores the bare apply keeps busy
             "bare_apply_cpu_cores": 1e3 * self.cpu_s / n / apply_ms,
             "apply_reps": n,
+            # --pull-bound: one sample of the weights, read once per version bounded pulls see
+            "pull_bound_sample_ms": noted_ms - apply_ms,
+            "pull_bound_sampled": self.movement.sampled,
         }
 
 
