@@ -2,8 +2,9 @@
 
 bf16 pulls reached the study's targets in 1.02x, 1.01x and 0.98x the updates of float32 pulls
 at 1, 4 and 8 workers on MNIST (8 seeds) and 1.00x on the click model, for half the bytes;
-``--n-fetch`` 2 and 4 did not (1.2-2.3x the updates at 4 and 8 workers), so it stays 1. A
-change to either default needs a study row that backs it."""
+``--n-fetch`` 2 and 4 did not (1.2-2.3x the updates at 4 and 8 workers), so it stays 1;
+nor did ``--pull-bound`` on MNIST (0.01: 1.21x at 1 worker; 0.03: 1.19-1.44x), so it stays
+0 (off). A change to any of these defaults needs a study row that backs it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def test_pulls_are_bf16_and_every_step_by_default() -> None:
     config = worker_config()
     assert config.pull_compress == "bf16"
     assert config.n_fetch == 1
+    assert config.pull_bound == 0.0
+
+
+def test_a_pull_bound_is_a_number_at_least_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert worker_config("--pull-bound", "0.03").pull_bound == 0.03
+    with pytest.raises(SystemExit) as err:
+        worker_config("--pull-bound", "-0.1")
+    assert err.value.code == 2
+    assert "--pull-bound: -0.1 is out of range" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("form", ["none", "bf16"])
