@@ -264,3 +264,20 @@ def test_a_bounded_worker_process_and_its_server_agree_on_the_pulls_kept(
     # a prefetched reply still in flight at the worker's stop is the server's only extra
     assert s["pulls_within_bound"] <= doc["pull_bounds"]["within"] <= s["pulls_within_bound"] + 1
     assert doc["workers"]["w0"]["reported"]["pulls_within_bound"] <= s["pulls_within_bound"]
+
+
+def test_a_refresh_after_a_stale_drop_and_a_row_top_up_carry_no_bound() -> None:
+    """After the policy dropped a gradient as stale the worker takes the current weights
+    whatever they moved, and a top-up asks for rows only: neither carries the bound."""
+    spec = embedding_form("tensor")
+    with serving(spec) as server:
+        worker = make_worker(server.port, spec, worker_id="w0", steps=1, pull_bound=0.25)
+        try:
+            puller, shard = worker.puller, worker.shards.shards[0]
+            assert puller.request(shard, -1).bound == 0.25  # the server keeps its sample
+            assert puller.request(shard, 3).bound == 0.25
+            assert puller.request(shard, 3, rows_only=True).bound is None
+            puller._refresh = True
+            assert puller.request(shard, 3).bound is None
+        finally:
+            worker.close()

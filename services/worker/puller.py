@@ -133,9 +133,10 @@ class Puller:
         ``rows_only``: a row top-up, the requested rows and nothing else."""
         encoding = wire.BF16 if self.config.pull_compress == "bf16" else wire.DENSE
         pushed = self._pushed() if self.shards.ssp else None
-        bound = None if rows_only else self.bound
-        if bound is not None and self._refresh:  # after a stale drop: whatever they moved
-            bound = 0.0
+        # no bound on a top-up, nor after a stale drop: the current weights, however little
+        # they moved (a bound of 0 would keep weights whose version the policy found stale
+        # when only rows moved); the next bounded pull is served again, to keep a sample
+        bound = None if rows_only or self._refresh else self.bound
         if have < 0:  # a bound here has the server keep a sample of what it serves
             return wire.PullRequest(
                 encoding=encoding, pushed=pushed, rows_only=rows_only, bound=bound
