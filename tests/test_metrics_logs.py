@@ -361,6 +361,12 @@ def test_single_server_table_has_a_row_per_worker() -> None:
     assert rows[1].split()[:6] == ["w1", "missing", "2", "-", "-", "-"]
     assert f"WARNING: worker w0: {BF16_NOTICE}" in text.splitlines()
     assert "WARNING: worker w1" not in text
+    assert "pull bounds" not in text  # no worker sent a bound
+    bounds = {"reads": 40, "within": 31, "beyond": 9, "sampled": 16618, "dense_elements": 3274634}
+    assert (
+        "pull bounds: 31 pulls kept the held weights, 9 served; 16,618 of 3,274,634 dense "
+        "weights sampled in 40 versions"
+    ) in render(_doc() | {"pull_bounds": bounds}).splitlines()
 
 
 # ------------------------------------------------------------------ plots

@@ -21,7 +21,7 @@ from test_server_handlers import grads, hello, make_ctx, offer, push, request
 from tiny_models import embedding_form
 
 from downpour import wire
-from downpour.cli.status import fetch_status
+from downpour.cli.status import fetch_status, render
 from downpour.server.movement import Movement
 from downpour.spec import load_spec
 from downpour.wire import Message
@@ -264,6 +264,8 @@ def test_a_bounded_worker_process_and_its_server_agree_on_the_pulls_kept(
     # a prefetched reply still in flight at the worker's stop is the server's only extra
     assert s["pulls_within_bound"] <= doc["pull_bounds"]["within"] <= s["pulls_within_bound"] + 1
     assert doc["workers"]["w0"]["reported"]["pulls_within_bound"] <= s["pulls_within_bound"]
+    (line,) = [x for x in render(doc).splitlines() if x.startswith("pull bounds: ")]
+    assert f"{doc['pull_bounds']['within']} pulls kept the held weights" in line
 
 
 def test_a_refresh_after_a_stale_drop_and_a_row_top_up_carry_no_bound() -> None:

@@ -114,6 +114,13 @@ def render(doc: dict[str, Any]) -> str:
         f"{doc.get('slot_bytes', 0) / 1e6:,.1f} MB of optimizer slots; "
         f"peak resident {_mib(doc.get('peak_rss_mib'))}",
     ]
+    if (pb := doc.get("pull_bounds") or {}).get("reads"):
+        lines.append(
+            f"pull bounds: {pb.get('within', 0)} pulls kept the held weights, "
+            f"{pb.get('beyond', 0)} served; {pb.get('sampled', 0):,} of "
+            f"{pb.get('dense_elements', 0):,} dense weights sampled in "
+            f"{pb.get('reads', 0)} versions"
+        )
     if doc.get("row_detection"):
         lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")
     if isinstance(doc.get("receive_heap"), str):
