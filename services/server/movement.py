@@ -106,12 +106,12 @@ class Movement:
         sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.elements = sum(sizes)
         self.plan = sample_plan(sizes, sample_elements)
-        # each sampled element stands for size / sampled elements of its variable
+        # ``scale``: each sampled element stands for size / sampled elements of its variable
         taken = [
             n if r is None else len(r) * SAMPLE_BLOCK for n, r in zip(sizes, self.plan, strict=True)
         ]
         self.sampled = sum(taken)
-        self.weights = np.repeat(
+        self.scale = np.repeat(
             np.array([n / k for n, k in zip(sizes, taken, strict=True)], np.float64), taken
         )
         self.kept_versions = kept_versions
@@ -149,8 +149,8 @@ class Movement:
         a, b = self.samples.get(now), self.samples.get(have)
         if a is None or b is None:
             return None
-        norm = float(np.sqrt(np.dot(self.weights, np.square(a, dtype=np.float64))))
-        dist = float(np.sqrt(np.dot(self.weights, np.square(a - b, dtype=np.float64))))
+        norm = float(np.sqrt(np.dot(self.scale, np.square(a, dtype=np.float64))))
+        dist = float(np.sqrt(np.dot(self.scale, np.square(a - b, dtype=np.float64))))
         if norm == 0.0:
             return 0.0 if dist == 0.0 else float("inf")
         return dist / norm
