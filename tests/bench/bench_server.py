@@ -72,9 +72,9 @@ class BareApply:
     """ParameterState.apply in a loop in this process, XLA and graph, beside a memcpy.
 
     The three are sampled interleaved, so the apply time and the memcpy that sets its floor
-    are measured under the same conditions; so is a fourth, the default apply followed by
-    the ``--pull-bound`` sample of its version (``Movement.note``), whose extra time is
-    what a server pays per version bounded pulls see.
+    are measured under the same conditions; so is a fourth, the ``--pull-bound`` sample
+    (``Movement.note``) of the version each default apply makes, timed on its own: what a
+    server pays per version bounded pulls see.
     """
 
     def __init__(self, spec: ModelSpec, grads: list[np.ndarray]) -> None:
@@ -84,18 +84,16 @@ class BareApply:
             jit: ParameterState(spec, "adam", 1e-3, seed=0, jit=jit) for jit in (True, False)
         }
         self.dst = [np.empty_like(g) for g in grads]
-        self.samples: dict[str, list[float]] = {"xla": [], "graph": [], "memcpy": [], "noted": []}
+        self.samples: dict[str, list[float]] = {"xla": [], "graph": [], "memcpy": [], "sample": []}
         self.cpu_s = 0.0  # CPU seconds of the default variant's timed applies
         for st in self.states.values():
             time_ms(lambda st=st: st.apply(grads), 0, warmup=3)  # compile, warm caches
         default = self.states[self.default_jit]
         self.movement = Movement(default.dense_variables())
-        time_ms(self._noted_apply, 0, warmup=3)  # the sampling call compiles
+        self.movement.note(default.version)  # the sampling call compiles
 
-    def _noted_apply(self) -> None:
-        st = self.states[self.default_jit]
-        st.apply(self.grads)
-        self.movement.note(st.version)
+    def _sample(self) -> None:
+        self.movement.note(self.states[self.default_jit].version)
 
     def _memcpy(self) -> None:
         for d, g in zip(self.dst, self.grads, strict=True):
@@ -113,7 +111,7 @@ class BareApply:
                 if jit == self.default_jit:
                     self.cpu_s += cpu_seconds() - c0
                     batch += t
-            self.samples["noted"] += time_ms(self._noted_apply, 1, warmup=0)
+                    self.samples["sample"] += time_ms(self._sample, 1, warmup=0)
         return 1e3 / median(batch)
 
     def result(self) -> dict[str, Any]:
@@ -121,11 +119,12 @@ class BareApply:
         for jit, st in self.states.items():
             if st.apply_traces != 1:
                 raise RuntimeError(f"apply step (jit={jit}) traced {st.apply_traces} times")
+        if self.movement.reads != len(self.samples["sample"]) + 1:  # +1: the compiling one
+            raise RuntimeError("a timed --pull-bound sample did not read a new version")
         xla, graph = median(self.samples["xla"]), median(self.samples["graph"])
         apply_ms = xla if self.default_jit else graph
         memcpy_ms = median(self.samples["memcpy"])
         n = len(self.samples["xla"])
-        noted_ms = median(self.samples["noted"])
         return {
             "default_jit": self.default_jit,
             "apply_ms_xla": xla,
@@ -139,7 +138,7 @@ class BareApply:
             "bare_apply_cpu_cores": 1e3 * self.cpu_s / n / apply_ms,
             "apply_reps": n,
             # --pull-bound: one sample of the weights, read once per version bounded pulls see
-            "pull_bound_sample_ms": noted_ms - apply_ms,
+            "pull_bound_sample_ms": median(self.samples["sample"]),
             "pull_bound_sampled": self.movement.sampled,
         }
 
