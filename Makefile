@@ -37,10 +37,15 @@ run-local: $(VENV)/.stamp-base
 # Two test tiers. `make test`: the fast tier, a few minutes on 2 cores (services in-process on
 # real loopback sockets; installs no system package). `make test-slow`: the slow tier (real
 # service processes, faults, network namespaces, bench/study smoke, run-local, systemd units).
-# `make test-all`: both in one run (CI). -ra lists every skip with its reason; --durations the
-# slowest tests, to keep each tier in its time budget.
+# `make test-all`: both (CI). -ra lists every skip with its reason; --durations the slowest
+# tests, to keep each tier in its time budget. The fast tier runs on one pytest-xdist process
+# per core (at most FAST_JOBS), a test file to a process so module fixtures are built once;
+# the slow tier runs serially, since its benchmarks and soak measure with the cores to
+# themselves.
+FAST_JOBS ?= 4
+FAST := -m "not slow" -n auto --maxprocesses $(FAST_JOBS) --dist loadfile
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest -q -ra --durations=20 -m "not slow"
+	$(PY) -m pytest -q -ra --durations=20 $(FAST)
 
 # systemd-analyze for the slow tier's unit-file tests (Debian package systemd): test-slow and
 # test-all install it once when missing and possible (root + apt-get), `make test` never does;
@@ -54,8 +59,11 @@ deploy-tools:
 test-slow: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
 	$(PY) -m pytest -q -ra -m slow
 
+# Both tiers run even when the first fails, so one CI run reports every failure.
 test-all: $(VENV)/.stamp-test $(VENV)/.stamp-docs deploy-tools
-	$(PY) -m pytest -q -ra --durations=30 -m "slow or not slow"
+	$(PY) -m pytest -q -ra --durations=20 $(FAST); fast=$$?; \
+	$(PY) -m pytest -q -ra --durations=30 -m slow; slow=$$?; \
+	[ $$fast = 0 ] && [ $$slow = 0 ]
 
 # The container image built and run for real with podman (tests/test_containers.py, also in
 # test-slow and test-all; it skips, saying why, where podman cannot run): a local base image
