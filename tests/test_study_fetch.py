@@ -117,6 +117,21 @@ def test_adaptive_measures_the_distance_not_the_path() -> None:
     assert versions == [0] * 6 and pulls.skipped == 5  # summed steps would pass 10 % at v2
 
 
+def test_adaptive_measures_the_arrays_and_passes_a_dynamic_tables_empty_entry() -> None:
+    """A model with a dynamic table pulls it as a ``Keyed`` with no rows (its rows go by id):
+    the bound measures the arrays beside it, and the entry goes through the wire as sent."""
+    empty = wire.Keyed(np.zeros(0, np.int64), np.zeros((0, 4), np.float32), (1 << 20, 4))
+    pulls = Pulls("adaptive:0.1", 1, [*NAMES, "t"], LIMITS)
+    base = weights(1.0)
+    w_norm = np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in base))
+    moved = [[a + np.full_like(a, f * w_norm / np.sqrt(a.size * 2)) for a in base]
+             for f in (0.05, 0.15)]  # fmt: skip
+    versions = [pulls.take(0, v, [*w, empty])[0] for v, w in enumerate([base, *moved])]
+    assert versions == [0, 0, 2] and pulls.skipped == 1  # 5 % stays held, 15 % is pulled
+    _, got = pulls.take(0, 2, [*moved[1], empty])
+    assert isinstance(got[2], wire.Keyed) and got[2].indices.size == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fetch_runner_tiny_grid_writes_records_and_every_is_reproduced(tmp_path: Path) -> None:

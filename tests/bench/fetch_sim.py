@@ -18,9 +18,10 @@ A fetch setting (``Job.fetch``) is one of, or several joined by ``+``:
                   their norm since the worker's version: ``||w_now - w_have|| / ||w_now||``.
                   The server (``downpour.server.movement``) estimates it on a fixed sample
                   of the dense weights' elements; this simulation computes it exactly, over
-                  every variable a simulated worker pulls (the whole model: a real worker
-                  pulls tables by row, and the server measures only the variables it sends
-                  whole).
+                  every variable a simulated worker pulls whole (the whole model but a
+                  dynamic table, whose rows go by id and come with every pull; a real worker
+                  pulls fixed tables by row too, and the server measures only the variables
+                  it sends whole).
 
 A worker that the server held (``sync``) or whose gradient it dropped as stale pulls fresh
 weights whatever the setting, as the real puller does (``await_new_version``, the
@@ -109,7 +110,7 @@ class Pulls:
         self.bytes_pulled = 0
         self._frames: tuple[int, list[bytes]] | None = None  # one version's encoded reply
         # adaptive: the server's weights at the version each worker holds
-        self._base: list[list[Any] | None] = [None] * workers
+        self._base: list[list[np.ndarray | None] | None] = [None] * workers
 
     def take(
         self, i: int, version: int, weights: list[Any], refresh: bool = False
@@ -132,8 +133,10 @@ class Pulls:
         pulled = self._pull(version, weights)
         self.installed += 1
         self.held[i] = (version, pulled)
-        if self.mode.bound is not None:
-            self._base[i] = [np.array(a, copy=True) for a in weights]
+        if self.mode.bound is not None:  # a dynamic table (no array) is not measured
+            self._base[i] = [
+                np.array(a, copy=True) if isinstance(a, np.ndarray) else None for a in weights
+            ]
         return version, pulled
 
     def record(self) -> dict[str, Any]:
@@ -179,6 +182,7 @@ class Pulls:
         base = self._base[i]
         if self.mode.bound is None or base is None:
             return True
-        w_norm = _norm(weights)
-        moved = _norm([np.asarray(a) - b for a, b in zip(weights, base, strict=True)])
+        pairs = [(a, b) for a, b in zip(weights, base, strict=True) if b is not None]
+        w_norm = _norm([a for a, _ in pairs])
+        moved = _norm([a - b for a, b in pairs])
         return w_norm == 0.0 or moved / w_norm > self.mode.bound

@@ -71,6 +71,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -274,10 +275,10 @@ class Job:
 class _Context:
     """Per process and model: the spec, data (``study_models.Loaded``) and one compiled
     gradient step (reused by runs); for a model with dynamic tables, the workers' row pulls
-    and the scoring from the server's rows (``study_hashed.HashedWorker``)."""
+    and the scoring from the server's rows (``study_hashed.HashedWorkers``)."""
 
     def __init__(self, model: str) -> None:
-        from study_hashed import HashedWorker
+        from study_hashed import HashedWorker, HashedWorkers
         from study_models import DYNAMIC_MODELS, LOADERS, SPEC_REFS
 
         from downpour.models import build_model
@@ -287,8 +288,10 @@ class _Context:
         self.spec = load_spec(SPEC_REFS[model])
         self.data = LOADERS[model](self.spec)
         self.rows: HashedWorker | None = None
+        self.workers: HashedWorkers | None = None
         if model in DYNAMIC_MODELS:
             self.rows = HashedWorker(self.spec, self.data.element_spec)
+            self.workers = HashedWorkers(self.rows, self.data.element_spec)
             self.model, self.step = self.rows.model, self.rows.step
         else:
             self.model = build_model(self.spec, seed=0)
@@ -296,16 +299,30 @@ class _Context:
 
     def begin(self, state: Any, policy: Any, fetch: str = "every") -> None:
         """A run on ``state`` under ``policy`` starts (the row caches start empty)."""
-        if self.rows is not None:
-            self.rows.begin(state, policy, fetch)
+        if self.workers is not None:
+            self.workers.begin(state, policy, fetch)
 
-    def install(self, state: Any, version: int, weights: list[Any], x: Any) -> None:
-        """The weights a worker pulled (``version``) into the step, before its gradient on
-        features ``x`` (a model with dynamic tables: and the batch's rows from ``state``)."""
-        if self.rows is not None:
-            self.rows.install(state, version, weights, x)
-        else:
-            self.step.set_weights(weights)
+    def batch(
+        self, stream: Iterator[tuple[Any, Any]], state: Any, pulled: bool, worker: int = 0
+    ) -> tuple[Any, Any]:
+        """Worker ``worker``'s next batch from its ``stream`` (``pulled``: it sent a pull for
+        this step, which a model with dynamic tables answers with rows too)."""
+        if self.workers is not None:
+            return self.workers.worker(worker).batch(stream, state, pulled)
+        return next(stream)
+
+    def install(self, state: Any, version: int, weights: list[Any], x: Any, worker: int = 0) -> Any:
+        """The weights a worker pulled (``version``) into its step, before its gradient on
+        features ``x`` (a model with dynamic tables: and the batch's rows from ``state``);
+        the step to compute it with."""
+        if self.workers is not None:
+            return self.workers.worker(worker).install(state, version, weights, x)
+        self.step.set_weights(weights)
+        return self.step
+
+    def record(self) -> dict[str, int]:
+        """The run's row-pull figures (a model with dynamic tables; else none)."""
+        return self.workers.record() if self.workers is not None else {}
 
     def score(self, state: Any) -> float:
         """The held-out metric of ``state``'s weights."""
@@ -430,7 +447,7 @@ def simulate(job: Job) -> dict[str, Any]:
 
     started = time.monotonic()
     ctx = _context(job.model)
-    spec, data, step = ctx.spec, ctx.data, ctx.step
+    spec, data = ctx.spec, ctx.data
     state = ParameterState(spec, OPTIMIZERS[job.model], job.lr, seed=0)
     policy = parse_policy(job.policy)
     policy.layout(state.sparse)  # as the server's handler context: which variables are rows
@@ -462,10 +479,11 @@ def simulate(job: Job) -> dict[str, Any]:
         if policy.extrapolates:  # as the server's pull handler: lookahead
             served[i] = (weights, policy.pull_weights(version, weights))
             weights = served[i][1]
+        asked = pulls.requests
         version, weights = pulls.take(i, version, weights, i in refresh)
         refresh.discard(i)
-        x, y = next(streams[i])
-        ctx.install(state, version, weights, x)  # dynamic tables: and the batch's rows
+        x, y = ctx.batch(streams[i], state, pulls.requests > asked, i)  # and a pull's rows
+        step = ctx.install(state, version, weights, x, i)  # dynamic tables: the batch's rows
         _, grads = step(x, y)
         gradients += 1
         comp = compressors[i]
@@ -487,6 +505,10 @@ def simulate(job: Job) -> dict[str, Any]:
         heapq.heappush(heap, (t + float(speed[i] * rng.lognormal(0.0, 0.2)), order, i, frames))
 
     curve: list[list[float]] = []
+
+    def row_bytes() -> int:
+        """The bytes of the row pulls so far (a model with dynamic tables; else 0)."""
+        return ctx.record().get("row_bytes_pulled", 0)
 
     def evaluate(clock: float) -> float:
         acc = ctx.score(state)
@@ -558,7 +580,7 @@ def simulate(job: Job) -> dict[str, Any]:
             acc = evaluate(server_free)
             if reached is None and acc >= job.target:
                 reached = {"updates": state.version, "gradients": gradients}
-                reached["bytes_pulled"] = pulls.bytes_pulled
+                reached["bytes_pulled"] = pulls.bytes_pulled + row_bytes()
                 reached["sim_seconds"] = round(server_free * job.grad_s, 3)
                 stop = job.stop_at_target
             stop = stop or state.version >= job.max_updates
@@ -605,7 +627,7 @@ def simulate(job: Job) -> dict[str, Any]:
             else None
         ),
         **pulls.record(),
-        **(ctx.rows.record() if ctx.rows is not None else {}),
+        **ctx.record(),
         "bytes_pulled_to_target": reached["bytes_pulled"] if reached else None,
         "run_seconds": round(time.monotonic() - started, 1),
         "curve": curve,
@@ -692,9 +714,10 @@ def run_grid(n_jobs: int, jobs: list[Job]) -> list[dict[str, Any]]:
             log(f"FAILED {r['model']} {r['workers']}w {r['policy']} {r['compress']}: {r['error']}")
             return
         got = f"{r['updates_to_target']} updates" if r["reached"] else "not reached"
+        fetch = f" fetch={r['fetch']}" if r.get("fetch", "every") != "every" else ""
         log(
             f"{len(results)}/{len(jobs)} {r['model']} {r['workers']}w {r['policy']} "
-            f"{r['compress']} lr={r['lr']:g}: target {got}; final {r['final_accuracy']:.3f} "
+            f"{r['compress']} lr={r['lr']:g}{fetch}: target {got}; final {r['final_accuracy']:.3f} "
             f"after {r['updates']} updates / {r['gradients']} gradients ({r['run_seconds']} s)"
         )
 

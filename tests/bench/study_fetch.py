@@ -7,7 +7,9 @@ and 8 workers under ``async``, once per fetch setting (``fetch_sim``: ``every``,
 at the target or at the caps. Writes ``fetch-results.json`` (``runs``: every run's record
 with ``fetch``, ``seed``, ``bytes_pulled``, ``bytes_pulled_to_target``, ``pulls_skipped``
 ...; ``settings``: per worker count and setting, updates, gradients and bytes pulled to the
-target over ``every``'s) and ``fetch.md`` (the table).
+target over ``every``'s) and ``fetch.md`` (the table). ``--model`` runs another study model
+(``MODEL_TEXT``); for ``clicks-hashed`` the bytes pulled to the target include the rows'
+(``row_bytes_pulled``), which its workers pull by id.
 
 A setting is compared with ``every`` at the same worker count over the same seeds: the
 ratio of the summed updates (gradients, bytes) to the target. It is marked free when that
@@ -33,6 +35,9 @@ MODEL_TEXT = {
     "256; its simulated workers pull the whole model, where real ones pull rows",
     "clicks-tower": "the click model's tables under a dense tower (downpour.examples.recsys:"
     "tower), server lazy_adam, batch 256; its simulated workers pull the whole model",
+    "clicks-hashed": "the hashed-id click model (downpour.examples.recsys_hashed), its tables "
+    "in the server's dynamic tables, server lazy_adam, batch 256; each simulated worker has its "
+    "own row caches and pulls its batches' rows by id with every pull, as real ones do",
 }
 FREE_UPDATES = 1.05  # at most 5 % more updates to the target than ``every``
 
@@ -189,7 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model",
         default="mnist",
         choices=tuple(MODEL_TEXT),
-        help="the study model (clicks, clicks-tower: give --lr 0.01 and the study's --target AUC)",
+        help="the study model (clicks, clicks-tower, clicks-hashed: give --lr 0.01 and the "
+        "study's --target AUC)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--target", type=float, default=0.96)

@@ -14,12 +14,21 @@ such a model, with their own classes:
   then ``ParameterState.gather`` (an id the table does not hold reads its initial value) into
   a ``Keyed`` tensor; the plan installs them into the cache (``RowPlan.install``, the step's
   ``scatter_rows``), and the step's fixed variables get the pulled weights (``set_some``).
-- The simulation computes each worker's gradient right when it pulls, on the state's current
-  version, so the rows a worker computes on are exactly the server's rows at that version.
-  One model and cache therefore serve every simulated worker: before each gradient the rows
-  of its batch that were fetched at another version are pulled again, so no worker reads
-  another's stale row. Fetch settings that compute on older weights (``n-fetch``, adaptive,
-  bf16 pulls) would need each worker's own cache and are refused.
+- Under ``every`` the simulation computes each worker's gradient right when it pulls, on the
+  state's current version, so the rows a worker computes on are exactly the server's rows at
+  that version. One model and cache therefore serve every simulated worker: before each
+  gradient the rows of its batch that were fetched at another version are pulled again, so no
+  worker reads another's stale row.
+- The other fetch settings (``fetch_sim``: ``n-fetch:K``, ``bf16``, ``adaptive:B``) compute on
+  weights a worker holds, so each simulated worker has its own ``HashedWorker`` (model, row
+  caches, plan, step), as ``HashedWorkers`` keeps them. A pull (``batch`` with ``pulled``)
+  brings, as the real worker's look-ahead does, the rows of the batches it serves (the next
+  K, drawn from the worker's stream ahead of time) that were fetched before the state's
+  current version; before each step the rows of its batch fetched before the version the
+  worker holds are topped up from the state as it is then (``RowPuller.ensure``). Rows go
+  through the wire as the server sends them: ``keyed_bf16`` under ``bf16``, which the
+  worker's decode widens. An "unchanged" answer to an adaptive pull keeps the fixed weights
+  and still brings the rows, as the server's row reply does.
 
 Scoring (``score``) is ``downpour.scoring``'s: a copy of the model built as serving builds
 it holds the state's fixed weights, and before each held-out batch exactly the rows of that
@@ -28,6 +37,8 @@ batch's ids (``with_table_rows``, here pulled from the state instead of over soc
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -51,11 +62,13 @@ class _StateShards:
 
 
 class HashedWorker:
-    """The simulated workers' model, row caches and row pulls for a spec with dynamic tables,
-    and the scoring of a state's rows (see the module docstring)."""
+    """One simulated worker's model, row caches and row pulls for a spec with dynamic tables
+    (under ``every``: every worker's), and the scoring of a state's rows (see the module
+    docstring)."""
 
-    def __init__(self, spec: Any, element_spec: Any) -> None:
-        """Build the worker's model (row caches), its step, and the scoring copy."""
+    def __init__(self, spec: Any, element_spec: Any, scoring: bool = True) -> None:
+        """Build the worker's model (row caches), its step, and (``scoring``) the scoring
+        copy."""
         from downpour.models import build_model
         from downpour.worker.row_cache import caches_of, row_cache_scope
         from downpour.worker.step import GradientStep, batch_signature
@@ -68,27 +81,28 @@ class HashedWorker:
             raise ValueError(f"model {spec.name!r} has no dynamic table")
         self.step = GradientStep(spec, self.model, element_spec, self.caches)
         self.features_spec = batch_signature(tuple(element_spec))[0]
-        self.scorer = build_model(spec, seed=0)  # holds the rows of one held-out batch at a time
+        # holds the rows of one held-out batch at a time
+        self.scorer = build_model(spec, seed=0) if scoring else None
         self.plan: Any = None  # the worker's RowPlan, made from the first state's partition
         self.fixed: tuple[int, ...] = ()  # the variables pulled whole (not dynamic tables)
+        self.mode: Any = None  # the run's fetch setting (fetch_sim.FetchMode)
+        self.queue: deque[tuple[Any, Any]] = deque()  # batches drawn ahead for a pull's rows
         self.batches = 0  # batches computed: the row caches' clock
         self.rows_pulled = 0
         self.row_bytes_pulled = 0
 
     def begin(self, state: Any, policy: Any, fetch: str) -> None:
         """A run (or reference) on ``state`` starts: refuse what a server with dynamic tables
-        refuses (``check_dynamic``) and fetch settings other than ``every``; every cached row
-        counts as never fetched (the versions count anew)."""
+        refuses (``check_dynamic``); every cached row counts as never fetched (the versions
+        count anew) and no batch is drawn ahead."""
+        from fetch_sim import parse_fetch
+
         from downpour.server.service import check_dynamic
         from downpour.server.settings import ServerConfig
         from downpour.worker.rows import RowPlan
 
         check_dynamic(state, policy, ServerConfig(optimizer=state.optimizer_name))
-        if fetch != "every":
-            raise ValueError(
-                f"fetch {fetch!r}: the study computes {self.spec.name}'s gradients on the rows "
-                "of the server's current version only (fetch 'every')"
-            )
+        self.mode = parse_fetch(fetch)
         if self.plan is None:
             served = [n for n, sparse in zip(state.names, state.sparse, strict=True) if sparse]
             self.plan = RowPlan.build(
@@ -98,31 +112,70 @@ class HashedWorker:
                 raise ValueError(f"model {self.spec.name!r}: no table to pull by row")
             self.fixed = tuple(i for i, d in enumerate(state.dynamic) if not d)
         self.plan.forget(0)
+        self.queue.clear()
         self.rows_pulled = self.row_bytes_pulled = 0
 
-    def install(self, state: Any, version: int, weights: list[Any], x: Any) -> None:
-        """Before a gradient on features ``x``: the pulled ``weights`` (of ``version``) into
-        the fixed variables, and the batch's rows not fetched at ``version`` pulled from
-        ``state`` (which must be at ``version``) into the row caches."""
-        from downpour.server.handlers import check_rows
-        from downpour.wire import Keyed
+    def batch(self, stream: Iterator[tuple[Any, Any]], state: Any, pulled: bool) -> tuple[Any, Any]:
+        """The worker's next batch from ``stream``. ``pulled``: the worker sent a pull for
+        this step, so (settings other than ``every``) the rows of the batches that pull
+        serves, this one and the next K - 1 (``n-fetch:K``), come with it at the state's
+        version, as the real worker's look-ahead asks them."""
+        if pulled and not self.mode.direct:
+            while len(self.queue) < self.mode.n_fetch:
+                self.queue.append(next(stream))
+            plan = self.plan
+            ids = plan.union([x for x, _ in self.queue])
+            plan.keep_for(ids, self.batches + len(self.queue))
+            (wanted,) = plan.wanted(ids, [state.version])
+            self._pull_rows(state, wanted, current=False)
+        return self.queue.popleft() if self.queue else next(stream)
 
-        if version != state.version:
+    def install(self, state: Any, version: int, weights: list[Any], x: Any) -> Any:
+        """Before a gradient on features ``x``: the pulled ``weights`` (of ``version``) into
+        the fixed variables, and the batch's rows fetched before ``version`` pulled from
+        ``state`` as it is now (under ``every`` it must be at ``version``) into the row
+        caches. The step to compute the gradient with."""
+        if self.mode.direct and version != state.version:
             raise ValueError(f"rows of version {version} asked of a state at {state.version}")
         plan = self.plan
         ids = plan.batch_ids(x)
         self.batches += 1
         plan.begin_batch(ids, self.batches)
         (wanted,) = plan.wanted(ids, [version])
+        self._pull_rows(state, wanted, current=True)
+        self.step.set_some(self.fixed, [weights[i] for i in self.fixed])
+        return self.step
+
+    def _pull_rows(self, state: Any, wanted: dict[str, np.ndarray], current: bool) -> None:
+        """The rows ``wanted`` (by wire name) served as the server's row reply serves them
+        (``check_rows``, ``gather``; ``keyed_bf16`` under ``bf16``) at the state's version,
+        through the wire unless the setting is ``every``, into the caches: for the batch
+        about to be computed (``current``) or the ones a pull's look-ahead drew. The reply's
+        bytes are counted (under ``every``: the rows' ids and values)."""
+        from downpour import wire
+        from downpour.server.handlers import check_rows
+        from downpour.wire import Keyed
+
         asked = {name: rows for name, rows in wanted.items() if rows.size}
+        if not asked:
+            return
+        tensors: dict[str, Any] = {}
         for i, rows in check_rows(asked, state).items():
-            reply = Keyed(rows, state.gather(i, rows), state.shapes[i])
-            n, nbytes = plan.install(
-                state.names[i], reply, version, self.step.scatter_rows, current=True
+            t = Keyed(rows, state.gather(i, rows), state.shapes[i])
+            tensors[state.names[i]] = wire.as_bf16(t) if self.mode.bf16 else t
+        if not self.mode.direct:  # the network: the worker decodes bytes of its own
+            msg = wire.weights_reply(state.version, wire.PullReply("sim"), tensors)
+            frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]
+            self.row_bytes_pulled += sum(len(f) for f in frames)
+            limits = wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
+            tensors = dict(wire.decode(frames, limits).tensors)
+        for name, reply in tensors.items():
+            n, nbytes = self.plan.install(
+                name, reply, state.version, self.step.scatter_rows, current=current
             )
             self.rows_pulled += n
-            self.row_bytes_pulled += nbytes
-        self.step.set_some(self.fixed, [weights[i] for i in self.fixed])
+            if self.mode.direct:
+                self.row_bytes_pulled += nbytes
 
     def score(self, state: Any, held: list[tuple[Any, Any]]) -> float:
         """The spec's metric of ``state``'s weights on the held-out batches ``held``, scored
@@ -130,6 +183,8 @@ class HashedWorker:
         from downpour.models import evaluate
         from downpour.scoring import with_table_rows
 
+        if self.scorer is None:
+            raise ValueError("this HashedWorker was built without its scoring copy")
         _, arrays = state.weights()
         variables = self.scorer.trainable_variables
         for v, a, dynamic in zip(variables, arrays, state.dynamic, strict=True):
@@ -144,3 +199,42 @@ class HashedWorker:
     def record(self) -> dict[str, int]:
         """The run's row-pull figures."""
         return {"rows_pulled": self.rows_pulled, "row_bytes_pulled": self.row_bytes_pulled}
+
+
+class HashedWorkers:
+    """The simulated workers of a run on a model with dynamic tables: under ``every`` one
+    ``HashedWorker`` for all (``first``), else one each, built as they are first needed and
+    kept for later runs in this process (see the module docstring)."""
+
+    def __init__(self, first: HashedWorker, element_spec: Any) -> None:
+        self.pool = [first]
+        self.element_spec = element_spec
+        self.shared = True
+        self.args: tuple[Any, Any, str] | None = None  # the run's (state, policy, fetch)
+        self._begun = 0  # the run's workers begun: pool[:_begun]
+
+    def begin(self, state: Any, policy: Any, fetch: str) -> None:
+        """A run starts: its first worker begins now (refusing what it must), the others
+        when first asked for."""
+        self.pool[0].begin(state, policy, fetch)
+        self.shared = self.pool[0].mode.direct
+        self.args = (state, policy, fetch)
+        self._begun = 1
+
+    def worker(self, i: int) -> HashedWorker:
+        """Worker ``i``'s (under ``every``: the one shared)."""
+        if self.shared:
+            return self.pool[0]
+        first = self.pool[0]
+        while len(self.pool) <= i:
+            self.pool.append(HashedWorker(first.spec, self.element_spec, scoring=False))
+        assert self.args is not None
+        while self._begun <= i:
+            self.pool[self._begun].begin(*self.args)
+            self._begun += 1
+        return self.pool[i]
+
+    def record(self) -> dict[str, int]:
+        """The run's row-pull figures, summed over its workers."""
+        mine = [w.record() for w in self.pool[: self._begun]]
+        return {k: sum(r[k] for r in mine) for k in ("rows_pulled", "row_bytes_pulled")}
