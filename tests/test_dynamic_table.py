@@ -95,6 +95,33 @@ def test_the_index_maps_any_int64_ids_like_a_dict() -> None:
     assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == ref
 
 
+def test_the_index_follows_long_wrapping_collision_runs_through_removals() -> None:
+    """Ids that all start at the last bucket: their probe sequences wrap past the end and are
+    longer than the first probe windows; with removals along the run and ids of bucket 0
+    placed into it, every lookup and removal stays what a dict says."""
+    index, ref = IdIndex(64), {}
+    pool = _random_ids(20_000, 5)
+    home = index._home(pool)
+    last, first = pool[home == index.buckets - 1], pool[home == 0]
+    run = last[:40]  # one run of 40 buckets from bucket 63: 63, 0, 1, ..., 38
+    index.insert(run, np.arange(40))
+    ref.update(zip(run.tolist(), range(40), strict=True))
+    assert index.buckets == 64  # no rehash: the run stays one run
+    np.testing.assert_array_equal(index.lookup(run), np.arange(40))
+    np.testing.assert_array_equal(index.remove(run[::3]), np.arange(0, 40, 3))
+    for i in run[::3].tolist():
+        del ref[i]
+    index.insert(first[:5], 100 + np.arange(5))  # into the run's removed buckets
+    index.insert_new(first[5:8], 200 + np.arange(3))  # known absent: no search first
+    ref.update(zip(first[:5].tolist(), range(100, 105), strict=True))
+    ref.update(zip(first[5:8].tolist(), range(200, 203), strict=True))
+    assert index.buckets == 64 and len(index) == len(ref) == 34
+    probe = np.concatenate([run, first[:8], last[40:45], first[8:13]])  # 10 absent ids
+    np.testing.assert_array_equal(index.lookup(probe), [ref.get(int(i), -1) for i in probe])
+    keys, slots = index.items()
+    assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == ref
+
+
 def test_the_index_takes_at_most_33_bytes_per_live_id() -> None:
     index = IdIndex()
     ids = _random_ids(100_000, 4)

@@ -152,7 +152,8 @@ class DynamicTable:
         return out
 
     def _create(self, ids: np.ndarray, rows: np.ndarray, version: int) -> np.ndarray:
-        """Store new unique ``ids`` with ``rows``; returns their slots."""
+        """Store new unique ``ids`` (absent from the index) with ``rows``; returns their
+        slots."""
         slots = self.store.allocate(ids.size)
         plan = self.store.plan(slots)
         self.store.put("row", plan, rows)
@@ -160,7 +161,7 @@ class DynamicTable:
             self.store.put(s, plan, np.full((ids.size, self.dim), self.opt.initial_slot(s)))
         self.store.put("version", plan, np.full(ids.size, version, np.int64))
         self.store.put("count", plan, np.zeros(ids.size, np.int64))
-        self.index.insert(ids, slots)
+        self.index.insert_new(ids, slots)  # unique, and absent: the caller's lookup missed them
         self.counters["inserted"] += ids.size
         return slots
 

@@ -3,8 +3,11 @@
 An open-addressing hash table in three NumPy arrays: ``keys`` (int64), ``slots`` (int32)
 and ``state`` (uint8: empty, full or removed), 13 bytes per bucket. An id's home bucket is
 the top bits of ``mix64(id)``; collisions probe linearly. Every call works on whole arrays of
-ids: each probe step is one NumPy pass over the ids still unresolved, so a call costs
-O(ids x mean probe length), independent of the table's size.
+ids, and reads each unresolved id's probe sequence a window of buckets at a time (``WINDOWS``:
+4 buckets, then 32, 256, 2048): one NumPy pass per window over the ids still unresolved, so
+the long probe sequences a linear-probing table has near its load limit take a few passes,
+not one pass per bucket. A call costs O(ids x mean probe length) bucket reads, independent
+of the table's size, and is done in chunks of ``CHUNK`` ids to bound its temporaries.
 
 Load factor: before an insert would take the full and removed buckets past ``MAX_LOAD``
 (0.8) of the buckets, the table rehashes: doubled (as often as the ids need) when the live ids
@@ -23,6 +26,8 @@ from downpour.initial import as_ids, mix64
 MAX_LOAD = 0.8  # full + removed buckets over buckets, at most, after an insert
 REHASH_IN_PLACE = 0.6  # live ids over buckets, at most, for a rehash that keeps the size
 MIN_BUCKETS = 16
+WINDOWS = (4, 32, 256, 2048)  # buckets read per pass, by pass; the last repeats
+CHUNK = 1 << 15  # ids per chunk of a call
 _EMPTY, _FULL, _GONE = 0, 1, 2
 
 
@@ -56,18 +61,35 @@ class IdIndex:
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (mix64(ids.view(np.uint64)) >> self._shift).astype(np.int64)
 
+    def _window(self, pos: np.ndarray, attempt: int) -> np.ndarray:
+        """The buckets of each probe sequence from ``pos`` on, in probe order: one row per
+        position, as many columns as pass ``attempt`` reads (at most every bucket)."""
+        width = min(WINDOWS[min(attempt, len(WINDOWS) - 1)], self.buckets)
+        return (pos[:, None] + np.arange(width)) & self._mask
+
     def _find(self, ids: np.ndarray) -> np.ndarray:
         """The bucket holding each id, -1 where absent."""
+        if ids.size > CHUNK:
+            return np.concatenate(
+                [self._find(ids[lo : lo + CHUNK]) for lo in range(0, ids.size, CHUNK)]
+            )
         pos = self._home(ids)
         found = np.full(ids.size, -1, np.int64)
         active = np.arange(ids.size)
+        attempt = 0
         while active.size:
-            p = pos[active]
+            p = self._window(pos[active], attempt)
             st = self._state[p]
-            hit = (st == _FULL) & (self._keys[p] == ids[active])
-            found[active[hit]] = p[hit]
-            active = active[~(hit | (st == _EMPTY))]
-            pos[active] = (pos[active] + 1) & self._mask
+            hit = (st == _FULL) & (self._keys[p] == ids[active][:, None])
+            ends = hit | (st == _EMPTY)  # the sequence ends at the id, or at an empty bucket
+            done = ends.any(axis=1)
+            rows = np.flatnonzero(done)
+            first = ends[rows].argmax(axis=1)
+            at_id = hit[rows, first]
+            found[active[rows[at_id]]] = p[rows[at_id], first[at_id]]
+            active = active[~done]
+            pos[active] = (pos[active] + p.shape[1]) & self._mask
+            attempt += 1
         return found
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -94,6 +116,17 @@ class IdIndex:
         new, new_slots = uniq[~present], slots[~present]
         self._reserve(new.size)
         self._place(new, new_slots)
+
+    def insert_new(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Map ids the caller knows are unique and absent (a lookup just missed them) to
+        their slots: ``insert`` without its deduplication and search. An id that is present
+        or repeated would be mapped twice, so this is for that caller only."""
+        ids = as_ids(ids)
+        slots = np.asarray(slots, np.int64)
+        if slots.shape != ids.shape:
+            raise ValueError(f"{ids.size} ids but slots of shape {slots.shape}")
+        self._reserve(ids.size)
+        self._place(ids, slots)
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         """Unmap ids; returns the slot each id had (-1 where absent; a repeated id reports
@@ -131,20 +164,32 @@ class IdIndex:
     def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Put unique ids known to be absent into the first free bucket of their probe
         sequence; ids contending for one bucket: one takes it, the others probe on."""
+        for lo in range(0, ids.size, CHUNK):
+            self._place_chunk(ids[lo : lo + CHUNK], slots[lo : lo + CHUNK])
+        self._live += ids.size
+
+    def _place_chunk(self, ids: np.ndarray, slots: np.ndarray) -> None:
         pos = self._home(ids)
         active = np.arange(ids.size)
+        attempt = 0
         while active.size:
-            p = pos[active]
+            p = self._window(pos[active], attempt)
             free = self._state[p] != _FULL
-            bucket, first = np.unique(p[free], return_index=True)
-            won = active[free][first]
+            has = free.any(axis=1)
+            rows = np.flatnonzero(has)
+            chosen = p[rows, free[rows].argmax(axis=1)]  # each one's first free bucket
+            bucket, first = np.unique(chosen, return_index=True)
+            won = active[rows[first]]
             self._gone -= int(np.count_nonzero(self._state[bucket] == _GONE))
             self._keys[bucket] = ids[won]
             self._slots[bucket] = slots[won]
             self._state[bucket] = _FULL
+            # the losers go on from the bucket they lost (now full), the ids whose window was
+            # full from the bucket after it
+            pos[active[rows]] = chosen
+            full = active[~has]
+            pos[full] = (pos[full] + p.shape[1]) & self._mask
             taken = np.zeros(ids.size, bool)
             taken[won] = True
-            moving = active[~free]  # losers stay: their bucket is full at the next step
-            pos[moving] = (pos[moving] + 1) & self._mask
             active = active[~taken[active]]
-        self._live += ids.size
+            attempt += 1
