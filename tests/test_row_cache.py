@@ -58,6 +58,26 @@ def test_eviction_spares_the_current_batch_and_keeps_rows_for_coming_batches() -
         cache.begin_batch(np.arange(5, dtype=np.int64), now=2)
 
 
+def test_a_cache_fills_its_unused_slots_first_then_evicts_the_least_recently_used() -> None:
+    """No row is evicted while a slot never held one; then the row used longest ago goes
+    (of rows last used by the same batch, the one in the lower slot), never the current
+    batch's, and a look-ahead place spares the rows a coming batch needs."""
+    cache = RowCache(rows=1000, dim=2, capacity=6)
+    for now, batch in enumerate(([1, 2], [3, 4], [5, 6])):
+        ids = np.array(batch, np.int64)
+        cache.begin_batch(ids, now=now)
+        cache.place(ids, until=now, current=True)
+    assert cache.evictions == 0 and sorted(cache.slots(np.arange(1, 7)).tolist()) == list(range(6))
+    ids = np.array([1, 7, 8], np.int64)  # 1 is used again; 2 (batch 0) and 3 (batch 1) go
+    cache.begin_batch(ids, now=3)
+    cache.place(ids, until=3, current=True)
+    assert _cached(cache, *range(1, 9)) == [True, False, False, True, True, True, True, True]
+    cache.keep_for(np.array([4], np.int64), until=5)  # batch 5 needs 4: a look-ahead spares it
+    assert cache.place(np.array([9], np.int64), until=5, current=False).tolist() != [-1]
+    assert _cached(cache, 4, 5, 6, 9) == [True, False, True, True]
+    assert cache.evictions == 3
+
+
 def test_a_keyed_cache_evicts_and_forgets_negative_ids_as_any_other() -> None:
     """A dynamic table's ids are any int64, -1 and other negative hashes included: an evicted
     one is no longer cached, and a restarted shard's rows all count as never fetched."""

@@ -72,6 +72,7 @@ class RowCache:
         self.needed = np.full(capacity, -1, np.int64)  # last coming batch known to need it
         self.now = 0  # the batch about to be computed
         self._current = np.zeros(capacity, bool)  # slots of that batch: never evicted
+        self._fresh = 0  # slots [0, _fresh) have held a row; a slot is never freed
         self.evictions = 0
         self.dropped = 0  # look-ahead rows that found no slot
 
@@ -122,15 +123,12 @@ class RowCache:
         slots = self.slots(ids).astype(np.int64)
         new = np.flatnonzero(slots < 0)
         if new.size:
-            # eviction order: free slots, then least recently used; never the current batch's
-            coming = self.needed >= self.now
-            key = self.used.astype(np.float64)
-            key[coming] = np.inf if not current else key[coming] + 2.0**52
-            key[self._current] = np.inf
             k = int(new.size)
-            order = np.argpartition(key, k - 1)[:k] if k < self.capacity else np.argsort(key)
-            order = order[np.argsort(key[order], kind="stable")][:k]
-            order = order[np.isfinite(key[order])]
+            fresh = min(k, self.capacity - self._fresh)  # slots that never held a row first
+            order = np.arange(self._fresh, self._fresh + fresh)
+            self._fresh += fresh
+            if fresh < k:
+                order = np.concatenate([order, self._victims(k - fresh, current)])
             if current and order.size < k:
                 raise WorkerError(
                     f"the row cache of a {self.rows}-row table cannot hold the current batch's "
@@ -155,6 +153,27 @@ class RowCache:
         else:
             self.needed[placed] = np.maximum(self.needed[placed], until)
         return slots
+
+    def _victims(self, n: int, current: bool) -> np.ndarray:
+        """Up to ``n`` held slots to evict, least recently used first: never the current
+        batch's; rows kept for coming batches only for the current batch's rows
+        (``current``), and after every other row. Ties in last use go to the lower slot, so
+        the keys are distinct (a selection among many equal keys is slow in NumPy)."""
+        coming = self.needed >= self.now
+        tiers = [~coming & ~self._current]
+        if current:
+            tiers.append(coming & ~self._current)
+        out: list[np.ndarray] = []
+        for tier in tiers:
+            if n <= 0:
+                break
+            cand = np.flatnonzero(tier & self.held)
+            if cand.size > n:
+                key = self.used[cand] * self.capacity + cand
+                cand = cand[np.argpartition(key, n - 1)[:n]]
+            out.append(cand)
+            n -= int(cand.size)
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def forget(self, part: Part) -> None:
         """The cached rows of ``part`` count as never fetched (its shard restarted)."""
