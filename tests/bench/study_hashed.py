@@ -14,21 +14,19 @@ such a model, with their own classes:
   then ``ParameterState.gather`` (an id the table does not hold reads its initial value) into
   a ``Keyed`` tensor; the plan installs them into the cache (``RowPlan.install``, the step's
   ``scatter_rows``), and the step's fixed variables get the pulled weights (``set_some``).
-- Under ``every`` the simulation computes each worker's gradient right when it pulls, on the
-  state's current version, so the rows a worker computes on are exactly the server's rows at
-  that version. One model and cache therefore serve every simulated worker: before each
-  gradient the rows of its batch that were fetched at another version are pulled again, so no
-  worker reads another's stale row.
-- The other fetch settings (``fetch_sim``: ``n-fetch:K``, ``bf16``, ``adaptive:B``) compute on
-  weights a worker holds, so each simulated worker has its own ``HashedWorker`` (model, row
-  caches, plan, step), as ``HashedWorkers`` keeps them. A pull (``batch`` with ``pulled``)
-  brings, as the real worker's look-ahead does, the rows of the batches it serves (the next
-  K, drawn from the worker's stream ahead of time) that were fetched before the state's
-  current version; before each step the rows of its batch fetched before the version the
-  worker holds are topped up from the state as it is then (``RowPuller.ensure``). Rows go
-  through the wire as the server sends them: ``keyed_bf16`` under ``bf16``, which the
-  worker's decode widens. An "unchanged" answer to an adaptive pull keeps the fixed weights
-  and still brings the rows, as the server's row reply does.
+- Each simulated worker has its own ``HashedWorker`` (model, row caches, plan, step), as
+  ``HashedWorkers`` keeps them: under the fetch settings of ``fetch_sim`` (``n-fetch:K``,
+  ``bf16``, ``adaptive:B``) a worker computes on weights it holds, and its row pulls are its
+  own under every setting. A pull (``batch`` with ``pulled``) brings, as the real worker's
+  look-ahead does, the rows of the batches it serves (the next K, drawn from the worker's
+  stream ahead of time) that were fetched before the state's current version; before each
+  step the rows of its batch fetched before the version the worker holds are topped up from
+  the state as it is then (``RowPuller.ensure``). Under ``every`` a worker pulls before each
+  step, so it computes on the server's rows of the current version, exactly. Rows go through
+  the wire as the server sends them (``keyed``; ``keyed_bf16`` under ``bf16``, which the
+  worker's decode widens), and their reply's bytes are counted. An "unchanged" answer to an
+  adaptive pull keeps the fixed weights and still brings the rows, as the server's row reply
+  does.
 
 Scoring (``score``) is ``downpour.scoring``'s: a copy of the model built as serving builds
 it holds the state's fixed weights, and before each held-out batch exactly the rows of that
@@ -62,9 +60,8 @@ class _StateShards:
 
 
 class HashedWorker:
-    """One simulated worker's model, row caches and row pulls for a spec with dynamic tables
-    (under ``every``: every worker's), and the scoring of a state's rows (see the module
-    docstring)."""
+    """One simulated worker's model, row caches and row pulls for a spec with dynamic tables,
+    and the scoring of a state's rows (see the module docstring)."""
 
     def __init__(self, spec: Any, element_spec: Any, scoring: bool = True) -> None:
         """Build the worker's model (row caches), its step, and (``scoring``) the scoring
@@ -117,10 +114,10 @@ class HashedWorker:
 
     def batch(self, stream: Iterator[tuple[Any, Any]], state: Any, pulled: bool) -> tuple[Any, Any]:
         """The worker's next batch from ``stream``. ``pulled``: the worker sent a pull for
-        this step, so (settings other than ``every``) the rows of the batches that pull
-        serves, this one and the next K - 1 (``n-fetch:K``), come with it at the state's
-        version, as the real worker's look-ahead asks them."""
-        if pulled and not self.mode.direct:
+        this step, so the rows of the batches that pull serves, this one and the next K - 1
+        (``n-fetch:K``), come with it at the state's version, as the real worker's
+        look-ahead asks them."""
+        if pulled:
             while len(self.queue) < self.mode.n_fetch:
                 self.queue.append(next(stream))
             plan = self.plan
@@ -133,10 +130,7 @@ class HashedWorker:
     def install(self, state: Any, version: int, weights: list[Any], x: Any) -> Any:
         """Before a gradient on features ``x``: the pulled ``weights`` (of ``version``) into
         the fixed variables, and the batch's rows fetched before ``version`` pulled from
-        ``state`` as it is now (under ``every`` it must be at ``version``) into the row
-        caches. The step to compute the gradient with."""
-        if self.mode.direct and version != state.version:
-            raise ValueError(f"rows of version {version} asked of a state at {state.version}")
+        ``state`` as it is now into the row caches. The step to compute the gradient with."""
         plan = self.plan
         ids = plan.batch_ids(x)
         self.batches += 1
@@ -149,9 +143,8 @@ class HashedWorker:
     def _pull_rows(self, state: Any, wanted: dict[str, np.ndarray], current: bool) -> None:
         """The rows ``wanted`` (by wire name) served as the server's row reply serves them
         (``check_rows``, ``gather``; ``keyed_bf16`` under ``bf16``) at the state's version,
-        through the wire unless the setting is ``every``, into the caches: for the batch
-        about to be computed (``current``) or the ones a pull's look-ahead drew. The reply's
-        bytes are counted (under ``every``: the rows' ids and values)."""
+        through the wire into the caches: for the batch about to be computed (``current``)
+        or the ones a pull's look-ahead drew. The reply's bytes are counted."""
         from downpour import wire
         from downpour.server.handlers import check_rows
         from downpour.wire import Keyed
@@ -163,19 +156,15 @@ class HashedWorker:
         for i, rows in check_rows(asked, state).items():
             t = Keyed(rows, state.gather(i, rows), state.shapes[i])
             tensors[state.names[i]] = wire.as_bf16(t) if self.mode.bf16 else t
-        if not self.mode.direct:  # the network: the worker decodes bytes of its own
-            msg = wire.weights_reply(state.version, wire.PullReply("sim"), tensors)
-            frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]
-            self.row_bytes_pulled += sum(len(f) for f in frames)
-            limits = wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
-            tensors = dict(wire.decode(frames, limits).tensors)
-        for name, reply in tensors.items():
-            n, nbytes = self.plan.install(
+        msg = wire.weights_reply(state.version, wire.PullReply("sim"), tensors)
+        frames = [bytes(memoryview(f).cast("B")) for f in wire.encode(msg)]
+        self.row_bytes_pulled += sum(len(f) for f in frames)
+        limits = wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
+        for name, reply in wire.decode(frames, limits).tensors.items():
+            n, _ = self.plan.install(
                 name, reply, state.version, self.step.scatter_rows, current=current
             )
             self.rows_pulled += n
-            if self.mode.direct:
-                self.row_bytes_pulled += nbytes
 
     def score(self, state: Any, held: list[tuple[Any, Any]]) -> float:
         """The spec's metric of ``state``'s weights on the held-out batches ``held``, scored
@@ -202,14 +191,13 @@ class HashedWorker:
 
 
 class HashedWorkers:
-    """The simulated workers of a run on a model with dynamic tables: under ``every`` one
-    ``HashedWorker`` for all (``first``), else one each, built as they are first needed and
-    kept for later runs in this process (see the module docstring)."""
+    """The simulated workers of a run on a model with dynamic tables, one ``HashedWorker``
+    each (the first is ``first``), built as they are first needed and kept for later runs in
+    this process (see the module docstring)."""
 
     def __init__(self, first: HashedWorker, element_spec: Any) -> None:
         self.pool = [first]
         self.element_spec = element_spec
-        self.shared = True
         self.args: tuple[Any, Any, str] | None = None  # the run's (state, policy, fetch)
         self._begun = 0  # the run's workers begun: pool[:_begun]
 
@@ -217,14 +205,11 @@ class HashedWorkers:
         """A run starts: its first worker begins now (refusing what it must), the others
         when first asked for."""
         self.pool[0].begin(state, policy, fetch)
-        self.shared = self.pool[0].mode.direct
         self.args = (state, policy, fetch)
         self._begun = 1
 
     def worker(self, i: int) -> HashedWorker:
-        """Worker ``i``'s (under ``every``: the one shared)."""
-        if self.shared:
-            return self.pool[0]
+        """Worker ``i``'s."""
         first = self.pool[0]
         while len(self.pool) <= i:
             self.pool.append(HashedWorker(first.spec, self.element_spec, scoring=False))
