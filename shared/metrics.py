@@ -165,6 +165,14 @@ SERVER_METRICS: tuple[MetricInfo, ...] = (
         "Bytes of the optimizer's slots for those parameters.",
     ),
     MetricInfo(
+        "rss_mib",
+        "downpour_resident_bytes",
+        GAUGE,
+        "bytes",
+        "Resident memory of the server process now (VmRSS).",
+        2**20,
+    ),
+    MetricInfo(
         "peak_rss_mib",
         "downpour_peak_resident_bytes",
         GAUGE,
@@ -585,6 +593,12 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
 MAX_REPORTED = 64
 
 
+def rss_mib(pid: int | None = None) -> float | None:
+    """The resident set in MiB now of this process, or of process ``pid``: ``VmRSS`` from
+    /proc/PID/status. None where /proc does not say."""
+    return _proc_status_mib("VmRSS", pid)
+
+
 def peak_rss_mib(pid: int | None = None) -> float | None:
     """The peak resident set in MiB of this process, or of process ``pid`` (a child the
     caller started, e.g. a server whose memory a test or the bench measures): ``VmHWM``
@@ -592,10 +606,15 @@ def peak_rss_mib(pid: int | None = None) -> float | None:
     (``ru_maxrss`` is not that: on Linux it keeps the high-water mark of the address space
     the process had before its exec, the forking parent's.) None where /proc does not say
     (no /proc, or the process is gone)."""
+    return _proc_status_mib("VmHWM", pid)
+
+
+def _proc_status_mib(field: str, pid: int | None) -> float | None:
+    """A kB field of /proc/PID/status (``self`` when ``pid`` is None) in MiB, or None."""
     try:
         with open(f"/proc/{'self' if pid is None else pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024  # kB
     except (OSError, ValueError, IndexError):
         return None

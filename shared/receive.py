@@ -33,6 +33,8 @@ from typing import Any
 
 import zmq
 
+from downpour.malloc import libc_function, mallopt
+
 log = logging.getLogger(__name__)
 
 TRIM_AFTER_BYTES = 1 << 24  # a dropped message at least this large returns the heap to the OS
@@ -117,14 +119,9 @@ def keep_receive_buffers(largest_frame: int, retain: int) -> ReceiveHeap:
     frames larger than glibc can keep on the heap will still be mapped per message."""
     mmap_at = min(max(int(largest_frame) + FRAME_SLACK, MIN_TRIM_THRESHOLD), MAX_MMAP_THRESHOLD)
     trim_at = min(max(int(retain), mmap_at, MIN_TRIM_THRESHOLD), MAX_INT)
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        problem = "no mallopt in this C library"
-    else:
-        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        ok = all(mallopt(p, v) for p, v in _mallopt_pairs(mmap_at, trim_at))
-        problem = None if ok else f"mallopt refused {_mallopt_pairs(mmap_at, trim_at)}"
+    problem = next(
+        (p for p in (mallopt(k, v) for k, v in _mallopt_pairs(mmap_at, trim_at)) if p), None
+    )
     if problem is not None:
         log.warning("%s: received frames are mapped afresh on every receive", problem)
         return ReceiveHeap(0, 0, problem)
@@ -141,9 +138,8 @@ def keep_receive_buffers(largest_frame: int, retain: int) -> ReceiveHeap:
 def release_memory() -> bool:
     """Return the C heap's free memory to the system (glibc's ``malloc_trim``); False where
     the C library has none (the memory is then kept for reuse by the process)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    trim = libc_function("malloc_trim")
+    if trim is None:
         log.debug("no malloc_trim in this C library: freed memory stays with the process")
         return False
     trim.argtypes = [ctypes.c_size_t]

@@ -5,6 +5,7 @@ The same behaviours in-process, for the fast tier: tests/test_inproc_training.py
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -48,6 +49,11 @@ def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> Non
     assert doc["staleness"]["max"] >= 1  # two asynchronous workers: some updates are stale
     assert doc["apply_traces"] == 1
     assert doc["rejected_total"] == 0
+    if "MALLOC_ARENA_MAX" not in os.environ:  # the server capped its arenas before any thread
+        heap = doc["malloc"]["heap"]
+        assert doc["malloc"]["arena_limit"] == 2 and doc["malloc"]["limit_source"] == "downpour"
+        assert heap is not None and 1 <= heap["arenas"] <= 2 and heap["free"] <= heap["system"]
+    assert 0 < doc["rss_mib"] <= doc["peak_rss_mib"]
 
     version, acc = evaluator.score("127.0.0.1", server.info["port"])
     assert version == 160

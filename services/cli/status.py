@@ -112,7 +112,7 @@ def render(doc: dict[str, Any]) -> str:
         "tables served by row: " + (", ".join(doc.get("row_tables") or ()) or "none"),
         f"holds {doc.get('shard_bytes', 0) / 1e6:,.1f} MB of parameters, "
         f"{doc.get('slot_bytes', 0) / 1e6:,.1f} MB of optimizer slots; "
-        f"peak resident {_mib(doc.get('peak_rss_mib'))}",
+        f"resident {_mib(doc.get('rss_mib'))}, peak {_mib(doc.get('peak_rss_mib'))}",
     ]
     if (pb := doc.get("pull_bounds") or {}).get("reads"):
         lines.append(
@@ -125,6 +125,8 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"WARNING: {doc['row_detection']}: every table is served whole")
     if isinstance(doc.get("receive_heap"), str):
         lines.append(f"WARNING: {doc['receive_heap']}: received frames are mapped afresh")
+    if (arenas := doc.get("malloc") or {}).get("problem"):
+        lines.append(f"WARNING: malloc arenas not limited ({arenas['problem']})")
     if doc.get("apply_call", "flat") != "flat":
         lines.append(f"WARNING: {doc['apply_call']}: every apply binds its inputs again")
     for path, t in sorted((doc.get("dynamic_tables") or {}).items()):

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from downpour.logs import setup_logging
+from downpour.malloc import limit_arenas
 from downpour.server.settings import (
     SERVER_OPTIONS,
     ServerConfig,
@@ -59,6 +60,7 @@ def run(cfg: ServerConfig) -> int:
         return 2
     if cfg.show_partition:
         return show_partition(cfg.model_ref, cfg.num_shards)
+    limit_arenas()  # before TensorFlow's threads allocate: docs/reliability.md
     from downpour.security import SecurityError, load_server_keys
 
     if cfg.keys_dir:  # before TensorFlow is imported: bad keys fail at once

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from downpour import security, wire
-from downpour.metrics import peak_rss_mib
+from downpour import malloc, security, wire
+from downpour.metrics import peak_rss_mib, rss_mib
 from downpour.server.handlers import HandlerContext
 
 
@@ -41,6 +41,8 @@ def build_status(
         "shard_bytes": held,
         "slot_bytes": slots,
         "peak_rss_mib": peak_rss_mib(),
+        "rss_mib": rss_mib(),
+        "malloc": malloc.status(now),
         "version": state.version,
         "updates_applied": state.version,
         "updates_per_s": round(stats.update_rate.per_second(now), 3),
