@@ -17,7 +17,11 @@ At the end:
   every 2 minutes is a new process each time, so only one incarnation can be compared with
   itself. The warm-up is the baseline because TensorFlow's
   allocator, the first traces and the first checkpoints grow RSS in the first minute, then
-  it levels off; a leak grows with the work done and shows as growth past 10 %. Only growth
+  it levels off; a leak grows with the work done and shows as growth past 10 %. It levels
+  off that soon because the server caps malloc's arenas at 2 (``downpour.malloc``): with
+  glibc's own 16 here, every arena a thread takes keeps a few freed 13 MB receive buffers,
+  and RSS climbs for thousands of updates (7-10 % past the warm-up in the soak). The
+  figures carry the status document's ``malloc`` section at both measurements. Only growth
   fails: fewer fds or less RSS at the end is not a leak.
 - The push accounting holds for the last incarnation, per worker and server-wide
   (``soak.accounting``): received = refused + accepted, accepted = applied + dropped + held.
@@ -184,11 +188,12 @@ class Soak:
             fds.append(soak.open_fds(pid))
             rss.append(soak.rss_mb(pid))
             time.sleep(0.5)  # sampling interval
-        self.all_training()  # and all 4 still train after the window
+        doc = self.all_training()  # and all 4 still train after the window
         return {
             "what": what, "fds": min(fds), "fds_max": max(fds),
             "rss_mb": round(min(rss), 1), "rss_mb_max": round(max(rss), 1),
             "at_s": round(time.monotonic() - self.incarnations[-1]["started"], 1),
+            "malloc": doc.get("malloc"),
         }  # fmt: skip
 
     def settle(self, updates: int, timeout: float = 300) -> dict[str, Any]:
