@@ -116,11 +116,8 @@ def read_heap() -> HeapState | None:
     close, free = libc_function("fclose"), libc_function("free")
     stream.restype = ctypes.c_void_p
     stream.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
-    info.argtypes, close.argtypes, free.argtypes = (
-        (ctypes.c_int, ctypes.c_void_p),
-        (ctypes.c_void_p,),
-        (ctypes.c_void_p,),
-    )
+    info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    close.argtypes = free.argtypes = (ctypes.c_void_p,)
     buf, size = ctypes.c_void_p(), ctypes.c_size_t()
     f = stream(ctypes.byref(buf), ctypes.byref(size))
     if not f:

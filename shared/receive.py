@@ -119,9 +119,10 @@ def keep_receive_buffers(largest_frame: int, retain: int) -> ReceiveHeap:
     frames larger than glibc can keep on the heap will still be mapped per message."""
     mmap_at = min(max(int(largest_frame) + FRAME_SLACK, MIN_TRIM_THRESHOLD), MAX_MMAP_THRESHOLD)
     trim_at = min(max(int(retain), mmap_at, MIN_TRIM_THRESHOLD), MAX_INT)
-    problem = next(
-        (p for p in (mallopt(k, v) for k, v in _mallopt_pairs(mmap_at, trim_at)) if p), None
-    )
+    problem = None
+    for param, value in _mallopt_pairs(mmap_at, trim_at):
+        if (problem := mallopt(param, value)) is not None:
+            break
     if problem is not None:
         log.warning("%s: received frames are mapped afresh on every receive", problem)
         return ReceiveHeap(0, 0, problem)
