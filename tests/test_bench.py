@@ -35,6 +35,8 @@ REQUIRED = {
         # the server on its own core, flooded from another
         "pinned_ratio",
         "pinned_overhead_memcpys",
+        "pinned_floor_ms_per_apply",
+        "pinned_floor_memcpys",
         # --pull-bound: one sample read after an apply
         "pull_bound_sample_ms",
     ],
@@ -148,6 +150,7 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
         "dynamic flatness 400k / 100k live rows",
     ):
         assert f"| {target}" in done.stdout  # each new target is judged in the table
+    assert "| server, pinned | the floor under it" in done.stdout
     assert "| link 1 Gbit/s |" in done.stdout
     assert "--n-fetch 4 / 1" in done.stdout  # the fetch schedule's row
     sys.path.insert(0, str(BENCH.parent))

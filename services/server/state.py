@@ -222,6 +222,22 @@ def _own_parts(
     return out
 
 
+def stage_into(dst: np.ndarray, src: np.ndarray, check: bool = True) -> bool:
+    """Copy ``src`` into the aligned buffer ``dst`` of the same shape ``STAGE_CHUNK`` elements
+    at a time and, with ``check``, test each chunk for NaN/Inf while it is still in cache;
+    False if a value is not finite. The server pays this one copy per received gradient
+    because TensorFlow copies any buffer that is not 64-byte aligned, and received frames
+    are not: checking on the way costs a read of cached data, not a second pass."""
+    finite = True
+    flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+    for i in range(0, flat_dst.size, STAGE_CHUNK):
+        chunk = flat_dst[i : i + STAGE_CHUNK]
+        np.copyto(chunk, flat_src[i : i + STAGE_CHUNK], casting="same_kind")
+        if check and finite and not all_finite(chunk):
+            finite = False
+    return finite
+
+
 class ParameterState:
     """Owns the model's variables and applies gradient lists to them, one version at a time.
 
@@ -456,11 +472,8 @@ class ParameterState:
                     bad = name
                 out.append(g)
                 continue
-            src, dst = np.asarray(g).reshape(-1), buf.reshape(-1)
-            for i in range(0, dst.size, STAGE_CHUNK):
-                np.copyto(dst[i : i + STAGE_CHUNK], src[i : i + STAGE_CHUNK], casting="same_kind")
-                if check and bad is None and not all_finite(dst[i : i + STAGE_CHUNK]):
-                    bad = name
+            if not stage_into(buf, np.asarray(g), check and bad is None):
+                bad = name
             out.append(buf)
         return out, bad
 

@@ -108,6 +108,8 @@ REQUIRED: dict[str, list[str]] = {
         "pull_p99_ms",
         "pinned_ratio",
         "pinned_overhead_memcpys",
+        "pinned_floor_ms_per_apply",
+        "pinned_floor_memcpys",
         "pull_bound_sample_ms",
     ],
     "end_to_end": [
@@ -263,6 +265,10 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
         f"**{v['pinned_overhead_memcpys']:.2f}** ({v['pinned_overhead_ms']:.2f} ms over "
         f"{v['pinned_apply_ms']:.2f} ms apply; memcpy {v['pinned_memcpy_ms']:.2f} ms on "
         f"{v['pinned_cpu_model']}) |",
+        f"| server, pinned | the floor under it: the least server (receive, decode, stage, apply; "
+        f"nothing else) on core 1, the same pushes | {v['pinned_floor_ms_per_apply']:.2f} ms per "
+        f"apply: **{v['pinned_floor_memcpys']:.2f}** memcpys beyond the bare apply; downpour's "
+        f"server adds {v['pinned_overhead_beyond_floor_memcpys']:.2f} |",
         f"| e2e, pinned | local training on core 0 (faster of Keras Adam "
         f"{p['local_keras_adam_steps_per_s']:.2f}, fused x{p['local_fused_steps_per_call']} "
         f"{p['local_fused_steps_per_s']:.2f}) | {p['local_steps_per_s']:.2f} steps/s |",

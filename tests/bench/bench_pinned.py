@@ -26,16 +26,28 @@ own ratios against the same local, gradient-only and TF PSS figures; the section
 figures are the ``current`` set's.
 
 ``server.pinned_*``: the server on core 1 flooded by pre-encoded pushes from core 0, against
-the bare compiled apply and a memcpy of the gradient list measured on core 1 in the same run.
+the bare compiled apply and a memcpy of the gradient list measured on core 1 in the same run,
+and against the floor under its overhead: the least server (receive, decode, stage, apply;
+``pinned.py receive``) on core 1 fed the same pushes.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import bench_e2e
-from bench_util import Plan, Procs, cpu_model, host_cpus, log, median, start_server
+from bench_util import (
+    Plan,
+    Procs,
+    cpu_model,
+    host_cpus,
+    log,
+    median,
+    start_server,
+    wait_ready,
+)
 
 HERE = Path(__file__).resolve().parent
 FUSED_STEPS = 10  # steps per compiled call of fused local training, per TF PSS schedule
@@ -184,6 +196,9 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
 
     ``pinned_overhead_memcpys``: (time per apply in the server - the bare apply's time) over
     the memcpy of one gradient list, both measured on the server's core.
+    ``pinned_floor_memcpys``: the part of it any TCP-fed TensorFlow server pays (the least
+    server's time per apply, ``receive_floor``, beyond the bare apply), in the same unit;
+    ``pinned_overhead_beyond_floor_memcpys``, the rest, is what downpour's server adds.
     """
     worker, core = host_cpus(0), host_cpus(1)
     log(f"server pinned: bare apply and memcpy on core {core}")
@@ -204,11 +219,16 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
         )
     finally:
         procs.stop(proc)
+    floor = receive_floor(plan, procs)
     server_ms = 1e3 / flood["applies_per_s"]
     overhead_ms = server_ms - bare["apply_ms"]
+    memcpy_ms = bare["apply_memcpy_ms"]
+    overhead_memcpys = max(overhead_ms, 1e-6) / memcpy_ms
+    # the least server's time per apply beyond the bare apply, in the same unit
+    floor_memcpys = (floor["ms_per_apply"] - bare["apply_ms"]) / memcpy_ms
     return {
         "pinned_ratio": flood["applies_per_s"] / bare["bare_apply_per_s"],
-        "pinned_overhead_memcpys": max(overhead_ms, 1e-6) / bare["apply_memcpy_ms"],
+        "pinned_overhead_memcpys": overhead_memcpys,
         "pinned_server_apply_per_s": flood["applies_per_s"],
         "pinned_bare_apply_per_s": bare["bare_apply_per_s"],
         "pinned_apply_ms": bare["apply_ms"],
@@ -220,4 +240,40 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
         "pinned_cpus": {"server": core, "pushers": worker},
         # a memcpy's speed sets the unit of pinned_overhead_memcpys: the CPU it was measured on
         "pinned_cpu_model": cpu_model(),
+        # the floor: the least server (receive, decode, stage, apply) on core 1, same pushes
+        "pinned_floor_ms_per_apply": floor["ms_per_apply"],
+        "pinned_floor_memcpys": floor_memcpys,
+        "pinned_overhead_beyond_floor_memcpys": overhead_memcpys - floor_memcpys,
     }
+
+
+def receive_floor(plan: Plan, procs: Procs) -> dict[str, Any]:
+    """``pinned.py receive`` on core 1 fed by ``pinned.py send`` on core 0: ms per apply of
+    the least server, one that receives a push (the kernel's TCP copy, libzmq), decodes it,
+    stages it (the copy into the aligned buffers TensorFlow needs, with the NaN/Inf check)
+    and applies it. A server that receives over TCP and applies with TensorFlow pays at
+    least this; downpour's own loop, policy and bookkeeping are what it adds on top."""
+    worker, core = host_cpus(0), host_cpus(1)
+    per_window = max(5, int(60 * plan.flood_window_s))
+    warmup = 5
+    count = warmup + plan.flood_windows * per_window
+    ready = procs.logdir / f"ready-{len(procs.procs):02d}-receive.json"
+    log(f"server pinned: the receive floor, {count} pushes from core {worker} to core {core}")
+    receiver, out = procs.start(
+        [
+            str(HERE / "pinned.py"),
+            "receive",
+            *("--ready-file", str(ready), "--warmup", str(warmup)),
+            *("--windows", str(plan.flood_windows), "--window-msgs", str(per_window)),
+        ],
+        "pinned-receive",
+        cpus=core,
+    )
+    try:
+        port = wait_ready(receiver, ready, 180.0)["push_port"]
+        child(procs, "send", worker, ["--push-port", str(port), "--count", str(count)])
+        if receiver.wait(timeout=120.0) != 0:
+            raise RuntimeError(f"pinned-receive failed:\n{procs.log_tail(receiver)}")
+    finally:
+        procs.stop(receiver)
+    return json.loads(out.read_text().strip().splitlines()[-1])

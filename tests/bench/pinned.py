@@ -12,6 +12,13 @@
   interleaved with a memcpy of the gradient list, on this process's cores.
 * ``flood``: pre-encoded gradient pushes to a real server's PULL socket, kept ``in_flight``
   ahead of its applied version; applies/s from its status socket over timed windows.
+* ``receive`` and ``send``: the floor under the flooded server's overhead. ``receive`` is the
+  least server there is: a PULL socket with the server's receive-buffer setting, and a loop
+  that takes a push, decodes it, stages it (``ParameterState.stage``: the copy into the
+  aligned buffers TensorFlow needs, with the NaN/Inf check) and applies it
+  (``ParameterState.apply``), nothing else: no policy, registry, statistics or status.
+  ``send`` (another process, on another core) keeps it fed with the pre-encoded pushes
+  ``flood`` sends. Its figure is milliseconds per apply over timed windows.
 """
 
 from __future__ import annotations
@@ -199,10 +206,88 @@ def flood(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _push_frames(names: list[str], grads: list[Any]) -> list[Any]:
+    """One encoded push of the gradient list, as ``Flood`` sends it."""
+    from downpour import wire
+    from downpour.wire import Message
+
+    body = {"loss": 0.0, "batch_size": 50, "steps": 0}
+    tensors = dict(zip(names, grads, strict=True))
+    return wire.encode(Message(wire.PUSH, "bench-floor", seq=1, body=body, tensors=tensors))
+
+
+def send(args: argparse.Namespace) -> dict[str, Any]:
+    """Push ``--count`` copies of one encoded gradient push to ``--push-port``, then wait
+    (bounded) until they are delivered."""
+    import zmq
+
+    from downpour.transport import make_context, tcp
+
+    frames = _push_frames(*_gradients())
+    ctx = make_context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 4)
+    sock.setsockopt(zmq.SNDTIMEO, 60_000)
+    sock.connect(tcp("127.0.0.1", args.push_port))
+    t0 = time.perf_counter()
+    for _ in range(args.count):
+        sock.send_multipart(frames, copy=False)
+    sock.close(linger=60_000)
+    ctx.term()
+    return {"sent": args.count, "seconds": time.perf_counter() - t0}
+
+
+def receive(args: argparse.Namespace) -> dict[str, Any]:
+    """The least server: receive, decode, stage and apply, in a loop; see the module
+    docstring."""
+    import zmq
+
+    from downpour import wire
+    from downpour.receive import keep_receive_buffers
+    from downpour.server.state import ParameterState
+    from downpour.transport import make_context
+
+    names, grads = _gradients()
+    payload = sum(g.nbytes for g in grads)
+    keep_receive_buffers(max(g.nbytes for g in grads), 4 * payload)  # as the server does
+    state = ParameterState(load_spec(SPEC), "adam", 1e-3, seed=0)
+    ctx = make_context(2)
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * payload)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    # a short queue: libzmq's I/O thread receives while the first apply compiles, and pushes
+    # received then would be taken in the timed windows without their receive
+    sock.setsockopt(zmq.RCVHWM, 2)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    ready = Path(args.ready_file)
+    ready.with_suffix(".tmp").write_text(json.dumps({"push_port": port}))
+    ready.with_suffix(".tmp").replace(ready)  # whole, for the parent's wait_ready
+
+    def take() -> None:
+        msg = wire.decode(sock.recv_multipart(copy=False), wire.DEFAULT_LIMITS)
+        staged, bad = state.stage(list(msg.tensors.values()))
+        if bad is not None:
+            raise ValueError(f"the bench's gradients are finite, not {bad}")
+        state.apply(staged)
+
+    for _ in range(args.warmup):  # the first apply compiles
+        take()
+    ms = []
+    for _ in range(args.windows):
+        wall0 = time.perf_counter()
+        for _ in range(args.window_msgs):
+            take()
+        ms.append(1e3 * (time.perf_counter() - wall0) / args.window_msgs)
+    sock.close()
+    ctx.term()
+    return {"ms_per_apply": median(ms), "windows_ms": ms}
+
+
 def main() -> None:
     """Command line: one mode, its options; one JSON line on stdout."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("mode", choices=["compute", "bare-apply", "flood"])
+    p.add_argument("mode", choices=["compute", "bare-apply", "flood", "receive", "send"])
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--window-steps", type=int, default=50)
     p.add_argument("--windows", type=int, default=3)
@@ -213,8 +298,17 @@ def main() -> None:
     p.add_argument("--in-flight", type=int, default=16)
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--window-s", type=float, default=2.0)
+    p.add_argument("--count", type=int, default=100, help="send: pushes to send")
+    p.add_argument("--window-msgs", type=int, default=20, help="receive: messages per window")
+    p.add_argument("--ready-file", help="receive: where to write the bound port")
     args = p.parse_args()
-    modes = {"compute": compute, "bare-apply": bare_apply, "flood": flood}
+    modes = {
+        "compute": compute,
+        "bare-apply": bare_apply,
+        "flood": flood,
+        "receive": receive,
+        "send": send,
+    }
     result = modes[args.mode](args)
     result["cpus"] = sorted(os.sched_getaffinity(0))
     result["tf_threads"] = [
