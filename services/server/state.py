@@ -226,8 +226,9 @@ def stage_into(dst: np.ndarray, src: np.ndarray, check: bool = True) -> bool:
     """Copy ``src`` into the aligned buffer ``dst`` of the same shape ``STAGE_CHUNK`` elements
     at a time and, with ``check``, test each chunk for NaN/Inf while it is still in cache;
     False if a value is not finite. The server pays this one copy per received gradient
-    because TensorFlow copies any buffer that is not 64-byte aligned, and received frames
-    are not: checking on the way costs a read of cached data, not a second pass."""
+    because TensorFlow's kernels need 64-byte aligned buffers (one handed over unaligned
+    through DLPack aborts the process in ``Tensor::IsAligned``) and libzmq's receive buffers
+    are not aligned: checking on the way costs a read of cached data, not a second pass."""
     finite = True
     flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
     for i in range(0, flat_dst.size, STAGE_CHUNK):
