@@ -143,6 +143,12 @@ class BareApply:
         }
 
 
+def push_frames(tensors: dict[str, np.ndarray], seq: int, sender: str = "bench-flood") -> list[Any]:
+    """One encoded gradient push of ``tensors`` (name: gradient), as a worker sends it."""
+    body = {"loss": 0.0, "batch_size": 50, "steps": 0}
+    return wire.encode(Message(wire.PUSH, sender, seq=seq, body=body, tensors=tensors))
+
+
 class Flood:
     """A pusher thread that keeps the server saturated with gradient messages."""
 
@@ -193,7 +199,6 @@ class Flood:
 
     def _run(self) -> None:
         tensors = dict(zip(self.names, self.grads, strict=True))
-        body = {"loss": 0.0, "batch_size": 50, "steps": 0}
         try:
             while not self._stop.is_set():
                 with self._progress:
@@ -205,9 +210,7 @@ class Flood:
                         self._progress.wait(timeout=0.05)
                         continue
                 seq = self.sent + 1
-                frames = wire.encode(
-                    Message(wire.PUSH, "bench-flood", seq=seq, body=body, tensors=tensors)
-                )
+                frames = push_frames(tensors, seq)
                 try:
                     self.sock.send_multipart(frames, copy=False)
                 except zmq.Again:

@@ -206,24 +206,16 @@ def flood(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _push_frames(names: list[str], grads: list[Any]) -> list[Any]:
-    """One encoded push of the gradient list, as ``Flood`` sends it."""
-    from downpour import wire
-    from downpour.wire import Message
-
-    body = {"loss": 0.0, "batch_size": 50, "steps": 0}
-    tensors = dict(zip(names, grads, strict=True))
-    return wire.encode(Message(wire.PUSH, "bench-floor", seq=1, body=body, tensors=tensors))
-
-
 def send(args: argparse.Namespace) -> dict[str, Any]:
     """Push ``--count`` copies of one encoded gradient push to ``--push-port``, then wait
     (bounded) until they are delivered."""
     import zmq
+    from bench_server import push_frames
 
     from downpour.transport import make_context, tcp
 
-    frames = _push_frames(*_gradients())
+    names, grads = _gradients()
+    frames = push_frames(dict(zip(names, grads, strict=True)), seq=1, sender="bench-floor")
     ctx = make_context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 4)
