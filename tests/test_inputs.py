@@ -16,6 +16,7 @@ import tensorflow as tf
 import tiny_models
 
 from downpour import InputContext, pipeline
+from downpour.data import Dataset, dataset_input_fn
 from downpour.models import build_model, evaluate
 from downpour.pipeline import (
     InputError,
@@ -71,6 +72,36 @@ def test_the_numpy_dataset_is_sharded_the_same_way() -> None:
     got = np.concatenate(rows)
     assert len(got) == len(train)
     assert {r.tobytes() for r in got} == {r.tobytes() for r in train}
+
+
+def test_the_numpy_dataset_batches_are_the_seeded_permutation_share_in_order() -> None:
+    """Each epoch of ``dataset_input_fn``: the permutation seeded with seed + epoch, every
+    N-th from the i-th, gathered in batches (the last smaller), labels in the spec's dtype;
+    the tensors it gathers from are made once and serve every epoch alike."""
+    rng = np.random.default_rng(0)
+    data = Dataset(
+        rng.random((103, 3, 2), dtype=np.float32),
+        rng.integers(0, 10, 103),
+        np.zeros((1, 3, 2), np.float32),
+        np.zeros(1, np.int64),
+    )
+    input_fn = dataset_input_fn(data, tf.int32)
+    for epoch in (0, 1):
+        ctx = InputContext(1, 3, seed=5, epoch=epoch, batch_size=8)
+        share = np.random.default_rng(5 + epoch).permutation(103)[1::3]
+        batches = list(input_fn(ctx))
+        assert [len(y) for _, y in batches] == [8] * 4 + [2]  # 34 examples
+        for k, (x, y) in enumerate(batches):
+            ids = share[8 * k : 8 * k + 8]
+            np.testing.assert_array_equal(x.numpy(), data.x_train[ids])
+            assert y.dtype == tf.int32
+            np.testing.assert_array_equal(y.numpy(), data.y_train[ids])
+    # the method form keeps one input_fn, and its tensors, for every epoch
+    assert data._input_fn is data._input_fn
+    x0, _ = next(iter(data.input_fn(InputContext(seed=2, batch_size=4))))
+    np.testing.assert_array_equal(
+        x0.numpy(), data.x_train[np.random.default_rng(2).permutation(103)[:4]]
+    )
 
 
 def test_every_epoch_is_reshuffled_the_same_on_every_worker() -> None:
