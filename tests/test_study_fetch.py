@@ -162,7 +162,51 @@ def test_fetch_runner_tiny_grid_writes_records_and_every_is_reproduced(tmp_path:
         assert len(half["worker_steps"]) == w and sum(half["worker_steps"]) == half["gradients"]
         assert half["pull_requests"] == sum((s + 1) // 2 for s in half["worker_steps"])
         assert runs[(w, "bf16")]["bytes_pulled"] < 0.51 * every["bytes_pulled"]
-    rows = {(r["workers"], r["fetch"]): r for r in doc["settings"]}
-    assert rows[(1, "every")]["updates_vs_every"] == 1.0
+    rows = {(r["workers"], r["setting"]): r for r in doc["settings"]}
+    assert doc["base"] == "every" and rows[(1, "every")]["updates_vs_base"] == 1.0
     table = (tmp_path / "fetch.md").read_text()
     assert "| n-fetch:2 |" in table and "free" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fetch_runner_compares_push_compressions_with_the_first_setting(tmp_path: Path) -> None:
+    """``--push none,bf16`` with ``--fetch bf16``: the base is today's defaults (bf16 pulls,
+    float32 pushes), and bf16 pushes send half the bytes per gradient. ``--run-on``: every
+    run goes on to the caps, and the tail accuracies are compared."""
+    done = run_script(
+        BENCH / "study_fetch.py",
+        *("--out", str(tmp_path), "--workers", "1,2", "--fetch", "bf16", "--push", "none,bf16"),
+        "--run-on",
+        *("--seeds", "0", "--target", "0.5", "--eval-every", "10", "--max-updates", "20"),
+        *("--max-gradients", "60", "--jobs", "1", "--costs", "44.71,1.51"),
+        timeout_s=240,
+        what="study_fetch push compressions",
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    doc = json.loads((tmp_path / "fetch-results.json").read_text())
+    assert doc["base"] == "bf16" and doc["setting_names"] == ["bf16", "bf16 push:bf16"]
+    runs = {(r["workers"], r["setting"]): r for r in doc["runs"]}
+    assert set(runs) == {(w, s) for w in (1, 2) for s in doc["setting_names"]}
+    for w in (1, 2):
+        f32, bf16 = runs[(w, "bf16")], runs[(w, "bf16 push:bf16")]
+        assert (f32["compress"], bf16["compress"]) == ("none", "bf16")
+        assert f32["updates"] == bf16["updates"] == 20  # on to the cap, past the target
+        assert f32["fetch"] == bf16["fetch"] == "bf16"
+        per_grad = [r["bytes_sent"] / r["gradients"] for r in (f32, bf16)]
+        assert 0.49 < per_grad[1] / per_grad[0] < 0.51  # half the bytes, plus the header
+    rows = {(r["workers"], r["setting"]): r for r in doc["settings"]}
+    assert rows[(1, "bf16")]["updates_vs_base"] == rows[(1, "bf16")]["push_bytes_vs_base"] == 1.0
+    pushed = [rows[(w, "bf16 push:bf16")]["push_bytes_vs_base"] for w in (1, 2)]
+    reached = [rows[(w, "bf16 push:bf16")]["reached"] for w in (1, 2)]
+    assert reached == [1, 1]  # 50 % within 20 updates, as every setting of the tiny grid
+    assert all(0.45 < p < 0.55 for p in pushed), pushed
+    for w in (1, 2):
+        tail = (
+            runs[(w, "bf16 push:bf16")]["tail_mean_accuracy"]
+            - runs[(w, "bf16")]["tail_mean_accuracy"]
+        )
+        assert rows[(w, "bf16")]["tail_points_vs_base"] == 0.0
+        assert rows[(w, "bf16 push:bf16")]["tail_points_vs_base"] == round(100 * tail, 3)
+    table = (tmp_path / "fetch.md").read_text()
+    assert "| bf16 push:bf16 |" in table and "bytes pushed" in table and "tail accuracy" in table

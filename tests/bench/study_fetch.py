@@ -1,20 +1,25 @@
-"""Which byte-saving pull settings are free in convergence: the study's fetch grid.
+"""Which byte-saving settings are free in convergence: the study's fetch grid.
 
 ``python tests/bench/study_fetch.py --out runs/study-fetch`` runs ``study.simulate`` (the
 convergence study's event simulation, MNIST-5k study CNN, Adam 1e-3, target 96 %) for 1, 4
-and 8 workers under ``async``, once per fetch setting (``fetch_sim``: ``every``,
-``n-fetch:2``, ``n-fetch:4``, ``bf16``, ``adaptive:B``) and simulation seed. Each run stops
-at the target or at the caps. Writes ``fetch-results.json`` (``runs``: every run's record
-with ``fetch``, ``seed``, ``bytes_pulled``, ``bytes_pulled_to_target``, ``pulls_skipped``
-...; ``settings``: per worker count and setting, updates, gradients and bytes pulled to the
-target over ``every``'s) and ``fetch.md`` (the table). ``--model`` runs another study model
-(``MODEL_TEXT``); for ``clicks-hashed`` the bytes pulled to the target include the rows'
-(``row_bytes_pulled``), which its workers pull by id.
+and 8 workers under ``async``, once per setting and simulation seed. A setting is a fetch
+setting (``fetch_sim``: ``every``, ``n-fetch:2``, ``n-fetch:4``, ``bf16``, ``adaptive:B``)
+with a push compression (``--push``: ``none``, ``bf16``, ... as ``--compress`` takes them;
+named ``FETCH push:COMPRESS`` unless ``none``). Each run stops at the target or at the caps
+(``--run-on``: at the caps, and the tail accuracies compare the settings at one budget).
+Writes ``fetch-results.json`` (``runs``: every run's record with ``setting``, ``fetch``,
+``compress``, ``seed``, ``bytes_pulled``, ``bytes_pulled_to_target``, ``pulls_skipped`` ...;
+``settings``: per worker count and setting, updates, gradients and bytes pulled and pushed to
+the target over the base's) and ``fetch.md`` (the table). ``--model`` runs another study
+model (``MODEL_TEXT``); for ``clicks-hashed`` the bytes pulled to the target include the
+rows' (``row_bytes_pulled``), which its workers pull by id.
 
-A setting is compared with ``every`` at the same worker count over the same seeds: the
-ratio of the summed updates (gradients, bytes) to the target. It is marked free when that
-updates ratio is <= 1.05 at every worker count and every one of its runs reached the target.
-The seed-to-seed spread of ``every`` itself is in the table: a difference under it is noise.
+The base is the first fetch setting with the first push compression (``every``, ``none`` by
+default; ``--fetch bf16 --push none,bf16`` compares bf16 pushes with today's defaults). A
+setting is compared with the base at the same worker count over the same seeds: the ratio of
+the summed updates (gradients, bytes) to the target. It is marked free when that updates
+ratio is <= 1.05 at every worker count and every one of its runs reached the target. The
+seed-to-seed spread of the base itself is in the table: a difference under it is noise.
 """
 
 from __future__ import annotations
@@ -42,15 +47,25 @@ MODEL_TEXT = {
 FREE_UPDATES = 1.05  # at most 5 % more updates to the target than ``every``
 
 
+def setting_name(fetch: str, compress: str) -> str:
+    """A setting's name: its fetch setting, and its push compression unless ``none``."""
+    return fetch if compress == "none" else f"{fetch} push:{compress}"
+
+
+def setting_of(run: dict[str, Any]) -> str:
+    """The setting a run's record ran."""
+    return setting_name(run["fetch"], run["compress"])
+
+
 def jobs_for(args: argparse.Namespace, costs: dict[str, float]) -> list[study.Job]:
-    """One run per worker count, fetch setting and seed; the slowest (most workers) first."""
+    """One run per worker count, setting and seed; the slowest (most workers) first."""
     out = [
         study.Job(
             w,
             args.policy,
-            "none",
+            push,
             args.lr,
-            True,
+            not args.run_on,
             args.max_updates,
             args.max_gradients,
             args.target,
@@ -63,6 +78,7 @@ def jobs_for(args: argparse.Namespace, costs: dict[str, float]) -> list[study.Jo
         )
         for w in args.workers
         for fetch in args.fetch
+        for push in args.push
         for seed in args.seeds
     ]
     return sorted(out, key=lambda j: -j.workers)
@@ -74,29 +90,52 @@ def _ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> 
     return round(sum(r[key] for r in runs) / sum(r[key] for r in base), 3)
 
 
-def compare(runs: list[dict[str, Any]], fetches: list[str]) -> list[dict[str, Any]]:
-    """Per worker count and fetch setting: its runs against ``every``'s over the seeds both
-    reached the target in (``*_vs_every``: ratios of the sums), and the counts."""
-    ok = [r for r in runs if "error" not in r]
+def _pushed_to_target(run: dict[str, Any]) -> float | None:
+    """Bytes pushed until the target: the run's bytes per gradient, times its gradients."""
+    if run["gradients_to_target"] is None or not run["gradients"]:
+        return None
+    return run["gradients_to_target"] * run["bytes_sent"] / run["gradients"]
+
+
+def compare(runs: list[dict[str, Any]], settings: list[str]) -> list[dict[str, Any]]:
+    """Per worker count and setting: its runs against the base's (``settings[0]``) over the
+    seeds both reached the target in (``*_vs_base``: ratios of the sums), and the counts."""
+    ok = [dict(r, bytes_pushed_to_target=_pushed_to_target(r)) for r in runs if "error" not in r]
     out = []
     for w in sorted({r["workers"] for r in ok}):
-        every = {r["seed"]: r for r in ok if r["workers"] == w and r["fetch"] == "every"}
-        for fetch in fetches:
-            mine = [r for r in ok if r["workers"] == w and r["fetch"] == fetch]
-            pairs = [(r, every[r["seed"]]) for r in mine if r["seed"] in every]
+        base = {r["seed"]: r for r in ok if r["workers"] == w and setting_of(r) == settings[0]}
+        for setting in settings:
+            mine = [r for r in ok if r["workers"] == w and setting_of(r) == setting]
+            pairs = [(r, base[r["seed"]]) for r in mine if r["seed"] in base]
             both = [(r, b) for r, b in pairs if r["reached"] and b["reached"]]
             a, b = [p[0] for p in both], [p[1] for p in both]
             out.append(
                 {
                     "workers": w,
-                    "fetch": fetch,
+                    "setting": setting,
                     "seeds": sorted(r["seed"] for r in mine),
                     "reached": sum(r["reached"] for r in mine),
                     "updates_to_target": [r["updates_to_target"] for r in mine],
-                    "updates_vs_every": _ratio(a, b, "updates_to_target"),
-                    "gradients_vs_every": _ratio(a, b, "gradients_to_target"),
-                    "bytes_vs_every": _ratio(a, b, "bytes_pulled_to_target"),
-                    "per_seed_updates_vs_every": [
+                    "updates_vs_base": _ratio(a, b, "updates_to_target"),
+                    "gradients_vs_base": _ratio(a, b, "gradients_to_target"),
+                    "bytes_vs_base": _ratio(a, b, "bytes_pulled_to_target"),
+                    "push_bytes_vs_base": _ratio(a, b, "bytes_pushed_to_target"),
+                    # the tail accuracy (mean of the last 5 evaluations) over the base's, in
+                    # points, over every seed both ran: a quality cost at the same budget
+                    # when the runs went on to the caps (--run-on)
+                    "tail_points_vs_base": (
+                        round(
+                            100
+                            * sum(
+                                r["tail_mean_accuracy"] - e["tail_mean_accuracy"] for r, e in pairs
+                            )
+                            / len(pairs),
+                            3,
+                        )
+                        if pairs
+                        else None
+                    ),
+                    "per_seed_updates_vs_base": [
                         round(r["updates_to_target"] / e["updates_to_target"], 3) for r, e in both
                     ],
                     "pulls_skipped": sum(r["pulls_skipped"] for r in mine),
@@ -107,19 +146,19 @@ def compare(runs: list[dict[str, Any]], fetches: list[str]) -> list[dict[str, An
 
 
 def free_settings(rows: list[dict[str, Any]], workers: list[int]) -> dict[str, bool]:
-    """Per fetch setting: within ``FREE_UPDATES`` of ``every`` at every worker count, every
-    run reaching the target."""
+    """Per setting: within ``FREE_UPDATES`` of the base at every worker count, every run
+    reaching the target."""
     free: dict[str, bool] = {}
     for row in rows:
         ok = (
             row["reached"] == len(row["seeds"]) > 0
-            and row["updates_vs_every"] is not None
-            and row["updates_vs_every"] <= FREE_UPDATES
+            and row["updates_vs_base"] is not None
+            and row["updates_vs_base"] <= FREE_UPDATES
         )
-        free[row["fetch"]] = free.get(row["fetch"], True) and ok
-    for fetch in free:
-        have = {r["workers"] for r in rows if r["fetch"] == fetch}
-        free[fetch] = free[fetch] and have >= set(workers)
+        free[row["setting"]] = free.get(row["setting"], True) and ok
+    for setting in free:
+        have = {r["workers"] for r in rows if r["setting"] == setting}
+        free[setting] = free[setting] and have >= set(workers)
     return free
 
 
@@ -128,9 +167,14 @@ def _cell(v: float | None) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """fetch.md: how it ran, the table, the seed spread of ``every``."""
+    """fetch.md: how it ran, the table, the seed spread of the base."""
     rows, ws, free = doc["settings"], doc["args"]["workers"], doc["free"]
-    a = doc["args"]
+    a, base, names = doc["args"], doc["base"], doc["setting_names"]
+    pushes = a.get("push", ["none"]) != ["none"]
+
+    def row(w: int, setting: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["workers"] == w and r["setting"] == setting), None)
+
     lines = [
         f"# Fetch settings in the convergence study, {doc['date']}",
         "",
@@ -143,40 +187,65 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['costs']['grad_ms']} ms per gradient, {doc['costs']['apply_ms']} ms per apply. "
         f"Command: `{doc['command']}` ({doc['total_seconds'] / 60:.1f} min).",
         "",
-        "Each cell: updates to the target x `every`'s at that worker count (sum over the seeds "
-        "both reached it) / bytes pulled to the target x `every`'s. Free: <= "
-        f"{FREE_UPDATES:.2f}x the updates at every worker count, every run reaching the target.",
+        f"Each cell: updates to the target x `{base}`'s at that worker count (sum over the "
+        f"seeds both reached it) / bytes pulled to the target x `{base}`'s"
+        + (" / bytes pushed to the target x its" if pushes else "")
+        + f". Free: <= {FREE_UPDATES:.2f}x the updates at every worker count, every run "
+        "reaching the target.",
         "",
-        "| fetch | "
-        + " | ".join(f"{w} worker{'s' * (w > 1)}: updates / bytes" for w in ws)
+        "| setting | "
+        + " | ".join(
+            f"{w} worker{'s' * (w > 1)}: updates / bytes" + (" pulled / pushed" if pushes else "")
+            for w in ws
+        )
         + " | free |",
         "|---|" + "---:|" * len(ws) + "---|",
     ]
-    for fetch in a["fetch"]:
+    for setting in names:
         cells = []
         for w in ws:
-            r = next((r for r in rows if r["workers"] == w and r["fetch"] == fetch), None)
+            r = row(w, setting)
             if r is None:
                 cells.append("—")
                 continue
             miss = len(r["seeds"]) - r["reached"]
             note = f" ({miss} not reached)" if miss else ""
-            cells.append(f"{_cell(r['updates_vs_every'])} / {_cell(r['bytes_vs_every'])}{note}")
-        lines.append(f"| {fetch} | " + " | ".join(cells) + f" | {'yes' if free[fetch] else 'no'} |")
+            pushed = f" / {_cell(r['push_bytes_vs_base'])}" if pushes else ""
+            cells.append(
+                f"{_cell(r['updates_vs_base'])} / {_cell(r['bytes_vs_base'])}{pushed}{note}"
+            )
+        verdict = "yes" if free[setting] else "no"
+        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {verdict} |")
     lines += ["", "Updates to the target per seed (the noise):", ""]
-    lines += ["| fetch | " + " | ".join(f"{w}w" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
-    for fetch in a["fetch"]:
+    lines += ["| setting | " + " | ".join(f"{w}w" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
+    for setting in names:
         cells = []
         for w in ws:
-            r = next((r for r in rows if r["workers"] == w and r["fetch"] == fetch), None)
+            r = row(w, setting)
             got = r["updates_to_target"] if r else []
             cells.append(", ".join("—" if u is None else str(u) for u in got))
-        lines.append(f"| {fetch} | " + " | ".join(cells) + " |")
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    if a.get("run_on"):
+        lines += [
+            "",
+            f"Runs went on to the caps after the target (--run-on): the tail accuracy (mean of "
+            f"the last 5 evaluations) minus `{base}`'s, in points, mean over the seeds:",
+            "",
+            "| setting | " + " | ".join(f"{w}w" for w in ws) + " |",
+            "|---|" + "---:|" * len(ws),
+        ]
+        for setting in names:
+            cells = []
+            for w in ws:
+                r = row(w, setting)
+                v = r["tail_points_vs_base"] if r else None
+                cells.append("—" if v is None else f"{v:+.2f}")
+            lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     skipped = [r for r in rows if r["pulls_skipped"]]
     if skipped:
         lines += ["", 'Adaptive pulls answered "unchanged" (skipped / requests, all seeds):', ""]
         lines += [
-            f"- {r['fetch']} at {r['workers']}w: {r['pulls_skipped']} / {r['pull_requests']}"
+            f"- {r['setting']} at {r['workers']}w: {r['pulls_skipped']} / {r['pull_requests']}"
             for r in skipped
         ]
     return "\n".join(lines) + "\n"
@@ -187,7 +256,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/study-fetch", help="output directory")
     p.add_argument("--workers", default="1,4,8", help="worker counts")
-    p.add_argument("--fetch", default=",".join(FETCHES), help="fetch settings (every first)")
+    p.add_argument(
+        "--fetch", default=",".join(FETCHES), help="fetch settings (the first is the base's)"
+    )
+    p.add_argument(
+        "--push",
+        default="none",
+        help="push compressions, each with every fetch setting (the first is the base's)",
+    )
     p.add_argument("--seeds", default="0,1,2", help="simulation seeds")
     p.add_argument("--policy", default="async")
     p.add_argument(
@@ -204,6 +280,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-gradients", type=int, default=3000, help="cap per run")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (1: in this process)")
     p.add_argument(
+        "--run-on",
+        action="store_true",
+        help="runs go on to the caps after the target, so that their tail accuracy compares "
+        "the settings at the same budget",
+    )
+    p.add_argument(
         "--costs",
         metavar="GRAD_MS,APPLY_MS",
         help="costs of one gradient and one apply instead of measuring them now",
@@ -211,9 +293,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.workers = [int(w) for w in args.workers.split(",")]
     args.fetch = args.fetch.split(",")
+    args.push = args.push.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
-    if args.fetch[0] != "every":
-        p.error("--fetch must start with every (the settings are compared with it)")
     return args
 
 
@@ -222,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from fetch_sim import parse_fetch
 
+    from downpour.worker.compress import parse_compression
+
     for f in args.fetch:
         parse_fetch(f)  # a typo fails now, not in every run
+    for c in args.push:
+        parse_compression(c)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -240,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = jobs_for(args, costs)
     study.log(f"{len(jobs)} fetch runs, {args.jobs} at a time; costs {costs}")
     runs = study.run_grid(args.jobs, jobs)
-    rows = compare(runs, args.fetch)
+    runs = [r if "error" in r else dict(r, setting=setting_of(r)) for r in runs]
+    names = [setting_name(f, c) for f in args.fetch for c in args.push]
+    rows = compare(runs, names)
     doc: dict[str, Any] = {
         "study": "fetch settings",
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -249,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": host,
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "costs": costs,
+        "base": names[0],
+        "setting_names": names,
         "settings": rows,
         "free": free_settings(rows, args.workers),
         "runs": runs,
