@@ -161,12 +161,18 @@ def old_server() -> Iterator[int]:
         ctx.term()
 
 
-def test_worker_refuses_a_compression_the_server_cannot_decode(old_server: int) -> None:
+@pytest.mark.parametrize(
+    ("settings", "encoding"), [({"compress": "topk:0.01"}, "topk"), ({}, "bf16")]
+)
+def test_worker_refuses_a_compression_the_server_cannot_decode(
+    old_server: int, settings: dict, encoding: str
+) -> None:
+    """Also the default (bf16): a server without it is named, and the way round it."""
     from downpour.worker.service import WorkerError
 
-    worker = make_worker(old_server, steps=5, compress="topk:0.01")
+    worker = make_worker(old_server, steps=5, **settings)
     try:
-        with pytest.raises(WorkerError, match="cannot decode the topk encoding") as err:
+        with pytest.raises(WorkerError, match=f"cannot decode the {encoding} encoding") as err:
             worker.run()
     finally:
         worker.close()
@@ -186,7 +192,9 @@ def test_worker_process_refuses_a_compression_the_server_cannot_decode(
 @pytest.mark.parametrize(
     ("settings", "in_step", "warned"),
     [
+        ({}, True, None),  # the default: bf16, rounded in the step
         ({"compress": "bf16"}, True, None),
+        ({"n_push": 2}, False, "--n-push 2 averages"),
         ({"compress": "bf16", "n_push": 2}, False, "--n-push 2 averages"),
         ({"compress": "none"}, False, None),
         ({"compress": "topk:0.01"}, False, None),

@@ -53,7 +53,12 @@ def test_server_and_two_workers_train_and_every_push_is_accounted(
         cli = json.loads(capsys.readouterr().out)
         assert cli["version"] == 80 and set(cli["workers"]) == {"w0", "w1"}
         assert set(cli["staleness"]) >= {"mean", "max", "buckets"}
-        assert cli["bytes_in"] >= 80 * server.server.state.payload_bytes
+        # every push's payload arrived: the dense float32 gradients in bfloat16 (the
+        # workers' default --compress bf16), half their bytes, plus the headers
+        payload = server.server.state.payload_bytes
+        assert cli["bytes_in"] >= 80 * payload // 2
+        assert all(s["compress"] == "bf16" for s in sums)
+        assert all(s["bytes_raw"] - s["bytes_sent"] == 40 * payload // 2 for s in sums)
 
 
 def test_worker_with_another_model_is_refused() -> None:

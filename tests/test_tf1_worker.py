@@ -172,9 +172,11 @@ def test_a_tf1_embedding_sends_rows_that_the_server_applies_as_rows(services: Se
     doc = fetch_status(server.status)
     assert doc["version"] == steps and doc["rejected_total"] == 0
     # the server serves the table by row; the Session graph pulls it whole and says so
-    (notice,) = s["notices"]
-    assert notice.startswith(f"--graph tf1: tables {variables[0].path} are pulled whole")
-    assert doc["workers"]["tf1"]["notices"] == [notice]
+    # ... and the default --compress bf16 rounds the Session's gradients in NumPy, and says so
+    rounded, pulled = sorted(s["notices"])
+    assert pulled.startswith(f"--graph tf1: tables {variables[0].path} are pulled whole")
+    assert rounded.startswith("--compress bf16: gradients are rounded in NumPy at each push")
+    assert sorted(doc["workers"]["tf1"]["notices"]) == [rounded, pulled]
     # 120 rows of 32 bytes and their indices, the dense layer: far below the 160 kB table
     assert s["bytes_sent"] / steps < 0.1 * variables[0].numpy().nbytes
     _, arrays = pull_weights(server.rep)

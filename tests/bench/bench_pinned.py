@@ -21,7 +21,7 @@ step-rate ratio hides.
 
 ``end_to_end.pinned.defaults``: the downpour set-up once per set of worker defaults in
 ``default_sets`` in every round (``current``: the worker's own defaults; ``previous``: the
-settings ``PREVIOUS_DEFAULTS`` names, the defaults before the fetch study), each with its
+settings ``PREVIOUS_DEFAULTS`` names, the defaults before the last change), each with its
 own ratios against the same local, gradient-only and TF PSS figures; the section's top-level
 figures are the ``current`` set's.
 
@@ -53,9 +53,9 @@ HERE = Path(__file__).resolve().parent
 FUSED_STEPS = 10  # steps per compiled call of fused local training, per TF PSS schedule
 OVERHEAD_FLOOR = 1e-3  # an overhead below 0.1 % of the gradient step counts as that (noise)
 # The worker settings (by name) measured beside the worker's defaults: the defaults before
-# bf16 pulls became the default (float32 pulls), the one place to change them. None: measure
-# the current defaults only.
-PREVIOUS_DEFAULTS: dict[str, Any] | None = {"pull_compress": "none"}
+# bf16 pushes became the default (float32 pushes, bf16 pulls), the one place to change them.
+# None: measure the current defaults only.
+PREVIOUS_DEFAULTS: dict[str, Any] | None = {"compress": "none"}
 
 
 def default_sets() -> dict[str, dict[str, Any]]:
