@@ -44,7 +44,7 @@ MODEL_TEXT = {
     "in the server's dynamic tables, server lazy_adam, batch 256; each simulated worker has its "
     "own row caches and pulls its batches' rows by id with every pull, as real ones do",
 }
-FREE_UPDATES = 1.05  # at most 5 % more updates to the target than ``every``
+FREE_UPDATES = 1.05  # at most 5 % more updates to the target than the base
 
 
 def setting_name(fetch: str, compress: str) -> str:
