@@ -59,27 +59,22 @@ FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 OURS = ("worker/", "server/", "shared/", "cli/")  # py-spy names files from their package root
 
 
-def record(
-    pids: dict[str, int],
-    seconds: float,
-    rate: int,
-    out: Path,
-    cores: dict[str, list[int]] | None = None,
-) -> dict[str, list[str]]:
+def perf_record(cores: dict[str, list[int]], seconds: float, out: Path) -> None:
+    """``perf record`` on each emulated host's cores (name: CPUs) for the same ``seconds``,
+    in ``out/perf-<name>.data``. Used instead of py-spy, which is not pinned: sampling two
+    processes' threads it took over a third of a core the profile was meant to measure."""
+    perfs = []
+    for name, cpus in cores.items():
+        args = [PERF or "perf", "record", "-C", ",".join(map(str, cpus)), "--quiet"]
+        args += ["-o", str(out / f"perf-{name}.data"), "--", "sleep", str(int(seconds))]
+        perfs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
+    for p in perfs:
+        p.wait(timeout=seconds + 60)
+
+
+def record(pids: dict[str, int], seconds: float, rate: int, out: Path) -> dict[str, list[str]]:
     """py-spy on each process of ``pids`` (name: pid) for the same ``seconds``, raw stacks
-    per thread, idle ones included, in ``out/<name>.txt``; each one's ``summarise``. With
-    ``cores`` (name: CPUs), ``perf record`` on each of those instead, in
-    ``out/perf-<name>.data``, and no py-spy: py-spy is not pinned, and sampling two processes'
-    threads it took over a third of a core the profile was meant to measure."""
-    if cores:
-        perfs = []
-        for name, cpus in cores.items():
-            args = [PERF or "perf", "record", "-C", ",".join(map(str, cpus)), "--quiet"]
-            args += ["-o", str(out / f"perf-{name}.data"), "--", "sleep", str(int(seconds))]
-            perfs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
-        for p in perfs:
-            p.wait(timeout=seconds + 60)
-        return {name: [] for name in pids}
+    per thread, idle ones included, in ``out/<name>.txt``; each one's ``summarise``."""
     spies = []
     for name, pid in pids.items():
         args = [PY_SPY, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking"]
@@ -204,8 +199,10 @@ def e2e(
             raise RuntimeError(f"worker not warmed up:\n{procs.log_tail(proc)}")
         time.sleep(0.2)
     s0, v0, t0 = steps_and_version(endpoint, wid)
-    cores = {"worker-core": worker_cpus, "server-core": server_cpus} if perf else None
-    profiles = record({"worker": proc.pid, "server": server.pid}, seconds, rate, out, cores)
+    if perf:
+        perf_record({"worker-core": worker_cpus, "server-core": server_cpus}, seconds, out)
+    else:
+        profiles = record({"worker": proc.pid, "server": server.pid}, seconds, rate, out)
     s1, v1, t1 = steps_and_version(endpoint, wid)
     head = f"worker on core {worker_cpus}, server on core {server_cpus}: "
     head += f"{(s1 - s0) / (t1 - t0):.2f} steps/s, {(v1 - v0) / (t1 - t0):.2f} updates/s profiled"
@@ -239,9 +236,10 @@ def flood(
             raise RuntimeError(f"no flood:\n{procs.log_tail(flooder)}")
         time.sleep(0.2)
     v0 = int(fetch_status(endpoint, timeout_s=10.0)["version"])
-    profiles = record(
-        {"server": server.pid}, seconds, rate, out, {"server-core": core} if perf else None
-    )
+    if perf:
+        perf_record({"server-core": core}, seconds, out)
+    else:
+        profiles = record({"server": server.pid}, seconds, rate, out)
     v1 = int(fetch_status(endpoint, timeout_s=10.0)["version"])
     flooder.wait(timeout=seconds + 120)
     head = f"server on core {core}, pushers on core {pushers}: {result.read_text().strip()[-300:]}"
@@ -303,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     worker = dict(kv.split("=", 1) for kv in args.worker)
-    if not Path(PY_SPY).exists():
+    if not args.perf and not Path(PY_SPY).exists():
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
     if args.perf and PERF is None:

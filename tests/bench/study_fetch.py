@@ -97,6 +97,16 @@ def _pushed_to_target(run: dict[str, Any]) -> float | None:
     return run["gradients_to_target"] * run["bytes_sent"] / run["gradients"]
 
 
+def _tail_points(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> float | None:
+    """The mean over ``pairs`` (a run, the base's run of its seed) of the tail accuracy (the
+    last 5 evaluations) minus the base's, in points: a quality cost at the same budget when
+    the runs went on to the caps (``--run-on``)."""
+    if not pairs:
+        return None
+    diff = sum(r["tail_mean_accuracy"] - e["tail_mean_accuracy"] for r, e in pairs)
+    return round(100 * diff / len(pairs), 3)
+
+
 def compare(runs: list[dict[str, Any]], settings: list[str]) -> list[dict[str, Any]]:
     """Per worker count and setting: its runs against the base's (``settings[0]``) over the
     seeds both reached the target in (``*_vs_base``: ratios of the sums), and the counts."""
@@ -120,21 +130,7 @@ def compare(runs: list[dict[str, Any]], settings: list[str]) -> list[dict[str, A
                     "gradients_vs_base": _ratio(a, b, "gradients_to_target"),
                     "bytes_vs_base": _ratio(a, b, "bytes_pulled_to_target"),
                     "push_bytes_vs_base": _ratio(a, b, "bytes_pushed_to_target"),
-                    # the tail accuracy (mean of the last 5 evaluations) over the base's, in
-                    # points, over every seed both ran: a quality cost at the same budget
-                    # when the runs went on to the caps (--run-on)
-                    "tail_points_vs_base": (
-                        round(
-                            100
-                            * sum(
-                                r["tail_mean_accuracy"] - e["tail_mean_accuracy"] for r, e in pairs
-                            )
-                            / len(pairs),
-                            3,
-                        )
-                        if pairs
-                        else None
-                    ),
+                    "tail_points_vs_base": _tail_points(pairs),
                     "per_seed_updates_vs_base": [
                         round(r["updates_to_target"] / e["updates_to_target"], 3) for r, e in both
                     ],
