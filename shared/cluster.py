@@ -318,8 +318,9 @@ class ShardSet:
         missing = sorted(self.encodings - set(offered))
         if missing:
             raise Incompatible(
-                f"server {shard.endpoint} cannot decode the {', '.join(missing)} encoding that "
-                f"{self.sends} sends (it decodes {', '.join(offered)})"
+                f"server {shard.endpoint} cannot decode the {', '.join(missing)} "
+                f"encoding{'s' if len(missing) > 1 else ''} that {self.sends} sends (it "
+                f"decodes {', '.join(offered)})"
             )
         self.policy = hello.reply.policy
         rows = hello.reply.row_tables

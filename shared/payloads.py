@@ -134,7 +134,8 @@ class BFloat16:
 @dataclass(frozen=True)
 class SparseBF16:
     """Rows of a row-sparse tensor to send with their values in bfloat16 (a row pull under
-    ``--pull-compress bf16``): ``Sparse`` at 2 bytes a value. ``values`` is an
+    ``--pull-compress bf16``, a row gradient under ``--compress bf16``): ``Sparse`` at 2
+    bytes a value. ``values`` is an
     ``ml_dtypes.bfloat16`` array of shape (nnz, *dense_shape[1:]); build it with
     ``from_sparse``. Only encode takes it: decode hands back a ``Sparse`` whose values are
     widened to ``dtype``."""
@@ -157,8 +158,8 @@ class SparseBF16:
 
 @dataclass(frozen=True)
 class KeyedBF16(SparseBF16):
-    """``Keyed`` rows with their values in bfloat16 (a row pull of a dynamic table under
-    ``--pull-compress bf16``); decodes to ``Keyed``."""
+    """``Keyed`` rows with their values in bfloat16 (a dynamic table's rows pulled under
+    ``--pull-compress bf16`` or pushed under ``--compress bf16``); decodes to ``Keyed``."""
 
     def to_dense(self) -> np.ndarray:
         raise ValueError("the rows of a dynamic table are keyed by id and have no dense form")

@@ -51,9 +51,10 @@ Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
              ``to_dense()`` scatters the values into zeros; repeated positions are summed
     sparse_bf16
              ``sparse`` rows whose values are rounded to bfloat16 as ``bf16`` does (the rows
-             of a row reply to a pull asking for "bf16"): the same indices frame, then a
-             values frame of nnz * prod(shape[1:]) little-endian 2-byte values. Decodes to
-             ``Sparse`` whose values are a fresh array of the logical dtype
+             of a row reply to a pull asking for "bf16", and row gradients pushed under
+             ``--compress bf16``): the same indices frame, then a values frame of
+             nnz * prod(shape[1:]) little-endian 2-byte values. Decodes to ``Sparse`` whose
+             values are a fresh array of the logical dtype
     keyed    rows of a dynamic table (``downpour.layers.DynamicEmbedding``): ``sparse``
              whose indices are ids of any int64 (or int32) value, not row numbers; the
              shape is the table's declared one. Decodes to ``Keyed``

@@ -33,6 +33,8 @@ from downpour.wire import (
     TOPK,
     BFloat16,
     FlatSparse,
+    Keyed,
+    KeyedBF16,
     Limits,
     Message,
     ProtocolError,
@@ -436,6 +438,7 @@ def test_fuzz_compressed_frames_decode_or_protocol_error(
     [
         ("none", NoCompression, "none"),
         ("BF16", BF16Compression, "bf16"),
+        ("bf16:Dense", BF16Compression, "bf16:dense"),
         ("topk:0.01", TopKCompression, "topk:0.01"),
         (" topk:1 ", TopKCompression, "topk:1"),
         ("topk:1e-3", TopKCompression, "topk:0.001"),
@@ -458,7 +461,8 @@ def test_parse_compression(text: str, cls: type, spec: str) -> None:
         ("topk:inf", r"\(0, 1\]"),
         ("topk:abc", r"number"),
         ("topk", r"compression 'topk': expected topk:RATIO with a number RATIO in \(0, 1\]"),
-        ("gzip", r"unknown compression 'gzip'.*none, bf16, topk:RATIO"),
+        ("gzip", r"unknown compression 'gzip'.*none, bf16, bf16:dense, topk:RATIO"),
+        ("bf16:rows", r"unknown compression 'bf16:rows'"),
     ],
 )
 def test_parse_compression_errors(text: str, match: str) -> None:
@@ -475,7 +479,12 @@ def test_a_topk_range_error_is_the_constructors_prefixed_with_the_text() -> None
 
 
 def test_every_compression_form_parses_is_listed_and_is_the_docs_table() -> None:
-    examples = {"none": "none", "bf16": "bf16", "topk:RATIO": "topk:0.01"}
+    examples = {
+        "none": "none",
+        "bf16": "bf16",
+        "bf16:dense": "bf16:dense",
+        "topk:RATIO": "topk:0.01",
+    }
     assert list(COMPRESSIONS.forms) == list(examples)
     for form, text in examples.items():
         assert parse_compression(text).spec == text
@@ -515,12 +524,42 @@ def test_bf16_halves_the_bytes_within_bf16_precision() -> None:
         assert rel.max() > 2.0**-12  # and it did round
 
 
-def test_bf16_passes_sparse_and_integers_through() -> None:
-    s = Sparse(np.array([1]), np.ones((1, 2), np.float32), (3, 2))
+def test_bf16_passes_integers_and_float16_through() -> None:
     i = np.arange(4, dtype=np.int32)
     h = np.ones(3, np.float16)
-    out = BF16Compression().compress([s, i, h])
-    assert out[0] is s and out[1] is i and out[2] is h
+    hs = Sparse(np.array([1]), np.ones((1, 2), np.float16), (3, 2))
+    for c in (BF16Compression(), BF16Compression(rows=False)):
+        out = c.compress([i, h, hs])
+        assert out[0] is i and out[1] is h and out[2] is hs
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_bf16_rounds_rows_and_bf16_dense_sends_them_in_float32(keyed: bool) -> None:
+    rng = np.random.default_rng(3)
+    kind = Keyed if keyed else Sparse
+    ids = np.array([7, 2**40, 11] if keyed else [0, 4, 9], np.int64)
+    s = kind(ids, rng.standard_normal((3, 16)).astype(np.float32), (10, 16))
+    d = rng.standard_normal((4, 4)).astype(np.float32)
+    rows = BF16Compression()
+    out = rows.compress([s, d])
+    assert isinstance(out[0], KeyedBF16 if keyed else SparseBF16)
+    assert isinstance(out[1], BFloat16)
+    index_bytes, values = 3 * 8, 3 * 16 * 4
+    assert rows.raw_bytes == index_bytes + values + d.nbytes
+    assert rows.sent_bytes == index_bytes + values // 2 + d.nbytes // 2
+    assert rows.encodings == {"bf16", "sparse_bf16", "keyed_bf16"}
+    (got, _) = decode(as_bytes(encode(push(out)))).tensors.values()
+    assert type(got) is kind and got.values.dtype == np.float32
+    assert np.array_equal(got.indices, ids) and got.dense_shape == (10, 16)
+    rel = np.abs(got.values - s.values) / np.abs(s.values)
+    assert 2.0**-12 < rel.max() <= 2.0**-8
+
+    dense_only = BF16Compression(rows=False)
+    out = dense_only.compress([s, d])
+    assert out[0] is s and isinstance(out[1], BFloat16)
+    assert dense_only.sent_bytes == index_bytes + values + d.nbytes // 2
+    assert dense_only.encodings == {"bf16"}
+    assert dense_only.spec == "bf16:dense"
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,12 @@ def old_server() -> Iterator[int]:
 
 
 @pytest.mark.parametrize(
-    ("settings", "encoding"), [({"compress": "topk:0.01"}, "topk"), ({}, "bf16")]
+    ("settings", "encoding"),
+    [
+        ({"compress": "topk:0.01"}, "topk encoding"),
+        ({}, "bf16, keyed_bf16, sparse_bf16 encodings"),
+        ({"compress": "bf16:dense"}, "bf16 encoding"),
+    ],
 )
 def test_worker_refuses_a_compression_the_server_cannot_decode(
     old_server: int, settings: dict, encoding: str
@@ -172,7 +177,7 @@ def test_worker_refuses_a_compression_the_server_cannot_decode(
 
     worker = make_worker(old_server, steps=5, **settings)
     try:
-        with pytest.raises(WorkerError, match=f"cannot decode the {encoding} encoding") as err:
+        with pytest.raises(WorkerError, match=f"cannot decode the {encoding} that") as err:
             worker.run()
     finally:
         worker.close()
@@ -196,6 +201,8 @@ def test_worker_process_refuses_a_compression_the_server_cannot_decode(
         ({"compress": "bf16"}, True, None),
         ({"n_push": 2}, False, "--n-push 2 averages"),
         ({"compress": "bf16", "n_push": 2}, False, "--n-push 2 averages"),
+        ({"compress": "bf16:dense"}, True, None),
+        ({"compress": "bf16:dense", "n_push": 2}, False, "--compress bf16:dense: gradients"),
         ({"compress": "none"}, False, None),
         ({"compress": "topk:0.01"}, False, None),
     ],

@@ -1,4 +1,4 @@
-"""Gradient compression for pushes (``downpour worker --compress none|bf16|topk:RATIO``).
+"""Gradient compression for pushes (``downpour worker --compress none|bf16|bf16:dense|topk:RATIO``).
 
 ``COMPRESSIONS`` is the one table of ``--compress`` forms: ``parse_compression``,
 ``COMPRESSION_FORMS`` (the forms in error messages), ``COMPRESSION_HELP`` (the option's help)
@@ -6,15 +6,19 @@ and the table in docs/policies.md (compared with it by ``tests/test_compress.py`
 from it.
 
 A compressor turns the gradient list of one push into the tensors of its ``Message``
-(``downpour.wire`` encodes them: ``bf16`` and ``topk`` encodings) and counts the payload
+(``downpour.wire`` encodes them: ``bf16``, ``sparse_bf16``, ``keyed_bf16`` and ``topk``
+encodings) and counts the payload
 bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulatively.
 
 - ``none``: the gradients as they are.
-- ``bf16``: each float32/float64 tensor rounded to the nearest bfloat16 (ties to even):
-  half the bytes of float32, 8 significant bits (relative error at most 2**-8). The server
-  decodes it back to float32. A worker whose compiled step already rounded its dense
+- ``bf16``: each float32/float64 gradient rounded to the nearest bfloat16 (ties to even):
+  half the bytes of float32, 8 significant bits (relative error at most 2**-8), dense
+  gradients and the values of row-sparse ones alike (rows go as ``sparse_bf16``, a dynamic
+  table's as ``keyed_bf16``: the ids as they are, the values in half the bytes). The server
+  decodes them back to float32. A worker whose compiled step already rounded its dense
   float32 gradients (``GradientStep(round_bf16=True)``) hands them over as ``BFloat16``,
-  which this compressor passes on as they are and the others refuse.
+  which the bf16 compressors pass on as they are and the others refuse.
+- ``bf16:dense``: ``bf16`` for dense gradients only; rows go in float32.
 - ``topk:RATIO`` (0 < RATIO <= 1), with error feedback: per variable a float32 residual ``r``
   is kept; each push computes ``v = r + g``, sends the ``k = max(1, ceil(RATIO * size))``
   entries of largest ``|v|`` (``np.argpartition``: linear, no full sort) and keeps
@@ -27,12 +31,13 @@ bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulativel
   (RATIO >= 0.5 with int32 indices), the whole of ``v`` is sent dense and the residual is
   cleared: more information for no more bytes.
 
-Row-sparse gradients (``wire.Sparse``, from ``tf.IndexedSlices``, e.g. embeddings) and
-non-float tensors are passed through unchanged by every compressor: they already carry only
-the touched rows, and densifying an embedding gradient to top-k it would cost far more than
-it saves. A gradient with a NaN or Inf never enters a top-k residual (it would stay there and
-every later push would be refused): it is sent dense as it is, for the server to refuse and
-count as ``nonfinite``, and the residual is left as it was.
+Row-sparse gradients (``wire.Sparse``, from ``tf.IndexedSlices``, e.g. embeddings) are
+rounded by ``bf16`` and passed through unchanged by the other compressors: they already carry
+only the touched rows, and densifying an embedding gradient to top-k it would cost far more
+than it saves. Non-float tensors are passed through by every compressor. A gradient with a
+NaN or Inf never enters a top-k residual (it would stay there and every later push would be
+refused): it is sent dense as it is, for the server to refuse and count as ``nonfinite``,
+and the residual is left as it was.
 
 Residuals are kept by position in the list: give one compressor the same variables in the
 same order every push (with sharded servers, one compressor per shard, fed that shard's list
@@ -53,23 +58,26 @@ import numpy as np
 
 from downpour import wire
 from downpour.forms import Form, Forms, literal, pattern
-from downpour.wire import BFloat16, FlatSparse, Sparse, Tensor, WireTensor
+from downpour.wire import BFloat16, FlatSparse, Sparse, SparseBF16, Tensor, WireTensor
 
 
 def raw_bytes(t: WireTensor) -> int:
     """Bytes a gradient's payload takes uncompressed: a ``BFloat16`` (rounded in the step)
-    at its logical dtype's width, anything else as ``payload_bytes``."""
+    or ``SparseBF16`` at its logical dtype's width, anything else as ``payload_bytes``."""
     if isinstance(t, BFloat16):
         return t.values.size * t.dtype.itemsize
+    if isinstance(t, SparseBF16):
+        return payload_bytes(t) + t.values.size * (t.dtype.itemsize - 2)
     return payload_bytes(t)
 
 
 def payload_bytes(t: WireTensor) -> int:
     """Bytes a tensor's frames take on the wire (indices and values; header not included)."""
-    if isinstance(t, Sparse | FlatSparse):
+    if isinstance(t, Sparse | FlatSparse | SparseBF16):
         idx = np.asarray(t.indices)
         isz = idx.dtype.itemsize if idx.dtype.name in wire.INDEX_DTYPES else 8
-        return idx.size * isz + np.asarray(t.values).nbytes
+        values = np.asarray(t.values)
+        return idx.size * isz + (values.size * 2 if isinstance(t, SparseBF16) else values.nbytes)
     if isinstance(t, BFloat16):
         return t.values.size * 2
     return np.asarray(t).nbytes
@@ -97,6 +105,11 @@ class Compressor(ABC):
     def _compress(self, i: int, g: np.ndarray) -> WireTensor:
         """Compress variable ``i``'s dense float gradient."""
 
+    def _rows(self, g: Sparse) -> WireTensor:
+        """A row-sparse gradient (``Sparse`` or ``Keyed``) to send: as it is, unless the
+        compressor rounds rows."""
+        return g
+
     def compress(self, grads: Sequence[Tensor | BFloat16]) -> list[WireTensor]:
         """One push's gradients (variable order) -> tensors for ``Message.tensors``, same order.
         A ``BFloat16`` gradient (rounded in the worker's step) is taken only by ``bf16``."""
@@ -107,7 +120,7 @@ class Compressor(ABC):
                     raise ValueError(f"{self.spec}: gradient {i} is already rounded to bf16")
                 t: WireTensor = g  # rounded as bf16 would round it
             elif isinstance(g, Sparse):
-                t = g  # already row-sparse: passed through
+                t = self._rows(g)
             else:
                 a = np.asarray(g)
                 t = self._compress(i, a) if a.dtype.name in wire.BF16_DTYPES else a
@@ -150,16 +163,28 @@ class NoCompression(Compressor):
 
 
 class BF16Compression(Compressor):
-    """Rounds float tensors to bfloat16 (nearest, ties to even): 2 bytes per element."""
+    """Rounds float tensors to bfloat16 (nearest, ties to even): 2 bytes per element.
+    ``rows``: row-sparse gradients' values too (``bf16``); without, only dense gradients
+    (``bf16:dense``)."""
 
-    encodings = frozenset({wire.BF16})
+    def __init__(self, rows: bool = True) -> None:
+        super().__init__()
+        self.rows = rows
+        self.encodings = (
+            frozenset({wire.BF16, wire.SPARSE_BF16, wire.KEYED_BF16})
+            if rows
+            else frozenset({wire.BF16})
+        )
 
     @property
     def spec(self) -> str:
-        return "bf16"
+        return "bf16" if self.rows else "bf16:dense"
 
     def _compress(self, i: int, g: np.ndarray) -> WireTensor:
         return wire.as_bf16(g)
+
+    def _rows(self, g: Sparse) -> WireTensor:
+        return wire.as_bf16(g) if self.rows else g
 
 
 class TopKCompression(Compressor):
@@ -223,7 +248,16 @@ COMPRESSIONS: Forms[Compressor] = Forms(
     "compression",
     {
         "none": Form(pattern(r"(?:none)?"), NoCompression, "the gradients as they are"),
-        "bf16": Form(literal("bf16"), BF16Compression, "rounded to bfloat16: half the bytes"),
+        "bf16": Form(
+            literal("bf16"),
+            BF16Compression,
+            "rounded to bfloat16, dense gradients and rows alike: half the bytes",
+        ),
+        "bf16:dense": Form(
+            literal("bf16:dense"),
+            lambda: BF16Compression(rows=False),
+            "dense gradients rounded to bfloat16, rows sent in float32",
+        ),
         "topk:RATIO": Form(
             pattern(r"topk:(?P<ratio>.+)", ratio=float),
             TopKCompression,
@@ -239,5 +273,6 @@ COMPRESSION_HELP = COMPRESSIONS.help("gradient compression")
 
 def parse_compression(text: str) -> Compressor:
     """A fresh Compressor from its text, one of ``COMPRESSIONS``'s forms (``none`` or empty,
-    ``bf16``, ``topk:RATIO``; case and surrounding spaces ignored); ValueError otherwise."""
+    ``bf16``, ``bf16:dense``, ``topk:RATIO``; case and surrounding spaces ignored);
+    ValueError otherwise."""
     return COMPRESSIONS.parse(text)

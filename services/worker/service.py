@@ -52,6 +52,7 @@ from downpour.pipeline import (
 )
 from downpour.spec import ModelSpec
 from downpour.transport import make_context
+from downpour.worker.compress import parse_compression
 from downpour.worker.errors import WorkerError, translated
 from downpour.worker.puller import Puller
 from downpour.worker.pusher import Pusher
@@ -177,10 +178,11 @@ class Worker:
         return step
 
     def _rounds_in_step(self) -> bool:
-        """Whether the compiled step rounds the gradients for ``--compress bf16``: only a
-        push of one step's gradients from a Keras step (a warning names why not)."""
+        """Whether the compiled step rounds the dense gradients for ``--compress bf16`` (or
+        ``bf16:dense``): only a push of one step's gradients from a Keras step (a warning
+        names why not). Rows are rounded by the compressor: they are few values a step."""
         cfg = self.config
-        if cfg.compress != "bf16":
+        if wire.BF16 not in parse_compression(cfg.compress).encodings:
             return False
         why = (
             f"--n-push {cfg.n_push} averages several steps' gradients before the push"
@@ -192,8 +194,9 @@ class Worker:
         if why is not None:
             self.notices.warn(
                 log,
-                "--compress bf16: gradients are rounded in NumPy at each push, not in the "
+                "--compress %s: gradients are rounded in NumPy at each push, not in the "
                 "compiled step, because %s",
+                cfg.compress,
                 why,
             )
         return why is None

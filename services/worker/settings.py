@@ -144,7 +144,7 @@ COMPRESS = Option(
     "bf16",
     COMPRESSION_HELP + ". The default is bf16: the convergence study found it free (the "
     "same updates to its targets at 1, 4 and 8 workers, for half the bytes of every dense "
-    "gradient: docs/policies.md); none pushes float32",
+    "gradient and of every row's values: docs/policies.md); none pushes float32",
     _TRAIN,
     type=compression_text,
     metavar="MODE",
