@@ -43,7 +43,9 @@ Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
 ``--pull-compress``)::
 
     dense    the tensor's bytes as they are
-    sparse   ``tf.IndexedSlices`` rows: decodes to ``Sparse``; repeated rows are summed
+    sparse   ``tf.IndexedSlices`` rows: decodes to ``Sparse``; repeated rows are summed.
+             A worker pushes each row once, by int32 row number when the table has fewer
+             than 2**31 rows (``pushed_rows``)
     bf16     a float tensor rounded to bfloat16 (the upper 16 bits of a float32, rounded to
              nearest even): one frame of prod(shape) little-endian 2-byte values. Decodes to
              a fresh array of the logical dtype (a float32 gradient stays float32)
@@ -210,6 +212,7 @@ from downpour.payloads import (
     densify,
     logical_dtype,
     logical_shape,
+    pushed_rows,
 )
 from downpour.protocol import (
     DEFAULT_LIMITS,
@@ -349,6 +352,7 @@ __all__ = [
     "logical_shape",
     "pull_request",
     "push_message",
+    "pushed_rows",
     "request_max_bytes",
     "split_reply",
     "split_request",

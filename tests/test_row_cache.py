@@ -98,10 +98,12 @@ def test_a_cached_tables_gradient_names_global_rows_of_the_tables_shape() -> Non
     cache = RowCache(rows=1000, dim=2, capacity=4)
     cache.begin_batch(np.array([900, 7], np.int64), now=0)
     slots = cache.place(np.array([7, 900], np.int64), until=0, current=True)
-    values = np.ones((3, 2), np.float32)
+    values = np.array([[1, 2], [3, 4], [5, 6]], np.float32)
     g = tf.IndexedSlices(tf.constant(values), tf.constant(slots[[1, 0, 1]]), tf.constant([4, 2]))
     sparse = cache.gradient(g)
-    assert sparse.indices.tolist() == [900, 7, 900] and tuple(sparse.dense_shape) == (1000, 2)
+    # global ids, each once (900's two rows summed), int32 below 2**31 rows
+    assert sparse.indices.tolist() == [7, 900] and sparse.indices.dtype == np.int32
+    assert sparse.values.tolist() == [[3, 4], [6, 8]] and tuple(sparse.dense_shape) == (1000, 2)
 
 
 def _applied(servers: list[Any], version: int) -> None:

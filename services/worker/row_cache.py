@@ -42,7 +42,7 @@ import tensorflow as tf
 from downpour.layers import DynamicEmbedding, served
 from downpour.models import gathered_ids, id_extractor
 from downpour.partition import Part
-from downpour.wire import Keyed, Sparse
+from downpour.wire import Keyed, Sparse, pushed_rows
 from downpour.worker.errors import WorkerError
 
 _scope = threading.local()  # .capacity: --row-cache-rows of the build running on this thread
@@ -184,15 +184,17 @@ class RowCache:
 
     def gradient(self, g: Any) -> Sparse:
         """The gradient of the cache variable (rows by slot, ``tf.IndexedSlices``) as the
-        table's: rows by global id, of the table's shape."""
+        table's: rows by global id, of the table's shape (a fixed table's each once,
+        ``wire.pushed_rows``)."""
         if not isinstance(g, tf.IndexedSlices):
             raise WorkerError(
                 "a cached table's gradient is dense, not row-sparse: --row-cache-rows needs "
                 "tables whose gradient touches only the gathered rows"
             )
         slots = g.indices.numpy()
-        kind = Keyed if self.keyed else Sparse
-        return kind(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
+        if self.keyed:
+            return Keyed(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
+        return pushed_rows(Sparse(self.slot_ids[slots], g.values.numpy(), self.logical_shape))
 
 
 class _CachedEmbedding:

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from downpour.spec import ModelSpec
 from downpour.tensors import as_array, to_tensor
-from downpour.wire import BFloat16, Keyed, Sparse, Tensor, WireTensor, dedupe_rows
+from downpour.wire import BFloat16, Keyed, Sparse, Tensor, WireTensor, dedupe_rows, pushed_rows
 from downpour.worker.row_cache import RowCache
 
 
@@ -30,10 +30,11 @@ def batch_signature(element_spec: Any) -> Any:
 
 
 def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:
-    """A gradient as the protocol sends it: an ndarray, or Sparse for IndexedSlices."""
+    """A gradient as the protocol sends it: an ndarray, or Sparse for IndexedSlices (each
+    row once, ``wire.pushed_rows``)."""
     if isinstance(g, tf.IndexedSlices):
         shape = tuple(int(d) for d in g.dense_shape.numpy())
-        return Sparse(as_array(g.indices), as_array(g.values), shape)
+        return pushed_rows(Sparse(as_array(g.indices), as_array(g.values), shape))
     return as_array(g)
 
 
@@ -225,10 +226,12 @@ def _as_sparse(a: np.ndarray) -> Sparse:
 
 
 def _merged(g: Tensor) -> Tensor:
-    """A dynamic table's accumulated rows with each id once, their rows summed: a push
-    carries each id of its batches once."""
+    """Accumulated rows with each id once, their rows summed: a push carries each id of its
+    batches once."""
     if isinstance(g, Keyed):
         return Keyed(*dedupe_rows(g.indices, g.values), g.dense_shape)
+    if isinstance(g, Sparse):
+        return pushed_rows(g)
     return g
 
 

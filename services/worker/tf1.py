@@ -24,16 +24,17 @@ import tensorflow as tf
 from downpour.models import describe_variables, fingerprint_of
 from downpour.models_tf1 import Tf1Graph
 from downpour.spec import ModelSpec
-from downpour.wire import Sparse, Tensor
+from downpour.wire import Sparse, Tensor, pushed_rows
 
 log = logging.getLogger("downpour.worker")
 
 
 def _to_wire(value: object) -> Tensor:
-    """A fetched gradient as the protocol sends it: an ndarray, or Sparse for IndexedSlices."""
+    """A fetched gradient as the protocol sends it: an ndarray, or Sparse for IndexedSlices
+    (each row once, as ``wire.pushed_rows`` sends a table's rows)."""
     if hasattr(value, "indices") and hasattr(value, "dense_shape"):  # IndexedSlicesValue
         shape = tuple(int(d) for d in value.dense_shape)
-        return Sparse(np.asarray(value.indices), np.asarray(value.values), shape)
+        return pushed_rows(Sparse(np.asarray(value.indices), np.asarray(value.values), shape))
     return np.asarray(value)
 
 
