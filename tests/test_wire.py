@@ -1533,3 +1533,18 @@ def test_all_finite_accepts_huge_finite_values(dtype: str) -> None:
     a = np.array([big, big, -big, 1.0], dtype=dtype)
     assert all_finite(a)
     assert all_finite(np.zeros(0, dtype)) and all_finite(np.arange(5))
+
+
+def test_pushed_rows_sends_each_row_once_by_int32_id_and_keyed_rows_as_they_are() -> None:
+    from downpour.wire import pushed_rows
+
+    values = np.arange(8, dtype=np.float32).reshape(4, 2)
+    s = Sparse(np.array([9, 2, 9, 0], np.int64), values, (10, 2))
+    out = pushed_rows(s)
+    assert out.indices.tolist() == [0, 2, 9] and out.indices.dtype == np.int32
+    assert out.values.tolist() == [[6, 7], [2, 3], [4, 6]]  # row 9: [0, 1] + [4, 5]
+    np.testing.assert_array_equal(out.to_dense(), s.to_dense())  # the same update
+    big = pushed_rows(Sparse(np.array([2**31, 5], np.int64), values[:2], (2**31 + 1, 2)))
+    assert big.indices.tolist() == [5, 2**31] and big.indices.dtype == np.int64
+    keyed = Keyed(np.array([7, 7], np.int64), values[:2], (10, 2))
+    assert pushed_rows(keyed) is keyed  # occurrences count for admission on the server
