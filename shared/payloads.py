@@ -44,6 +44,12 @@ def dedupe_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     return rows.astype(np.int64), summed
 
 
+def row_numbers(ids: np.ndarray, rows: int) -> np.ndarray:
+    """Row numbers of a table of ``rows`` rows as the wire sends them: int32 when every row
+    number fits (``rows`` <= 2**31 - 1), half the bytes of int64; int64 otherwise."""
+    return ids.astype(np.int32 if rows <= np.iinfo(np.int32).max else np.int64, copy=False)
+
+
 def pushed_rows(s: Sparse) -> Sparse:
     """A fixed table's row gradient as a push sends it: each row once, its repeats summed
     (as the server sums them before it applies them; a ``bf16`` push then rounds each sum
@@ -53,9 +59,7 @@ def pushed_rows(s: Sparse) -> Sparse:
     if isinstance(s, Keyed):
         return s
     rows, values = dedupe_rows(np.asarray(s.indices), np.asarray(s.values))
-    if s.dense_shape[0] <= np.iinfo(np.int32).max:
-        rows = rows.astype(np.int32)
-    return Sparse(rows, values, tuple(s.dense_shape))
+    return Sparse(row_numbers(rows, s.dense_shape[0]), values, tuple(s.dense_shape))
 
 
 @dataclass(frozen=True)

@@ -117,12 +117,14 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              1-D int32/int64 list (``rows_dtype``; another encoding: ``bad_header``), ids
              < 0 (``rows_negative``) and ids >= the table's rows (``rows_range``), in that
              order; it removes duplicates before gathering.
-    reply    a weights message. Each requested table comes as a ``sparse`` tensor: its
-             unique requested ids (sorted, int64) and those rows' values at the reply's
-             base_version; an empty id list gives an empty table entry. A request body
-             with "encoding": "bf16" gets float32 and float64 tables' rows as
-             ``sparse_bf16`` (ids int64 as ever, values in half the bytes) and the whole
-             variables as ``bf16``. The other variables
+    reply    a weights message. Each requested table comes as a ``sparse`` tensor (a
+             dynamic table's as ``keyed``): its unique requested ids, sorted (int32 when
+             the table's rows on the shard number fewer than 2**31, ``row_numbers``; a
+             dynamic table's int64), and those rows' values at the reply's base_version; an
+             empty id list gives an empty table entry. A request body with "encoding":
+             "bf16" gets float32 and float64 tables' rows as ``sparse_bf16`` (the same ids,
+             values in half the bytes) and the whole variables as ``bf16``. A worker asks
+             for a fixed table's rows by int32 ids where they fit, too. The other variables
              come whole as in a plain pull (a row-sparse table not named in the request, too:
              that is a first full load), or are left out with body {"unchanged": true} when
              the sender's "have" is still current: "unchanged" then speaks of the whole
@@ -213,6 +215,7 @@ from downpour.payloads import (
     logical_dtype,
     logical_shape,
     pushed_rows,
+    row_numbers,
 )
 from downpour.protocol import (
     DEFAULT_LIMITS,
@@ -354,6 +357,7 @@ __all__ = [
     "push_message",
     "pushed_rows",
     "request_max_bytes",
+    "row_numbers",
     "split_reply",
     "split_request",
     "status_reply",

@@ -79,7 +79,8 @@ def test_a_row_pull_of_a_million_row_table_carries_the_requested_rows_only(
         np.testing.assert_array_equal(rows.indices, np.unique(ids))  # duplicates removed
         np.testing.assert_array_equal(rows.values, table[np.unique(ids)])
         sizes[n] = sum(len(f) for f in raw[1:])
-        assert sizes[n] == n * (16 * 4 + 8)  # the rows' values and their int64 ids, no more
+        assert rows.indices.dtype == np.int32  # a million rows: int32 numbers them
+        assert sizes[n] == n * (16 * 4 + 4)  # the rows' values and their int32 ids, no more
     assert sizes[1000] == 100 * sizes[10]  # grows with the ids, not with the 64 MB table
     print(
         f"row pull reply payload: 10 ids {sizes[10]} B, 1000 ids {sizes[1000]} B "
@@ -128,7 +129,7 @@ def test_a_bf16_row_pull_sends_the_rows_values_in_half_the_bytes() -> None:
         f"row reply of {ids.size} rows x {table.shape[1]}: float32 ids {ids32} B + values "
         f"{values32} B, bf16 ids {ids16} B + values {values16} B"
     )
-    assert ids16 == ids32 == ids.size * 8  # the ids stay int64
+    assert ids16 == ids32 == ids.size * 4  # the same int32 ids (a 5,000-row table)
     assert 2 * values16 == values32 == ids.size * table.shape[1] * 4
     rows = b16.tensors[TABLE]
     assert isinstance(rows, wire.Sparse) and rows.values.dtype == np.float32

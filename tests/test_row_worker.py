@@ -83,6 +83,8 @@ def test_a_split_tables_ids_are_routed_to_their_shard_rebased() -> None:
     per_shard = plan.wanted(ids, [0, 0])
     assert per_shard[0][f"{TABLE}[0:50000]"].tolist() == [3, 49_999]
     assert per_shard[1][f"{TABLE}[50000:100000]"].tolist() == [0, 25_049]
+    # a fixed table's ids go as int32: half the bytes of a request's id frame
+    assert all(ids.dtype == np.int32 for shard in per_shard for ids in shard.values())
 
 
 def test_lookahead_shows_the_coming_batches_and_keeps_each_ones_split_end() -> None:

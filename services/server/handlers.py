@@ -445,8 +445,11 @@ def row_reply(
     for i, name in enumerate(state.names):
         ids = rows.get(i)
         if ids is not None:
-            kind = wire.Keyed if state.dynamic[i] else wire.Sparse
-            t = kind(ids, state.gather(i, ids), state.shapes[i])
+            if state.dynamic[i]:
+                t = wire.Keyed(ids, state.gather(i, ids), state.shapes[i])
+            else:
+                numbers = wire.row_numbers(ids, state.shapes[i][0])
+                t = wire.Sparse(numbers, state.gather(i, ids), state.shapes[i])
             tensors[name] = wire.as_bf16(t) if bf16 else t
             counters["rows_served"] += len(ids)
             if isinstance(tensors[name], wire.SparseBF16):

@@ -213,14 +213,18 @@ class RowPlan:
         ``ahead`` (per shard, or one for all): how many versions on the reply of a
         look-ahead pull will likely be.
         Every table piece of a shard is named, with an empty list when no row of it is
-        stale: a pull that names no table would get the tables whole."""
+        stale: a pull that names no table would get the tables whole. A fixed table's ids
+        go as int32 below 2**31 rows (``wire.row_numbers``)."""
         out: list[dict[str, np.ndarray]] = [{} for _ in versions]
         steps = [ahead] * len(versions) if isinstance(ahead, int) else list(ahead)
         for table, table_ids in zip(self.tables, ids, strict=True):
             for k, part, local in self.partition.route_rows(table.var, table_ids):
                 fetched = table.fetched_at(part.global_rows(local))
                 stale = (fetched < 0) | (fetched < versions[k] + steps[k] - self.staleness)
-                out[k][part.wire_name] = local[stale]  # never fetched (-1) is always stale
+                wanted = local[stale]  # never fetched (-1) is always stale
+                if not part.dynamic:
+                    wanted = wire.row_numbers(wanted, part.part_shape[0])
+                out[k][part.wire_name] = wanted
         return out
 
     @staticmethod
