@@ -206,9 +206,13 @@ class ShardClient:
     ) -> Weights:
         """The server's weights (or "unchanged" when ``body.have`` is still current).
         ``rows``: a row request, the row ids wanted of each row-sparse table by wire name
-        (the reply carries those rows as ``wire.Sparse``; see ``downpour.wire``)."""
+        (the reply carries those rows as ``wire.Sparse``; see ``downpour.wire``). Counts the
+        reply's size as received in ``counters["bytes_received"]``."""
         msg = wire.pull_request(self.sender, body, rows)
         reply = wire.expect(self.request(msg), wire.WEIGHTS)
+        self.counters["bytes_received"] = self.counters.get("bytes_received", 0) + (
+            self.req.reply_bytes
+        )
         return Weights(reply.base_version, wire.PullReply.from_body(reply.body), reply.tensors)
 
     def heartbeat(

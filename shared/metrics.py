@@ -549,7 +549,16 @@ WORKER_REPORTED: tuple[MetricInfo, ...] = (
         "downpour_worker_pulled_bytes_total",
         COUNTER,
         "bytes",
-        "Tensor bytes received in weight pulls (whole variables and table rows).",
+        "Tensor bytes received in weight pulls (whole variables and table rows), as float32 "
+        "once widened (bytes_received: as they travelled).",
+    ),
+    MetricInfo(
+        "bytes_received",
+        "downpour_worker_received_bytes_total",
+        COUNTER,
+        "bytes",
+        "Weight pull reply bytes as received (headers and frames; bf16 values at 2 bytes): "
+        "what the pulls moved, beside bytes_sent for the pushes.",
     ),
     MetricInfo(
         "rows_pulled",

@@ -171,6 +171,7 @@ class ReqClient:
         # The server's announced request limit (hello): a bigger request is refused here.
         self.max_request_bytes: int | None = None
         self.recreated = 0
+        self.reply_bytes = 0  # the last reply's size as received, every frame
         self.sock = self._open()
 
     def _open(self) -> zmq.Socket:
@@ -216,7 +217,9 @@ class ReqClient:
                 pass  # counts as no reply: recreate the socket and try again
             else:
                 if self.sock.poll(timeout_ms, zmq.POLLIN):
-                    return self.sock.recv_multipart(copy=False)
+                    reply = self.sock.recv_multipart(copy=False)
+                    self.reply_bytes = sum(memoryview(f).nbytes for f in reply)
+                    return reply
             log.debug("no reply from %s (attempt %d/%d)", self.endpoint, attempt + 1, attempts)
             self._reset()
         known = wire.REQUEST_MAX_BYTES if limit is None else limit

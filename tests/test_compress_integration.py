@@ -244,3 +244,18 @@ def test_a_bf16_push_rounded_in_numpy_is_a_notice_in_the_servers_status(
     assert doc["workers"]["fast"]["notices"] == []
     warned = [line for line in render(doc).splitlines() if line.startswith("WARNING: worker")]
     assert warned == [f"WARNING: worker slow: {notice}"]
+
+
+@pytest.mark.parametrize("pull_compress", ["bf16", "none"])
+def test_bytes_received_counts_the_pull_replies_as_they_travelled(pull_compress: str) -> None:
+    """``bytes_pulled`` counts the pulled tensors once widened to float32; ``bytes_received``
+    the replies' frames: half of that under bf16 pulls, all of it under float32, plus one
+    header per pull (an "unchanged" reply is a header alone)."""
+    from inproc import serving, train
+
+    with serving() as server:
+        s = train(server.port, steps=12, worker_id="w", n_fetch=1, pull_compress=pull_compress)
+    share = 0.5 if pull_compress == "bf16" else 1.0
+    tensors = share * s["bytes_pulled"]
+    assert s["bytes_pulled"] > 0 and s["pulls"] >= 12
+    assert tensors < s["bytes_received"] <= tensors + 1024 * s["pulls"]
