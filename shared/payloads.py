@@ -153,10 +153,9 @@ class BFloat16:
 class SparseBF16:
     """Rows of a row-sparse tensor to send with their values in bfloat16 (a row pull under
     ``--pull-compress bf16``, a row gradient under ``--compress bf16``): ``Sparse`` at 2
-    bytes a value. ``values`` is an
-    ``ml_dtypes.bfloat16`` array of shape (nnz, *dense_shape[1:]); build it with
-    ``from_sparse``. Only encode takes it: decode hands back a ``Sparse`` whose values are
-    widened to ``dtype``."""
+    bytes a value. ``values`` is an ``ml_dtypes.bfloat16`` array of shape
+    (nnz, *dense_shape[1:]); build it with ``from_sparse``. Only encode takes it: decode
+    hands back a ``Sparse`` whose values are widened to ``dtype``."""
 
     indices: np.ndarray
     values: np.ndarray

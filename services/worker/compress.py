@@ -7,8 +7,8 @@ from it.
 
 A compressor turns the gradient list of one push into the tensors of its ``Message``
 (``downpour.wire`` encodes them: ``bf16``, ``sparse_bf16``, ``keyed_bf16`` and ``topk``
-encodings) and counts the payload
-bytes before (``raw_bytes``) and after (``sent_bytes``) compression, cumulatively.
+encodings) and counts the payload bytes before (``raw_bytes``) and after (``sent_bytes``)
+compression, cumulatively.
 
 - ``none``: the gradients as they are.
 - ``bf16``: each float32/float64 gradient rounded to the nearest bfloat16 (ties to even):
