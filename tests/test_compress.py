@@ -540,7 +540,7 @@ def test_bf16_rounds_rows_and_bf16_dense_sends_them_in_float32(keyed: bool) -> N
     ids = np.array([7, 2**40, 11] if keyed else [0, 4, 9], np.int64)
     s = kind(ids, rng.standard_normal((3, 16)).astype(np.float32), (10, 16))
     d = rng.standard_normal((4, 4)).astype(np.float32)
-    rows = BF16Compression()
+    rows = parse_compression("bf16")  # the default form rounds rows
     out = rows.compress([s, d])
     assert isinstance(out[0], KeyedBF16 if keyed else SparseBF16)
     assert isinstance(out[1], BFloat16)
@@ -554,7 +554,7 @@ def test_bf16_rounds_rows_and_bf16_dense_sends_them_in_float32(keyed: bool) -> N
     rel = np.abs(got.values - s.values) / np.abs(s.values)
     assert 2.0**-12 < rel.max() <= 2.0**-8
 
-    dense_only = BF16Compression(rows=False)
+    dense_only = parse_compression("bf16:dense")
     out = dense_only.compress([s, d])
     assert out[0] is s and isinstance(out[1], BFloat16)
     assert dense_only.sent_bytes == index_bytes + values + d.nbytes // 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from downpour import config
+from downpour.worker.compress import parse_compression
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig
 
 
@@ -27,6 +28,8 @@ def test_pulls_and_pushes_are_bf16_and_every_step_by_default() -> None:
     config = worker_config()
     assert config.pull_compress == "bf16"
     assert config.compress == "bf16"
+    # the default rounds rows too (docs/policies.md, "Rows in bfloat16": free in the study)
+    assert {"sparse_bf16", "keyed_bf16"} <= parse_compression(config.compress).encodings
     assert config.n_fetch == 1
     assert config.pull_bound == 0.0
 
