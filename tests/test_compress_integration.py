@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import Cluster, pull_weights, wait_until
-from inproc import Services, make_worker, settle
+from inproc import Services, make_worker, serving, settle, train
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -251,8 +251,6 @@ def test_bytes_received_counts_the_pull_replies_as_they_travelled(pull_compress:
     """``bytes_pulled`` counts the pulled tensors once widened to float32; ``bytes_received``
     the replies' frames: half of that under bf16 pulls, all of it under float32, plus one
     header per pull (an "unchanged" reply is a header alone)."""
-    from inproc import serving, train
-
     with serving() as server:
         s = train(server.port, steps=12, worker_id="w", n_fetch=1, pull_compress=pull_compress)
     share = 0.5 if pull_compress == "bf16" else 1.0
