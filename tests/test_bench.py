@@ -58,6 +58,10 @@ REQUIRED = {
         "ratio_1w_vs_tf_pss",
         "ratio_to_limit",
         "overhead_vs_tf_pss",
+        # the floor: the least worker against a server, the same cores
+        "floor_steps_per_s",
+        "floor_ratio_to_limit",
+        "floor_overhead_vs_tf_pss",
     ],
     # the fetch schedule: the pinned downpour set-up with --n-fetch 4 beside --n-fetch 1
     "n_fetch_4": [
@@ -151,6 +155,16 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     ):
         assert f"| {target}" in done.stdout  # each new target is judged in the table
     assert "| server, pinned | the floor under it" in done.stdout
+    assert "| e2e, pinned | the floor under it: the least worker" in done.stdout
+    pinned = doc["end_to_end"]["pinned"]
+    floor = pinned["detail"]["floor"]
+    assert floor and all(r["grad_traces"] == 1 and r["cpus"] == floor[0]["cpus"] for r in floor)
+    # the least worker loaded new weights on most steps, as a worker does from a server its
+    # pushes keep moving (a pull that overtakes the last push's apply comes back unchanged)
+    assert all(2 * r["pulls_with_weights"] >= r["steps"] for r in floor), floor
+    assert pinned["overhead_ms"]["floor"] == pytest.approx(
+        1e3 * (1 / pinned["floor_steps_per_s"] - 1 / pinned["grad_only_steps_per_s"])
+    )
     assert "| link 1 Gbit/s |" in done.stdout
     assert "--n-fetch 4 / 1" in done.stdout  # the fetch schedule's row
     sys.path.insert(0, str(BENCH.parent))
@@ -160,7 +174,6 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(BENCH.parent))
     # the pinned downpour set-up with the previous worker defaults, beside today's
-    pinned = doc["end_to_end"]["pinned"]
     new = pinned["defaults"]["previous"]
     assert new["worker_settings"] == bench_pinned.PREVIOUS_DEFAULTS
     assert pinned["defaults"]["current"]["ratio_to_limit"] == pinned["ratio_to_limit"]

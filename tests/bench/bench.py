@@ -286,6 +286,12 @@ def _pinned_rows(r: dict[str, Any]) -> list[str]:
         f"| e2e, pinned | **overhead per step beyond the gradient step, downpour / TF PSS** | "
         f"**{p['overhead_vs_tf_pss']:.2f}** ({p['overhead_ms']['downpour']:.1f} / "
         f"{p['overhead_ms']['tf_pss']:.1f} ms) |",
+        f"| e2e, pinned | the floor under it: the least worker (bf16 pull a step ahead, the "
+        f"step with its bf16 rounding, push, load; nothing else) on core 0, a server on core 1 "
+        f"| {p['floor_steps_per_s']:.2f} steps/s: **/ limit {p['floor_ratio_to_limit']:.2f}; "
+        f"overhead / TF PSS's {p['floor_overhead_vs_tf_pss']:.2f}** "
+        f"({p['overhead_ms']['floor']:.1f} ms); downpour's worker adds "
+        f"{p['overhead_beyond_floor_ms']:.1f} ms |",
         *_defaults_rows(p),
     ]
     for op in ("push", "pull", "pushpull"):

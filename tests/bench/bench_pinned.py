@@ -25,6 +25,10 @@ settings ``PREVIOUS_DEFAULTS`` names, the defaults before the last change), each
 own ratios against the same local, gradient-only and TF PSS figures; the section's top-level
 figures are the ``current`` set's.
 
+``end_to_end.pinned.floor_*``: the floor under the worker's overhead, measured in the same
+rounds: the least worker (``pinned.py least-worker``: bf16 pulls a step ahead, the gradient
+step with its bf16 rounding, pushes, nothing else) on core 0 against a real server on core 1.
+
 ``server.pinned_*``: the server on core 1 flooded by pre-encoded pushes from core 0, against
 the bare compiled apply and a memcpy of the gradient list measured on core 1 in the same run,
 and against the floor under its overhead: the least server (receive, decode, stage, apply;
@@ -88,7 +92,8 @@ def overhead_ratio(downpour: float, tf_pss: float, grad_only: float) -> float:
 
 
 def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
-    """The four pinned set-ups, ``plan.pinned_rounds`` rounds in turn, and their ratios."""
+    """The pinned set-ups (local and gradient-only, downpour per set of defaults, the least
+    worker, TF PSS), ``plan.pinned_rounds`` rounds in turn, and their ratios."""
     worker, server = host_cpus(0), host_cpus(1)
     k = FUSED_STEPS if plan.name != "smoke" else 2
     window = ["--warmup", str(plan.e2e_warmup_steps), "--windows", str(plan.e2e_windows)]
@@ -97,7 +102,7 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
     if plan.lean:  # the fused apply with several steps per schedule is TF's fastest here
         variants = f"fused:{FUSED_STEPS}"
     sets = default_sets()
-    rounds: dict[str, list[dict[str, Any]]] = {"local": [], "pss": []}
+    rounds: dict[str, list[dict[str, Any]]] = {"local": [], "pss": [], "floor": []}
     rounds |= {name: [] for name in sets}
     for r in range(plan.pinned_rounds):
         tag = f"pinned round {r + 1}/{plan.pinned_rounds}"
@@ -111,13 +116,15 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
                     worker_settings=settings,
                 )
             )  # fmt: skip
+        log(f"{tag}: the least worker on core {worker}, a server on core {server}")
+        rounds["floor"].append(worker_floor(procs, window))
         log(f"{tag}: TF PSS, worker on core {worker}, PS and coordinator on core {server}")
         rounds["pss"].append(
             bench_e2e.tf_parameter_server(
                 plan, procs, variants, cpus={"worker": worker, "ps": server, "chief": server}
             )
         )
-    rate = {k: median([x["steps_per_s"] for x in rounds[k]]) for k in ("pss", *sets)}
+    rate = {k: median([x["steps_per_s"] for x in rounds[k]]) for k in ("pss", "floor", *sets)}
     rate["local"] = median([x["local_steps_per_s"] for x in rounds["local"]])
     rate["grad"] = median([x["grad_only_steps_per_s"] for x in rounds["local"]])
     pss_variants = {
@@ -133,6 +140,7 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
         for name, settings in sets.items()
     }
     current = per_set["current"]
+    floor_ms = 1e3 * (1 / rate["floor"] - 1 / rate["grad"])
     rounds["dp"] = rounds.pop("current")
     return {
         "local_steps_per_s": rate["local"],
@@ -151,7 +159,13 @@ def end_to_end(plan: Plan, procs: Procs) -> dict[str, Any]:
         "overhead_ms": {
             "downpour": current["overhead_ms"],
             "tf_pss": 1e3 * (1 / rate["pss"] - 1 / rate["grad"]),
+            "floor": floor_ms,
         },
+        # the floor: the least worker (bf16 both ways, see worker_floor) on core 0
+        "floor_steps_per_s": rate["floor"],
+        "floor_ratio_to_limit": rate["floor"] / rate["grad"],
+        "floor_overhead_vs_tf_pss": overhead_ratio(rate["floor"], rate["pss"], rate["grad"]),
+        "overhead_beyond_floor_ms": current["overhead_ms"] - floor_ms,
         "downpour_staleness_mean": current["staleness_mean"],
         "downpour_cpu_cores": current["cpu_cores"],
         "defaults": per_set,
@@ -245,6 +259,20 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
         "pinned_floor_memcpys": floor_memcpys,
         "pinned_overhead_beyond_floor_memcpys": overhead_memcpys - floor_memcpys,
     }
+
+
+def worker_floor(procs: Procs, window: list[str]) -> dict[str, Any]:
+    """``pinned.py least-worker`` on core 0 against a real server on core 1: steps/s of the
+    least worker, one that pulls the weights in bf16 a step ahead, computes the gradient
+    step with its bf16 rounding, pushes, and loads the pulled weights, nothing else. A worker
+    that moves the worker defaults' bytes over TCP pays at least this; downpour's input
+    pipeline, fetcher thread and bookkeeping are what it adds on top."""
+    worker, core = host_cpus(0), host_cpus(1)
+    proc, info = start_server(procs, "server-floor", cpus=core)
+    try:
+        return child(procs, "least-worker", worker, [*window, "--server-port", str(info["port"])])
+    finally:
+        procs.stop(proc)
 
 
 def receive_floor(plan: Plan, procs: Procs) -> dict[str, Any]:

@@ -19,6 +19,13 @@
   (``ParameterState.apply``), nothing else: no policy, registry, statistics or status.
   ``send`` (another process, on another core) keeps it fed with the pre-encoded pushes
   ``flood`` sends. Its figure is milliseconds per apply over timed windows.
+* ``least-worker``: the floor under the pinned worker's overhead, the least worker there is
+  against a real server (``--server-port``): one thread that asks for the weights in bf16 a
+  step ahead, computes the gradient step (``GradientStep``, rounding to bf16 inside it as
+  the worker's default ``--compress bf16`` does), pushes the gradients, takes the reply and
+  loads it into the model (``GradientStep.prepare`` and ``set_weights``), nothing else: no
+  input pipeline, fetcher thread, statistics, heartbeats, checks or retries. Its figure is
+  steps/s over timed windows.
 """
 
 from __future__ import annotations
@@ -276,10 +283,93 @@ def receive(args: argparse.Namespace) -> dict[str, Any]:
     return {"ms_per_apply": median(ms), "windows_ms": ms}
 
 
+def least_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """The least worker; see the module docstring."""
+    import zmq
+    from bench_e2e import batches
+
+    from downpour import wire
+    from downpour.client import ShardClient
+    from downpour.models import fingerprint
+    from downpour.transport import make_context, tcp
+    from downpour.worker.step import GradientStep
+
+    spec = load_spec(SPEC)
+    data = load_mnist_5k()
+    model = build_model(spec, seed=0)
+    names = [v.path for v in model.trainable_variables]
+    step = GradientStep(spec, model, data.x_train[:1], round_bf16=True)
+    sender, server = "bench-least-worker", tcp("127.0.0.1", args.server_port)
+    ctx = make_context()
+    body = wire.HelloRequest(fingerprint(model.trainable_variables), spec.name)
+    hello = ShardClient(ctx, server, sender=sender, timeout_s=60.0).hello(body)
+    req = ctx.socket(zmq.REQ)
+    push = ctx.socket(zmq.PUSH)
+    for sock in (req, push):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        sock.setsockopt(zmq.SNDTIMEO, 60_000)
+    req.connect(server)
+    push.connect(tcp("127.0.0.1", hello.reply.push_port))
+    held = {"version": -1, "incarnation": None, "seq": 0, "pulled": 0}
+
+    def ask() -> None:
+        have = held["version"] if held["version"] >= 0 else None
+        body = wire.PullRequest(have, held["incarnation"], wire.BF16)
+        req.send_multipart(wire.encode(wire.pull_request(sender, body)), copy=False)
+
+    def take() -> None:
+        msg = wire.decode(req.recv_multipart(copy=False), wire.DEFAULT_LIMITS)
+        reply = wire.PullReply.from_body(msg.body)
+        if reply.unchanged:
+            return
+        step.set_weights(step.prepare(list(msg.tensors.values())))
+        held.update(version=msg.base_version, incarnation=reply.incarnation)
+        held["pulled"] += 1
+
+    it = batches(data, spec.batch_size, seed=0)
+
+    def one() -> float:
+        ask()  # a step ahead, as the worker's fetcher asks
+        loss, grads = step(*next(it))
+        held["seq"] += 1
+        body = wire.PushBody(loss=loss, batch_size=spec.batch_size, steps=held["seq"])
+        msg = wire.push_message(
+            sender, held["seq"], held["version"], body, dict(zip(names, grads, strict=True))
+        )
+        push.send_multipart(wire.encode(msg), copy=False)
+        take()
+        return loss
+
+    ask()
+    take()  # the initial weights
+    rates = _windows(one, args.warmup, args.window_steps, args.windows)
+    steps = held["seq"]
+    pulled = held["pulled"]
+    req.close()
+    push.close()
+    ctx.term()
+    return {
+        "steps_per_s": median(rates),
+        "windows": rates,
+        "steps": steps,
+        "pulls_with_weights": pulled,
+        "grad_traces": step.traces,
+    }
+
+
 def main() -> None:
     """Command line: one mode, its options; one JSON line on stdout."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("mode", choices=["compute", "bare-apply", "flood", "receive", "send"])
+    modes = {
+        "compute": compute,
+        "bare-apply": bare_apply,
+        "flood": flood,
+        "receive": receive,
+        "send": send,
+        "least-worker": least_worker,
+    }
+    p.add_argument("mode", choices=list(modes))
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--window-steps", type=int, default=50)
     p.add_argument("--windows", type=int, default=3)
@@ -293,14 +383,8 @@ def main() -> None:
     p.add_argument("--count", type=int, default=100, help="send: pushes to send")
     p.add_argument("--window-msgs", type=int, default=20, help="receive: messages per window")
     p.add_argument("--ready-file", help="receive: where to write the bound port")
+    p.add_argument("--server-port", type=int, default=0, help="least-worker: the server's")
     args = p.parse_args()
-    modes = {
-        "compute": compute,
-        "bare-apply": bare_apply,
-        "flood": flood,
-        "receive": receive,
-        "send": send,
-    }
     result = modes[args.mode](args)
     result["cpus"] = sorted(os.sched_getaffinity(0))
     result["tf_threads"] = [
