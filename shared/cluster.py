@@ -48,8 +48,12 @@ class Incompatible(Exception):
     """A shard's hello says it cannot decode an encoding this client sends.
 
     Recovery: none by retrying; upgrade the server or send another encoding. The message names
-    the server, the missing encodings and what the server decodes.
+    the server, the missing encodings and what the server decodes; ``missing`` lists them.
     """
+
+    def __init__(self, message: str, missing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 def partition_of(
@@ -320,7 +324,8 @@ class ShardSet:
             raise Incompatible(
                 f"server {shard.endpoint} cannot decode the {', '.join(missing)} "
                 f"encoding{'s' if len(missing) > 1 else ''} that {self.sends} sends (it "
-                f"decodes {', '.join(offered)})"
+                f"decodes {', '.join(offered)})",
+                missing,
             )
         self.policy = hello.reply.policy
         rows = hello.reply.row_tables

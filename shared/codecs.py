@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import ml_dtypes
@@ -29,7 +29,7 @@ from downpour.payloads import (
     Sparse,
     SparseBF16,
 )
-from downpour.protocol import R_DTYPE, R_HEADER, R_SHAPE, R_TRUNCATED, ProtocolError
+from downpour.protocol import R_COUNTS, R_DTYPE, R_HEADER, R_SHAPE, R_TRUNCATED, ProtocolError
 
 if TYPE_CHECKING:
     from downpour.payloads import WireTensor
@@ -41,6 +41,9 @@ TOPK = "topk"
 SPARSE_BF16 = "sparse_bf16"
 KEYED = "keyed"
 KEYED_BF16 = "keyed_bf16"
+KEYED_COUNTED = "keyed_counted"
+KEYED_COUNTED_BF16 = "keyed_counted_bf16"
+_COUNT_WIRE = np.dtype("<i4")  # a keyed_counted row's lookups
 
 _BF16_WIRE = np.dtype("<u2")  # bfloat16 bits as they travel; viewed as ml_dtypes.bfloat16
 
@@ -75,6 +78,10 @@ class Codec(ABC):
     name: ClassVar[str]
     carries: ClassVar[type]
     frames: ClassVar[int]
+
+    def takes(self, t: Any) -> bool:
+        """Whether this codec encodes ``t`` (by default: a ``carries``)."""
+        return isinstance(t, self.carries)
 
     @abstractmethod
     def encode(self, name: str, t: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -396,12 +403,15 @@ class SparseBF16Codec(SparseCodec):
 
 
 class KeyedCodec(SparseCodec):
-    """``keyed``: rows of a dynamic table, addressed by ids of any value; decodes to
-    ``Keyed``."""
+    """``keyed``: rows of a dynamic table, addressed by ids of any value, without counts;
+    decodes to ``Keyed``."""
 
     name = KEYED
     carries = Keyed
     decodes_to = Keyed
+
+    def takes(self, t: Any) -> bool:
+        return isinstance(t, self.carries) and t.counts is None
 
     def index_bound(self, shape: tuple[int, ...]) -> int | None:
         return None
@@ -414,8 +424,57 @@ class KeyedBF16Codec(SparseBF16Codec):
     carries = KeyedBF16
     decodes_to = Keyed
 
+    def takes(self, t: Any) -> bool:
+        return isinstance(t, self.carries) and t.counts is None
+
     def index_bound(self, shape: tuple[int, ...]) -> int | None:
         return None
+
+
+class _Counted(IndexedCodec):
+    """Keyed rows with their lookups: the ids and values frames of the base encoding, then
+    a counts frame of nnz little-endian int32, each >= 1 (R_COUNTS otherwise)."""
+
+    frames = 3
+
+    def takes(self, t: Any) -> bool:
+        return isinstance(t, self.carries) and t.counts is not None
+
+    def encode(self, name: str, t: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
+        desc, frames = super().encode(name, t)
+        counts = np.asarray(t.counts)
+        if counts.shape != (desc["nnz"],) or counts.dtype.kind not in "iu":
+            raise ValueError(f"{name!r}: counts must be {desc['nnz']} integers, got {counts.shape}")
+        return desc, [*frames, counts.astype(_COUNT_WIRE, copy=False)]
+
+    def check(
+        self, name: str, desc: dict[str, Any], dtype: np.dtype, shape: tuple[int, ...]
+    ) -> Checked:
+        checked = super().check(name, desc, dtype, shape)
+        return replace(checked, extra_bytes=checked.extra_bytes + checked.slot.nnz * 4)
+
+    def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
+        rows = super().decode(slot, bufs[:2])
+        check_frame(slot, bufs[2], slot.nnz * _COUNT_WIRE.itemsize, "count ")
+        counts = view(bufs[2], _COUNT_WIRE, (slot.nnz,))
+        if slot.nnz and int(counts.min()) < 1:
+            raise ProtocolError(R_COUNTS, f"{slot.name!r}: a row counted {int(counts.min())} times")
+        assert isinstance(rows, Keyed)
+        return replace(rows, counts=counts)
+
+
+class KeyedCountedCodec(_Counted, KeyedCodec):
+    """``keyed_counted``: ``keyed`` rows, each id once, with the lookups each sums (the rows
+    a worker pushes); decodes to ``Keyed`` with ``counts``."""
+
+    name = KEYED_COUNTED
+
+
+class KeyedCountedBF16Codec(_Counted, KeyedBF16Codec):
+    """``keyed_counted_bf16``: ``keyed_counted`` with bfloat16 values (pushed under
+    ``--compress bf16``); decodes to ``Keyed`` with ``counts``."""
+
+    name = KEYED_COUNTED_BF16
 
 
 # The encodings, by descriptor name: encode and decode go through this table only. A codec
@@ -424,10 +483,12 @@ CODECS: dict[str, Codec] = {
     c.name: c
     for c in (
         DenseCodec(),
+        KeyedCountedCodec(),
         KeyedCodec(),
         SparseCodec(),
         BF16Codec(),
         TopKCodec(),
+        KeyedCountedBF16Codec(),
         KeyedBF16Codec(),
         SparseBF16Codec(),
     )
@@ -439,6 +500,6 @@ def codec_for(t: Any) -> Codec:
     """The codec of a tensor to send: the one whose ``carries`` it is; anything else is an
     array-like, sent dense."""
     for codec in CODECS.values():
-        if isinstance(t, codec.carries):
+        if codec.takes(t):
             return codec
     return CODECS[DENSE]

@@ -100,7 +100,10 @@ class Part:
             if not isinstance(a, Keyed):
                 raise ValueError(f"{self.name}: a dynamic table's gradient must be Keyed rows")
             keep = self.mine(a.indices)
-            return a if keep.all() else Keyed(a.indices[keep], a.values[keep], a.dense_shape)
+            if keep.all():
+                return a
+            counts = None if a.counts is None else a.counts[keep]
+            return Keyed(a.indices[keep], a.values[keep], a.dense_shape, counts)
         if self.whole:
             return a
         if isinstance(a, Sparse):
@@ -117,9 +120,10 @@ class Part:
 
 def message_bytes(shape: Sequence[int], dtype: str | np.dtype, dynamic: bool = False) -> int:
     """The most bytes a variable's tensor takes in a message (its limits): its dense bytes;
-    a dynamic table's declared rows travel keyed, each with its int64 id."""
+    a dynamic table's declared rows travel keyed, each with its int64 id and, in a push,
+    its int32 count of lookups."""
     rows = int(shape[0]) if dynamic and len(shape) else 0
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 8 * rows
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 12 * rows
 
 
 @dataclass(frozen=True)

@@ -51,15 +51,31 @@ def row_numbers(ids: np.ndarray, rows: int) -> np.ndarray:
 
 
 def pushed_rows(s: Sparse) -> Sparse:
-    """A fixed table's row gradient as a push sends it: each row once, its repeats summed
-    (as the server sums them before it applies them; a ``bf16`` push then rounds each sum
-    once), ids as int32 when the table has fewer than 2**31 rows. Fewer bytes for the same
-    update. A dynamic table's rows (``Keyed``) come back as they are: the server counts each
-    id's occurrences for admission."""
+    """A row gradient as a push sends it: each row once, its repeats summed (as the server
+    sums them before it applies them; a ``bf16`` push then rounds each sum once). Fewer
+    bytes for the same update. A fixed table's rows go by int32 row number when the table
+    has fewer than 2**31 rows; a dynamic table's (``Keyed``) by int64 id, with the lookups
+    each sums as ``counts`` (``counted_rows``), which the server counts for admission."""
     if isinstance(s, Keyed):
-        return s
+        return counted_rows(s)
     rows, values = dedupe_rows(np.asarray(s.indices), np.asarray(s.values))
     return Sparse(row_numbers(rows, s.dense_shape[0]), values, tuple(s.dense_shape))
+
+
+def counted_rows(k: Keyed) -> Keyed:
+    """``k`` with each id once, in id order: the rows of an id summed, its lookups added up
+    as ``counts`` (int32; a row without counts is one lookup)."""
+    ids = np.asarray(k.indices)
+    ids, values = ids.astype(np.int64, copy=False), np.asarray(k.values)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    if uniq.size == ids.size:
+        order = np.argsort(ids, kind="stable")
+        summed, counts = np.ascontiguousarray(values[order]), k.lookups()[order]
+    else:
+        summed = np.zeros((uniq.size, *values.shape[1:]), values.dtype)
+        np.add.at(summed, inverse, values)
+        counts = np.bincount(inverse, weights=k.lookups(), minlength=uniq.size)
+    return Keyed(uniq, summed, tuple(k.dense_shape), np.asarray(counts).astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -81,7 +97,18 @@ class Sparse:
 class Keyed(Sparse):
     """Rows of a dynamic table (``downpour.layers.DynamicEmbedding``): ``indices`` are ids,
     any int64 value, not row numbers below ``dense_shape[0]`` (the table's declared shape,
-    which ids do not index). What a ``keyed`` tensor encodes from and decodes to."""
+    which ids do not index). ``counts``: the lookups each row sums (int32, each >= 1) when
+    the sender merged repeated ids (``pushed_rows``); None: each row is one lookup. The
+    server counts lookups for admission and per row. What a ``keyed`` tensor (without
+    counts) and a ``keyed_counted`` one (with) encode from and decode to."""
+
+    counts: np.ndarray | None = None
+
+    def lookups(self) -> np.ndarray:
+        """The lookups each row stands for: ``counts``, or one each."""
+        if self.counts is None:
+            return np.ones(np.shape(self.indices)[0], np.int64)
+        return np.asarray(self.counts, np.int64)
 
     def to_dense(self) -> np.ndarray:
         raise ValueError("the rows of a dynamic table are keyed by id and have no dense form")
@@ -176,7 +203,17 @@ class SparseBF16:
 @dataclass(frozen=True)
 class KeyedBF16(SparseBF16):
     """``Keyed`` rows with their values in bfloat16 (a dynamic table's rows pulled under
-    ``--pull-compress bf16`` or pushed under ``--compress bf16``); decodes to ``Keyed``."""
+    ``--pull-compress bf16`` or pushed under ``--compress bf16``), ``counts`` as
+    ``Keyed``'s; decodes to ``Keyed``."""
+
+    counts: np.ndarray | None = None
+
+    @classmethod
+    def from_sparse(cls, s: Sparse) -> KeyedBF16:
+        """``s`` (``Keyed``) with its values rounded to bfloat16, its counts kept."""
+        rounded = BFloat16.from_array(s.values)
+        counts = s.counts if isinstance(s, Keyed) else None
+        return cls(s.indices, rounded.values, tuple(s.dense_shape), rounded.dtype, counts)
 
     def to_dense(self) -> np.ndarray:
         raise ValueError("the rows of a dynamic table are keyed by id and have no dense form")

@@ -34,6 +34,7 @@ R_ROWS_DENSE = "rows_dense"  # a row request for a variable that is not row-spar
 R_ROWS_UNKNOWN = "rows_unknown"  # a row request for a variable the server does not hold
 R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
 R_OVERSIZE = "oversize"  # a message past its socket's bound of frames or bytes
+R_COUNTS = "counts"  # a keyed_counted row that stands for fewer than one lookup
 
 
 class ProtocolError(Exception):

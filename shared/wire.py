@@ -26,7 +26,8 @@ Tensor descriptor::
                          the decoded tensor has (bf16: one of BF16_DTYPES)
     shape         list   dense shape, each dim >= 0, at most Limits.max_ndim dims
     encoding      str    "dense" | "sparse" | "bf16" | "topk" | "sparse_bf16" | "keyed" |
-                         "keyed_bf16": a name in ``CODECS``
+                         "keyed_bf16" | "keyed_counted" | "keyed_counted_bf16": a name in
+                         ``CODECS``
     nbytes        int    bytes of the values frame; dense: prod(shape) * itemsize;
                          bf16: prod(shape) * 2; sparse, topk, sparse_bf16: see nnz
     nnz           int    sparse, topk, sparse_bf16 only. sparse: rows present, values
@@ -36,7 +37,7 @@ Tensor descriptor::
                          values frame is (nnz,) of dtype
     index_dtype   str    sparse, topk, sparse_bf16 only: "int32" | "int64"; indices frame
                          is (nnz,). sparse, sparse_bf16: row numbers in [0, shape[0]);
-                         keyed, keyed_bf16: ids, any value; topk: positions in the
+                         keyed and its forms: ids, any value; topk: positions in the
                          C-order flattened tensor, in [0, prod(shape))
 
 Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
@@ -62,6 +63,15 @@ Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
              shape is the table's declared one. Decodes to ``Keyed``
     keyed_bf16
              ``keyed`` rows with bf16 values, as ``sparse_bf16``; decodes to ``Keyed``
+    keyed_counted
+             ``keyed`` rows with each id once and the lookups each row sums: the indices
+             and values frames of ``keyed``, then a counts frame of nnz little-endian int32,
+             each >= 1 (a count below 1 is refused as "counts"). What a worker pushes for
+             a dynamic table (``pushed_rows``): the server counts lookups for admission and
+             per row. Decodes to ``Keyed`` with ``counts``
+    keyed_counted_bf16
+             ``keyed_counted`` with bf16 values, as ``keyed_bf16`` (pushed under
+             ``--compress bf16``)
     Each encoding is one codec in ``CODECS`` (``downpour.codecs``), the table encode and
     decode both go through; a server's hello reply lists them as its "encodings". An
     encoding the receiver has no codec for is refused as "bad_header".
@@ -187,6 +197,8 @@ from downpour.codecs import (
     ENCODINGS,
     KEYED,
     KEYED_BF16,
+    KEYED_COUNTED,
+    KEYED_COUNTED_BF16,
     SPARSE,
     SPARSE_BF16,
     TOPK,
@@ -210,6 +222,7 @@ from downpour.payloads import (
     WireTensor,
     all_finite,
     as_bf16,
+    counted_rows,
     dedupe_rows,
     densify,
     logical_dtype,
@@ -221,6 +234,7 @@ from downpour.protocol import (
     DEFAULT_LIMITS,
     MAX_STATUS_WORKERS,
     R_COUNT,
+    R_COUNTS,
     R_DISPATCH_OFF,
     R_DTYPE,
     R_DUPLICATE,
@@ -278,6 +292,7 @@ __all__ = [
     "REQUEST_DROP_FACTOR",
     "REQUEST_MAX_BYTES",
     "R_COUNT",
+    "R_COUNTS",
     "R_DISPATCH_OFF",
     "R_DTYPE",
     "R_DUPLICATE",
@@ -308,6 +323,8 @@ __all__ = [
     "SPARSE_BF16",
     "KEYED",
     "KEYED_BF16",
+    "KEYED_COUNTED",
+    "KEYED_COUNTED_BF16",
     "SPLIT",
     "STATUS",
     "STATUS_LIMITS",
@@ -341,6 +358,7 @@ __all__ = [
     "WireTensor",
     "all_finite",
     "as_bf16",
+    "counted_rows",
     "decode",
     "dedupe_rows",
     "densify",

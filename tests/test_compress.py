@@ -41,6 +41,7 @@ from downpour.wire import (
     Sparse,
     SparseBF16,
     as_bf16,
+    counted_rows,
     decode,
     densify,
     encode,
@@ -547,7 +548,8 @@ def test_bf16_rounds_rows_and_bf16_dense_sends_them_in_float32(keyed: bool) -> N
     index_bytes, values = 3 * 8, 3 * 16 * 4
     assert rows.raw_bytes == index_bytes + values + d.nbytes
     assert rows.sent_bytes == index_bytes + values // 2 + d.nbytes // 2
-    assert rows.encodings == {"bf16", "sparse_bf16", "keyed_bf16"}
+    assert rows.encodings == {"bf16", "sparse_bf16"}
+    assert rows.keyed_encoding == "keyed_counted_bf16"
     (got, _) = decode(as_bytes(encode(push(out)))).tensors.values()
     assert type(got) is kind and got.values.dtype == np.float32
     assert np.array_equal(got.indices, ids) and got.dense_shape == (10, 16)
@@ -558,8 +560,27 @@ def test_bf16_rounds_rows_and_bf16_dense_sends_them_in_float32(keyed: bool) -> N
     out = dense_only.compress([s, d])
     assert out[0] is s and isinstance(out[1], BFloat16)
     assert dense_only.sent_bytes == index_bytes + values + d.nbytes // 2
-    assert dense_only.encodings == {"bf16"}
+    assert dense_only.encodings == {"bf16"} and dense_only.keyed_encoding == "keyed_counted"
     assert dense_only.spec == "bf16:dense"
+
+
+@pytest.mark.parametrize("form", ["bf16", "bf16:dense", "none", "topk:0.5"])
+def test_a_dynamic_tables_counted_rows_keep_their_counts_in_every_form(form: str) -> None:
+    """A push carries a dynamic table's rows each id once with the lookups each sums: every
+    form sends the counts (4 bytes a row) and the server decodes them."""
+    values = np.random.default_rng(4).standard_normal((3, 16)).astype(np.float32)
+    k = counted_rows(Keyed(np.array([2**40, 5, 2**40], np.int64), values, (10, 16)))
+    assert k.indices.tolist() == [5, 2**40] and k.counts.tolist() == [1, 2]
+    c = parse_compression(form)
+    (out,) = c.compress([k])
+    rounds = form == "bf16"
+    assert type(out) is (KeyedBF16 if rounds else Keyed)
+    assert out.counts.tolist() == [1, 2]
+    assert c.raw_bytes == 2 * 8 + 2 * 16 * 4 + 2 * 4
+    assert c.sent_bytes == 2 * 8 + 2 * 16 * (2 if rounds else 4) + 2 * 4
+    (got,) = roundtrip([out])
+    assert type(got) is Keyed and got.counts.tolist() == [1, 2]
+    np.testing.assert_allclose(got.values, k.values, rtol=2.0**-8 if rounds else 0)
 
 
 @pytest.mark.parametrize(

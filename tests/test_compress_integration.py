@@ -18,6 +18,7 @@ import pytest
 import zmq
 from conftest import Cluster, pull_weights, wait_until
 from inproc import Services, make_worker, serving, settle, train
+from tiny_models import embedding_form
 
 from downpour import wire
 from downpour.cli.status import fetch_status
@@ -165,7 +166,7 @@ def old_server() -> Iterator[int]:
     ("settings", "encoding"),
     [
         ({"compress": "topk:0.01"}, "topk encoding"),
-        ({}, "bf16, keyed_bf16, sparse_bf16 encodings"),
+        ({}, "bf16, sparse_bf16 encodings"),
         ({"compress": "bf16:dense"}, "bf16 encoding"),
     ],
 )
@@ -182,6 +183,28 @@ def test_worker_refuses_a_compression_the_server_cannot_decode(
     finally:
         worker.close()
     assert "--compress none" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("compress", "encodings"),
+    [("bf16", "bf16, keyed_counted_bf16, sparse_bf16 encodings"), ("none", "keyed_counted")],
+)
+def test_a_dynamic_tables_worker_refuses_a_server_without_counted_rows(
+    old_server: int, compress: str, encodings: str
+) -> None:
+    """A dynamic table's rows go each id once with their lookups, in every form: a server
+    that cannot decode that is named, and no flag is offered as the way round."""
+    from downpour.worker.service import WorkerError
+
+    worker = make_worker(
+        old_server, embedding_form("tensor", dynamic=True), steps=5, compress=compress
+    )
+    try:
+        with pytest.raises(WorkerError, match=f"cannot decode the {encodings}") as err:
+            worker.run()
+    finally:
+        worker.close()
+    assert "upgrade the server" in str(err.value) and "or use --compress" not in str(err.value)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from downpour.cli.status import fetch_status, render
 from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
 from downpour.server.prometheus import render_text
 from downpour.server.state import ParameterState, TableOptions
+from downpour.spec import load_spec
 
 TABLE = "embed/embeddings"
 LR = 0.5
@@ -30,10 +31,11 @@ def state_of(**options: Any) -> ParameterState:
     return ParameterState(SPEC, "sgd", LR, table_options=TableOptions(**options))
 
 
-def push(state: ParameterState, ids: np.ndarray, value: float = 1.0) -> None:
-    """One update: these ids' rows get gradient ``value``, the dense variables zeros."""
+def push(state: ParameterState, ids: np.ndarray, value: float = 1.0, counts: Any = None) -> None:
+    """One update: these ids' rows get gradient ``value`` (``counts``: the lookups each
+    sums, as a worker pushes them), the dense variables zeros."""
     grads = [
-        wire.Keyed(ids, np.full((ids.size, 8), value, np.float32), shape) if dyn
+        wire.Keyed(ids, np.full((ids.size, 8), value, np.float32), shape, counts) if dyn
         else np.zeros(shape, np.float32)
         for shape, dyn in zip(state.shapes, state.dynamic, strict=True)
     ]  # fmt: skip
@@ -52,6 +54,22 @@ def test_an_id_seen_fewer_times_than_admit_after_has_no_row_and_its_gradients_ar
     push(state, one)  # the third sighting creates the row and applies that gradient only
     assert len(table) == 1 and table.counters["admitted"] == 1
     np.testing.assert_allclose(state.gather(0, one), initial - LR, rtol=1e-6)
+
+
+def test_a_pushed_rows_lookups_count_for_admission() -> None:
+    """A worker pushes each id once with the lookups it sums: three lookups in one batch
+    admit an id under --admit-after 3 at once, and its row counts them."""
+    state = state_of(admit_after=3)
+    table = state.tables[TABLE]
+    ids = IDS[:2]
+    initial = state.gather(0, ids)
+    push(state, ids, counts=np.array([3, 2], np.int32))
+    assert len(table) == 1 and table.counters["admitted"] == 1
+    assert table.counters["refused"] == 2  # the other id's two lookups
+    after = state.gather(0, ids)
+    np.testing.assert_allclose(after[0], initial[0] - LR, rtol=1e-6)
+    np.testing.assert_array_equal(after[1], initial[1])
+    assert table.export_state()["counts"].tolist() == [3]
 
 
 def test_rows_idle_for_n_versions_are_evicted_and_start_again_from_their_initial_value() -> None:
@@ -115,15 +133,64 @@ def test_every_int64_is_an_id_and_hostile_requests_are_refused_counted_and_chang
         wire.Keyed(ids, np.ones((2, 8), np.float64), (1000, 8)),  # dtype
         wire.Sparse(np.array([0, 1]), np.ones((2, 8), np.float32), (1000, 8)),  # not keyed
         np.ones((1000, 8), np.float32),  # whole
+        wire.Keyed(ids, np.ones((2, 8), np.float32), (1000, 8), np.array([2, 0])),  # 0 lookups
     ]
     for seq, t in enumerate(bad_pushes, 1):
         outcome = handle_gradients(_push_frames(ctx, t, seq), ctx)
         assert outcome.decision is None, t
-    assert sum(ctx.stats.rejected.values()) == 4 + len(hostile) + 1
+    assert sum(ctx.stats.rejected.values()) == len(bad_pushes) + len(hostile) + 1
+    assert ctx.stats.rejected[wire.R_COUNTS] == 1
     assert ctx.state.version == 0 and len(ctx.state.tables[TABLE]) == 0
-    good = wire.Keyed(ids, np.ones((2, 8), np.float32), (1000, 8))
+    good = wire.Keyed(ids, np.ones((2, 8), np.float32), (1000, 8), np.array([2, 1]))
     assert handle_gradients(_push_frames(ctx, good, 9), ctx).decision is not None
     assert ctx.state.version == 1 and len(ctx.state.tables[TABLE]) == 2
+    assert sorted(ctx.state.tables[TABLE].export_state()["counts"].tolist()) == [1, 2]
+
+
+@pytest.mark.parametrize("compress", ["none", "bf16"])
+def test_the_gradient_socket_takes_a_counted_push_of_every_row(compress: str) -> None:
+    """The gradient socket's bound (``socket_bounds``) and the payload limit hold the
+    largest push a worker sends: every declared row of every dynamic table, each id once
+    with its count (3 frames a table), here to shard 1 of 2 of the hashed click model (four
+    dynamic tables beside one dense slice), received whole through a real socket and
+    applied."""
+    import zmq
+
+    from downpour.receive import Oversize, recv_bounded
+    from downpour.server.handlers import socket_bounds
+    from downpour.worker.compress import parse_compression
+
+    model = "downpour.examples.recsys_hashed:spec"
+    ctx = make_ctx(model)
+    state = ParameterState(load_spec(model), "sgd", LR, shard=1, num_shards=2)
+    assert state.dynamic == [True, True, True, True, False]
+    ctx.state, ctx.limits = state, wire.DEFAULT_LIMITS.for_payload(state.payload_bytes)
+    ctx.shard = {"shard": 1, "num_shards": 2, "partition": state.partition.digest}
+    _, bound = socket_bounds(ctx)
+    grads: list[Any] = []
+    for shape, dynamic in zip(state.shapes, state.dynamic, strict=True):
+        ids = hashed(np.arange(shape[0]))
+        values = np.ones(shape, np.float32)
+        grads.append(wire.Keyed(ids, values, shape, np.full(shape[0], 3)) if dynamic else values)
+    tensors = dict(zip(state.names, parse_compression(compress).compress(grads), strict=True))
+    sent = wire.encode(wire.push_message("w0", 1, 0, wire.PushBody(), tensors))
+    assert len(sent) == 1 + 4 * 3 + 1 <= bound.frames
+    context = zmq.Context()
+    try:
+        a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+        a.setsockopt(zmq.LINGER, 0)
+        b.setsockopt(zmq.LINGER, 0)
+        b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+        a.send_multipart(sent, copy=False)
+        got = recv_bounded(b, bound)
+        a.close()
+        b.close()
+    finally:
+        context.term()
+    assert not isinstance(got, Oversize), got
+    outcome = handle_gradients([f.bytes for f in got], ctx)
+    assert outcome.decision is not None and not ctx.stats.rejected
+    assert all(len(state.tables[p]) == 65536 for p in state.tables)
 
 
 def test_status_and_metrics_show_each_dynamic_table() -> None:

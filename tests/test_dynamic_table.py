@@ -220,6 +220,33 @@ def test_duplicates_in_one_call_are_summed_and_counted() -> None:
     assert a.export_state()["counts"].tolist() == [2, 1]  # touches, in slot order
 
 
+def test_counted_rows_apply_as_the_lookups_they_sum() -> None:
+    """A worker pushes each id once with the lookups it sums (``keyed_counted``): the same
+    rows, counts and admissions as its lookups sent one by one. Bad lookups change nothing."""
+    from downpour.wire import Keyed, counted_rows
+
+    g = np.arange(20, dtype=np.float32).reshape(5, 4)
+    ids = np.array([9, -1, 9, 2**63 - 1, 9])
+    k = counted_rows(Keyed(ids, g, (10, 4)))
+    one, counted = (DynamicTable("t", 4, optimizer="adagrad", admit_after=3) for _ in "ab")
+    for version in (1, 2):
+        a = one.apply(ids, g, 0.1, version=version)
+        b = counted.apply(k.indices, k.values, 0.1, version=version, lookups=k.counts)
+        assert (a.admitted, a.refused, a.updated) == (b.admitted, b.refused, b.updated)
+        assert (b.admitted, b.refused) == ((1, 2) if version == 1 else (0, 2))  # 9: 3 lookups
+    for key in ("rows", "slot_accumulator", "versions", "counts", "ids"):
+        np.testing.assert_array_equal(one.export_state()[key], counted.export_state()[key])
+    assert counted.export_state()["counts"].tolist() == [6]
+    before = counted.export_state()
+    for bad in (np.array([1, 0, 1]), np.array([1, 1]), np.array([1.0, 1, 1])):
+        with pytest.raises(ValueError, match="lookups"):
+            counted.apply(k.indices, k.values, 0.1, version=3, lookups=bad)
+    assert counted.counters["bad_input"] == 3
+    for key, value in counted.export_state().items():
+        if key != "counters":  # which counted the refusals
+            np.testing.assert_array_equal(value, before[key])
+
+
 # -- admission -----------------------------------------------------------------------------
 
 

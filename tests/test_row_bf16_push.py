@@ -4,8 +4,9 @@ In-process servers and workers on real loopback sockets, for a fixed table and a
 in several input forms, through one shard and two, with and without a row cache. Each case
 trains the same batches under both forms. What every push carried is recorded as it leaves
 the compressor, and the byte counts are checked against it: a row's values in half the bytes
-under ``bf16``, exactly as many as the float32 ones under ``bf16:dense``; a fixed table's
-rows each once, by int32 row number. Every push is applied by every shard.
+under ``bf16``, exactly as many as the float32 ones under ``bf16:dense``; each row once, a
+fixed table's by int32 row number, a dynamic table's by id with the lookups it sums. Every
+push is applied by every shard.
 """
 
 from __future__ import annotations
@@ -91,8 +92,15 @@ def test_bf16_halves_the_rows_values_and_bf16_dense_keeps_them(
     assert all(t.values.dtype == np.float32 for t in rows_exact)
     for a, b in zip(rows, rows_exact, strict=True):  # the same batches: the same rows
         assert np.array_equal(a.indices, b.indices) and a.values.shape == b.values.shape
-        if not dynamic:  # a fixed table's rows each once, by int32 row number
-            assert a.indices.dtype == np.int32 and np.unique(a.indices).size == a.indices.size
+        assert np.unique(a.indices).size == a.indices.size  # each row once
+        if not dynamic:  # a fixed table's by int32 row number
+            assert a.indices.dtype == np.int32
+        else:  # a dynamic table's by int64 id, with the lookups each sums
+            assert a.indices.dtype == np.int64 and np.array_equal(a.counts, b.counts)
+            assert a.counts.dtype == np.int32 and a.counts.min() >= 1
+    if dynamic:  # every lookup counted once: 20 examples of 6 ids a batch
+        assert sum(int(t.counts.sum()) for t in rows) == STEPS * 20 * 6
+        assert sum(t.indices.size for t in rows) < STEPS * 20 * 6  # repeats went once
     dense = [t for t in sent if not isinstance(t, Sparse | SparseBF16)]
     assert dense and all(isinstance(t, BFloat16) for t in dense)  # dense: rounded in both
 

@@ -38,6 +38,7 @@ from downpour.wire import (
     PULL,
     PUSH,
     R_COUNT,
+    R_COUNTS,
     R_DTYPE,
     R_DUPLICATE,
     R_FINGERPRINT,
@@ -63,6 +64,7 @@ from downpour.wire import (
     Sparse,
     all_finite,
     as_bf16,
+    counted_rows,
     decode,
     encode,
     error_message,
@@ -80,6 +82,7 @@ ALL_CODES = [
     R_NBYTES,
     R_TOO_LARGE,
     R_COUNT,
+    R_COUNTS,
     R_NAME,
     R_NONFINITE,
     R_DUPLICATE,
@@ -1022,7 +1025,10 @@ def test_the_codec_table_is_the_list_of_encodings() -> None:
     assert (
         ENCODINGS
         == frozenset(CODECS)
-        == {*("dense", "sparse", "bf16", "topk", "sparse_bf16", "keyed", "keyed_bf16")}
+        == {
+            *("dense", "sparse", "bf16", "topk", "sparse_bf16", "keyed", "keyed_bf16"),
+            *("keyed_counted", "keyed_counted_bf16"),
+        }
     )
     for name, codec in CODECS.items():
         assert codec.name == name
@@ -1535,7 +1541,7 @@ def test_all_finite_accepts_huge_finite_values(dtype: str) -> None:
     assert all_finite(np.zeros(0, dtype)) and all_finite(np.arange(5))
 
 
-def test_pushed_rows_sends_each_row_once_by_int32_id_and_keyed_rows_as_they_are() -> None:
+def test_pushed_rows_sends_each_row_once_by_int32_id_and_keyed_rows_with_counts() -> None:
     from downpour.wire import pushed_rows
 
     values = np.arange(8, dtype=np.float32).reshape(4, 2)
@@ -1546,5 +1552,38 @@ def test_pushed_rows_sends_each_row_once_by_int32_id_and_keyed_rows_as_they_are(
     np.testing.assert_array_equal(out.to_dense(), s.to_dense())  # the same update
     big = pushed_rows(Sparse(np.array([2**31, 5], np.int64), values[:2], (2**31 + 1, 2)))
     assert big.indices.tolist() == [5, 2**31] and big.indices.dtype == np.int64
-    keyed = Keyed(np.array([7, 7], np.int64), values[:2], (10, 2))
-    assert pushed_rows(keyed) is keyed  # occurrences count for admission on the server
+    keyed = Keyed(np.array([7, -3, 7, 2**62], np.int64), values, (10, 2))
+    out = pushed_rows(keyed)  # each id once, by int64 id, with the lookups it sums
+    assert out.indices.tolist() == [-3, 7, 2**62] and out.indices.dtype == np.int64
+    assert out.values.tolist() == [[2, 3], [4, 6], [6, 7]] and out.counts.tolist() == [1, 2, 1]
+    assert type(out) is Keyed and out.counts.dtype == np.int32
+    again = pushed_rows(Keyed(np.array([7, 7]), out.values[[1, 1]], (10, 2), np.array([2, 3])))
+    assert again.values.tolist() == [[8, 12]] and again.counts.tolist() == [5]  # counts add
+    distinct = pushed_rows(Keyed(np.array([9, 4]), values[:2], (10, 2)))
+    assert distinct.indices.tolist() == [4, 9] and distinct.values.tolist() == [[2, 3], [0, 1]]
+    assert distinct.counts.tolist() == [1, 1]
+
+
+def test_counted_keyed_rows_travel_with_their_counts_and_bad_counts_are_refused() -> None:
+    """``keyed_counted`` and ``keyed_counted_bf16``: ids, values, then one int32 count a row.
+    A count below 1, a counts frame of the wrong length or a missing one is refused."""
+    ids = np.array([-(2**63), -1, 2**63 - 1], np.int64)
+    vals = np.arange(9, dtype=np.float32).reshape(3, 3)
+    counted = Keyed(ids, vals, (8, 3), np.array([3, 1, 2], np.int32))
+    for t, encoding in ((counted, "keyed_counted"), (as_bf16(counted), "keyed_counted_bf16")):
+        frames = encode(Message(PUSH, tensors={"t": t}))
+        assert len(frames) == 4 and unpack(frames[0])["tensors"][0]["encoding"] == encoding
+        out = decode(wire(frames)).tensors["t"]
+        assert type(out) is Keyed and out.values.dtype == np.float32
+        np.testing.assert_array_equal(out.indices, ids)
+        np.testing.assert_array_equal(out.values, vals)  # small integers: exact in bf16
+        assert out.counts.tolist() == [3, 1, 2] and not out.counts.flags.writeable
+        raw = wire(frames)
+        for bad in ([3, 0, 2], [3, -5, 2]):
+            err = rejects([*raw[:3], np.array(bad, "<i4").tobytes()], R_COUNTS)
+            assert "counted" in str(err)
+        rejects([*raw[:3], raw[3][:8]], R_TRUNCATED)  # two counts for three rows
+        rejects(raw[:3], R_TRUNCATED)  # no counts frame
+    assert counted_rows(counted).counts.tolist() == [3, 1, 2]  # distinct ids: kept
+    with pytest.raises(ValueError, match="counts must be 3 integers"):
+        encode(Message(PUSH, tensors={"t": Keyed(ids, vals, (8, 3), np.array([1.0, 2, 3]))}))

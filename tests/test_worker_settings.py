@@ -29,7 +29,9 @@ def test_pulls_and_pushes_are_bf16_and_every_step_by_default() -> None:
     assert config.pull_compress == "bf16"
     assert config.compress == "bf16"
     # the default rounds rows too (docs/policies.md, "Rows in bfloat16": free in the study)
-    assert {"sparse_bf16", "keyed_bf16"} <= parse_compression(config.compress).encodings
+    compressor = parse_compression(config.compress)
+    assert "sparse_bf16" in compressor.encodings
+    assert compressor.keyed_encoding == "keyed_counted_bf16"
     assert config.n_fetch == 1
     assert config.pull_bound == 0.0
 

@@ -13,7 +13,7 @@ from downpour.inputs import InputContext
 from downpour.models import build_model
 from downpour.pipeline import build_dataset, resolve_inputs
 from downpour.spec import load_spec
-from downpour.wire import BFloat16, Sparse
+from downpour.wire import BFloat16, Keyed, Sparse
 from downpour.worker.step import Accumulator, GradientStep
 
 
@@ -74,6 +74,23 @@ def test_accumulator_averages_dense_and_concatenates_sparse() -> None:
     np.testing.assert_array_equal(sparse.to_dense()[1], [1, 1])  # (1 + 1) / 2
     assert acc.count == 0
     assert a[0].tolist() == [1, 1, 1]  # inputs untouched: they may still be queued on the wire
+
+
+def test_accumulator_keeps_a_dynamic_tables_lookups() -> None:
+    """--n-push: each id once in the push, its rows' mean over the steps and its lookups
+    over all of them (the server admits and counts by lookups)."""
+    acc = Accumulator()
+    steps = [
+        Keyed(np.array([5, 2**40]), np.ones((2, 2), np.float32), (9, 2), np.array([2, 1])),
+        Keyed(np.array([5, 7]), 3 * np.ones((2, 2), np.float32), (9, 2), np.array([1, 4])),
+    ]
+    for g in steps:
+        acc.add([g])
+    (out,) = acc.take()
+    assert type(out) is Keyed and out.indices.tolist() == [5, 7, 2**40]
+    assert out.values.tolist() == [[2, 2], [1.5, 1.5], [0.5, 0.5]]  # sums over 2 steps, / 2
+    assert out.counts.tolist() == [3, 4, 1]
+    assert steps[0].counts.tolist() == [2, 1]  # inputs untouched
 
 
 def _buffer(t: tf.Tensor) -> int:

@@ -68,13 +68,19 @@ class Applied:
     evicted: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
-def _sum_duplicates(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(unique ids, their gradient rows summed in the order they come, occurrences of each)."""
-    uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+def _sum_duplicates(
+    ids: np.ndarray, grads: np.ndarray, lookups: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """(unique ids, their gradient rows summed in the order they come, the lookups of each:
+    ``lookups`` of its rows added up)."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
     if uniq.size == ids.size:
-        return uniq, grads[np.argsort(ids, kind="stable")], counts
+        order = np.argsort(ids, kind="stable")
+        return uniq, grads[order], lookups[order]
     summed = np.zeros((uniq.size, *grads.shape[1:]), grads.dtype)
     np.add.at(summed, inverse, grads)
+    counts = np.zeros(uniq.size, np.int64)
+    np.add.at(counts, inverse, lookups)
     return uniq, summed, counts
 
 
@@ -166,23 +172,36 @@ class DynamicTable:
         return slots
 
     def apply(
-        self, ids: np.ndarray, grads: np.ndarray, lr: float, version: int, step: int = 1
+        self,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        lr: float,
+        version: int,
+        step: int = 1,
+        lookups: np.ndarray | None = None,
     ) -> Applied:
         """Apply gradient rows ``grads`` (len(ids), dim) of ``ids`` at learning rate ``lr``;
-        touched rows take ``version``; ``step`` is Adam's step number (iterations + 1)."""
+        touched rows take ``version``; ``step`` is Adam's step number (iterations + 1).
+        ``lookups``: how many lookups each row sums (a worker pushes each id once with its
+        count); None: one each. Admission and each row's count go by lookups."""
         ids = self._check_ids(ids)
         grads = np.asarray(grads)
+        lookups = np.ones(ids.size, np.int64) if lookups is None else np.asarray(lookups)
         if (
             grads.shape != (ids.size, self.dim)
             or not np.issubdtype(grads.dtype, np.floating)
             or not np.isfinite(lr)
+            or lookups.shape != (ids.size,)
+            or lookups.dtype.kind not in "iu"
+            or (ids.size and int(lookups.min()) < 1)
         ):
             self.counters["bad_input"] += 1
             raise ValueError(
-                f"{self.name}: gradient rows must be floats of shape ({ids.size}, {self.dim}) "
-                f"and lr finite, got {grads.dtype} {grads.shape} and {lr}"
+                f"{self.name}: gradient rows must be floats of shape ({ids.size}, {self.dim}), "
+                f"lookups {ids.size} integers >= 1 and lr finite, got {grads.dtype} "
+                f"{grads.shape}, lookups {lookups.dtype} {lookups.shape} and {lr}"
             )
-        uniq, grad, counts = _sum_duplicates(ids, grads)
+        uniq, grad, counts = _sum_duplicates(ids, grads, lookups.astype(np.int64, copy=False))
         slots = self.index.lookup(uniq)
         missing = slots < 0
         done = Applied()

@@ -179,11 +179,12 @@ def socket_bounds(ctx: HandlerContext) -> tuple[Bound, Bound]:
     """The most a valid message holds on the REP socket and on the gradient socket (see
     docs/security.md): a request is a header and at most one row-id tensor per row-sparse
     variable, in ``max_request_bytes``; a push is a header and at most two frames per
-    variable (sparse and top-k: indices and values), in the model's payload limit plus the
-    header limit."""
+    variable (sparse and top-k: indices and values), three per dynamic table (ids, values
+    and counts), in the model's payload limit plus the header limit."""
     requests = Bound(1 + sum(ctx.state.sparse), ctx.max_request_bytes)
     gradients = Bound(
-        1 + 2 * len(ctx.state.names), ctx.limits.max_total_bytes + ctx.limits.max_header_bytes
+        1 + sum(3 if dynamic else 2 for dynamic in ctx.state.dynamic),
+        ctx.limits.max_total_bytes + ctx.limits.max_header_bytes,
     )
     return requests, gradients
 

@@ -560,7 +560,8 @@ class ParameterState:
             g = grads[i]
             assert isinstance(g, Keyed), self.names[i]
             table = self.tables[self._table_path[i]]
-            table.apply(np.asarray(g.indices), np.asarray(g.values), lr, self.version, step)
+            ids, values, counts = np.asarray(g.indices), np.asarray(g.values), g.lookups()
+            table.apply(ids, values, lr, self.version, step, counts)
             idle = self.table_options.idle_versions
             if idle is not None and self.version % max(1, idle // 8) == 0:
                 table.evict_idle(self.version, idle)

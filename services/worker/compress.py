@@ -6,16 +6,16 @@ and the table in docs/policies.md (compared with it by ``tests/test_compress.py`
 from it.
 
 A compressor turns the gradient list of one push into the tensors of its ``Message``
-(``downpour.wire`` encodes them: ``bf16``, ``sparse_bf16``, ``keyed_bf16`` and ``topk``
-encodings) and counts the payload bytes before (``raw_bytes``) and after (``sent_bytes``)
-compression, cumulatively.
+(``downpour.wire`` encodes them: ``bf16``, ``sparse_bf16``, ``keyed_counted_bf16`` and
+``topk`` encodings) and counts the payload bytes before (``raw_bytes``) and after
+(``sent_bytes``) compression, cumulatively.
 
 - ``none``: the gradients as they are.
 - ``bf16``: each float32/float64 gradient rounded to the nearest bfloat16 (ties to even):
   half the bytes of float32, 8 significant bits (relative error at most 2**-8), dense
   gradients and the values of row-sparse ones alike (rows go as ``sparse_bf16``, a dynamic
-  table's as ``keyed_bf16``: the ids as they are, the values in half the bytes). The server
-  decodes them back to float32. A worker whose compiled step already rounded its dense
+  table's as ``keyed_counted_bf16``: the ids as they are, the values in half the bytes).
+  The server decodes them back to float32. A worker whose compiled step already rounded its dense
   float32 gradients (``GradientStep(round_bf16=True)``) hands them over as ``BFloat16``,
   which the bf16 compressors pass on as they are and the others refuse.
 - ``bf16:dense``: ``bf16`` for dense gradients only; rows go in float32.
@@ -72,12 +72,18 @@ def raw_bytes(t: WireTensor) -> int:
 
 
 def payload_bytes(t: WireTensor) -> int:
-    """Bytes a tensor's frames take on the wire (indices and values; header not included)."""
+    """Bytes a tensor's frames take on the wire (indices, values and a keyed row's counts;
+    header not included)."""
     if isinstance(t, Sparse | FlatSparse | SparseBF16):
         idx = np.asarray(t.indices)
         isz = idx.dtype.itemsize if idx.dtype.name in wire.INDEX_DTYPES else 8
         values = np.asarray(t.values)
-        return idx.size * isz + (values.size * 2 if isinstance(t, SparseBF16) else values.nbytes)
+        counts = getattr(t, "counts", None)
+        return (
+            idx.size * isz
+            + (values.size * 2 if isinstance(t, SparseBF16) else values.nbytes)
+            + (0 if counts is None else 4 * np.size(counts))
+        )
     if isinstance(t, BFloat16):
         return t.values.size * 2
     return np.asarray(t).nbytes
@@ -88,9 +94,12 @@ class Compressor(ABC):
 
     ``encodings``: the wire encodings it sends beyond ``dense`` and ``sparse``, which the
     server must decode (a server advertises its ``wire.ENCODINGS`` in its hello reply).
+    ``keyed_encoding``: the one a dynamic table's rows go in (each id once, with its
+    lookups), which the server must decode too when the model has dynamic tables.
     """
 
     encodings: frozenset[str] = frozenset()
+    keyed_encoding: str = wire.KEYED_COUNTED
 
     def __init__(self) -> None:
         self.raw_bytes = 0
@@ -171,10 +180,9 @@ class BF16Compression(Compressor):
         super().__init__()
         self.rows = rows
         self.encodings = (
-            frozenset({wire.BF16, wire.SPARSE_BF16, wire.KEYED_BF16})
-            if rows
-            else frozenset({wire.BF16})
+            frozenset({wire.BF16, wire.SPARSE_BF16}) if rows else frozenset({wire.BF16})
         )
+        self.keyed_encoding = wire.KEYED_COUNTED_BF16 if rows else wire.KEYED_COUNTED
 
     @property
     def spec(self) -> str:

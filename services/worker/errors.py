@@ -28,6 +28,11 @@ def translated(endpoint: str | None = None, *, stopped: bool = True) -> Iterator
     except Refused as exc:  # another model, partition or protocol version: fix the config
         raise WorkerError(f"server {exc.endpoint} refused this worker: {exc.message}") from None
     except Incompatible as exc:
+        if any(m.startswith(wire.KEYED_COUNTED) for m in exc.missing):  # no flag avoids them
+            raise WorkerError(
+                f"{exc}: upgrade the server (a worker pushes a dynamic table's rows each id "
+                "once, with its lookups)"
+            ) from None
         raise WorkerError(f"{exc}: upgrade the server or use --compress none") from None
     except ServerUnavailable as exc:
         raise WorkerError(str(exc)) from None

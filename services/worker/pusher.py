@@ -46,10 +46,11 @@ class Pusher:
         first)."""
         return max(self._seq, self.shards.resume_seq)
 
-    @property
-    def encodings(self) -> frozenset[str]:
-        """The wire encodings these pushes use beyond dense and sparse."""
-        return self.compressors[0].encodings
+    def encodings(self, dynamic: bool) -> frozenset[str]:
+        """The wire encodings these pushes use beyond dense and sparse; ``dynamic``: the
+        model has dynamic tables, whose rows go in the compressor's keyed encoding."""
+        c = self.compressors[0]
+        return c.encodings | {c.keyed_encoding} if dynamic else c.encodings
 
     @property
     def empty(self) -> bool:

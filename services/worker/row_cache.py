@@ -184,17 +184,16 @@ class RowCache:
 
     def gradient(self, g: Any) -> Sparse:
         """The gradient of the cache variable (rows by slot, ``tf.IndexedSlices``) as the
-        table's: rows by global id, of the table's shape (a fixed table's each once,
-        ``wire.pushed_rows``)."""
+        table's: rows by global id, of the table's shape, each once (``wire.pushed_rows``;
+        a dynamic table's with the lookups each sums)."""
         if not isinstance(g, tf.IndexedSlices):
             raise WorkerError(
                 "a cached table's gradient is dense, not row-sparse: --row-cache-rows needs "
                 "tables whose gradient touches only the gathered rows"
             )
         slots = g.indices.numpy()
-        if self.keyed:
-            return Keyed(self.slot_ids[slots], g.values.numpy(), self.logical_shape)
-        return pushed_rows(Sparse(self.slot_ids[slots], g.values.numpy(), self.logical_shape))
+        kind = Keyed if self.keyed else Sparse
+        return pushed_rows(kind(self.slot_ids[slots], g.values.numpy(), self.logical_shape))
 
 
 class _CachedEmbedding:

@@ -136,7 +136,8 @@ class Worker:
         self.ctx = make_context(config.io_threads)
         self.shards = self._connect()
         self.pusher = Pusher(self.shards, config.compress, config.n_push, self.stats)
-        self.shards.encodings = self.pusher.encodings  # every hello checks they are decoded
+        # every hello checks that the server decodes them
+        self.shards.encodings = self.pusher.encodings(bool(dynamic))
         self.shards.sends = f"--compress {config.compress}"
         self.puller = Puller(
             config, self.shards, self.step_fn, self.stats, self._stop, lambda: self.pusher.seq

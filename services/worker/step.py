@@ -9,6 +9,7 @@ a smaller last batch does not trace again.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -18,7 +19,7 @@ import tensorflow as tf
 
 from downpour.spec import ModelSpec
 from downpour.tensors import as_array, to_tensor
-from downpour.wire import BFloat16, Keyed, Sparse, Tensor, WireTensor, dedupe_rows, pushed_rows
+from downpour.wire import BFloat16, Keyed, Sparse, Tensor, WireTensor, pushed_rows
 from downpour.worker.row_cache import RowCache
 
 
@@ -213,7 +214,14 @@ def _add(a: Tensor, b: Tensor) -> Tensor:
     if isinstance(a, Sparse) or isinstance(b, Sparse):
         a = a if isinstance(a, Sparse) else _as_sparse(a)
         b = b if isinstance(b, Sparse) else _as_sparse(b)
-        return type(a)(  # a dynamic table's rows stay Keyed
+        if isinstance(a, Keyed) and isinstance(b, Keyed):  # with the lookups of each row
+            return Keyed(
+                np.concatenate([a.indices, b.indices]),
+                np.concatenate([a.values, b.values]),
+                a.dense_shape,
+                np.concatenate([a.lookups(), b.lookups()]),
+            )
+        return Sparse(
             np.concatenate([a.indices, b.indices]),
             np.concatenate([a.values, b.values]),
             a.dense_shape,
@@ -227,15 +235,13 @@ def _as_sparse(a: np.ndarray) -> Sparse:
 
 def _merged(g: Tensor) -> Tensor:
     """Accumulated rows with each id once, their rows summed: a push carries each id of its
-    batches once."""
-    if isinstance(g, Keyed):
-        return Keyed(*dedupe_rows(g.indices, g.values), g.dense_shape)
+    batches once (a dynamic table's with the lookups each sums)."""
     if isinstance(g, Sparse):
         return pushed_rows(g)
     return g
 
 
 def _scale(g: Tensor, s: float) -> Tensor:
-    if isinstance(g, Sparse):
-        return type(g)(g.indices, (g.values * s).astype(g.values.dtype), g.dense_shape)
+    if isinstance(g, Sparse):  # a dynamic table's rows keep their counts
+        return replace(g, values=(g.values * s).astype(g.values.dtype))
     return (g * s).astype(g.dtype)
