@@ -302,7 +302,9 @@ def least_worker(args: argparse.Namespace) -> dict[str, Any]:
     sender, server = "bench-least-worker", tcp("127.0.0.1", args.server_port)
     ctx = make_context()
     body = wire.HelloRequest(fingerprint(model.trainable_variables), spec.name)
-    hello = ShardClient(ctx, server, sender=sender, timeout_s=60.0).hello(body)
+    client = ShardClient(ctx, server, sender=sender, timeout_s=60.0)
+    hello = client.hello(body)
+    client.close()
     req = ctx.socket(zmq.REQ)
     push = ctx.socket(zmq.PUSH)
     for sock in (req, push):
