@@ -155,6 +155,21 @@ def test_bench_smoke_writes_every_figure(tmp_path: Path) -> None:
     ):
         assert f"| {target}" in done.stdout  # each new target is judged in the table
     assert "| server, pinned | the floor under it" in done.stdout
+    # the pinned server and its floor ran in turn, once per round; each figure is a median
+    srv = doc["server"]
+    rounds = srv["pinned_rounds_detail"]
+    assert len(rounds) == 2  # the smoke plan's pinned_server_rounds
+    for r in rounds:
+        assert r["server_apply_per_s"] > 0 and r["floor_ms_per_apply"] > 0, r
+        assert r["beyond_floor_memcpys"] == pytest.approx(
+            r["overhead_memcpys"] - r["floor_memcpys"]
+        )
+    mid = {k: sum(r[k] for r in rounds) / 2 for k in ("server_apply_per_s", "floor_ms_per_apply")}
+    assert srv["pinned_server_apply_per_s"] == pytest.approx(mid["server_apply_per_s"])
+    assert srv["pinned_floor_ms_per_apply"] == pytest.approx(mid["floor_ms_per_apply"])
+    assert srv["pinned_overhead_beyond_floor_memcpys"] == pytest.approx(
+        srv["pinned_overhead_memcpys"] - srv["pinned_floor_memcpys"]
+    )
     assert "| e2e, pinned | the floor under it: the least worker" in done.stdout
     pinned = doc["end_to_end"]["pinned"]
     floor = pinned["detail"]["floor"]

@@ -213,15 +213,76 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
     ``pinned_floor_memcpys``: the part of it any TCP-fed TensorFlow server pays (the least
     server's time per apply, ``receive_floor``, beyond the bare apply), in the same unit;
     ``pinned_overhead_beyond_floor_memcpys``, the rest, is what downpour's server adds.
+    The server and the least server run in turn, ``plan.pinned_server_rounds`` times, so a
+    slow spell hits both alike; each figure is the median of its rounds, and the rounds are
+    kept in ``pinned_rounds_detail`` (one round's server-minus-floor moves by more than
+    downpour's share).
     """
     worker, core = host_cpus(0), host_cpus(1)
     log(f"server pinned: bare apply and memcpy on core {core}")
     bare = child(procs, "bare-apply", core, ["--reps", str(plan.apply_reps)])
+    memcpy_ms = bare["apply_memcpy_ms"]
+    rounds = []
+    for i in range(plan.pinned_server_rounds):
+        log(f"server pinned: round {i + 1} of {plan.pinned_server_rounds}")
+        flood = flood_server(plan, procs, bare)
+        floor = receive_floor(plan, procs)
+        server_ms = 1e3 / flood["applies_per_s"]
+        rounds.append(
+            {
+                "server_apply_per_s": flood["applies_per_s"],
+                "server_ms_per_apply": server_ms,
+                "floor_ms_per_apply": floor["ms_per_apply"],
+                "overhead_memcpys": (server_ms - bare["apply_ms"]) / memcpy_ms,
+                "floor_memcpys": (floor["ms_per_apply"] - bare["apply_ms"]) / memcpy_ms,
+                "beyond_floor_memcpys": (server_ms - floor["ms_per_apply"]) / memcpy_ms,
+                "pusher_cpu_cores": flood["pusher_cpu_cores"],
+                "server_reported_apply_ms": flood["server_reported_apply_ms"],
+            }
+        )
+
+    def mid(key: str) -> float:
+        return median([r[key] for r in rounds])
+
+    applies_per_s = mid("server_apply_per_s")
+    server_ms = 1e3 / applies_per_s
+    overhead_ms = server_ms - bare["apply_ms"]
+    overhead_memcpys = max(overhead_ms, 1e-6) / memcpy_ms
+    # the least server's time per apply beyond the bare apply, in the same unit
+    floor_memcpys = (mid("floor_ms_per_apply") - bare["apply_ms"]) / memcpy_ms
+    return {
+        "pinned_ratio": applies_per_s / bare["bare_apply_per_s"],
+        "pinned_overhead_memcpys": overhead_memcpys,
+        "pinned_server_apply_per_s": applies_per_s,
+        "pinned_bare_apply_per_s": bare["bare_apply_per_s"],
+        "pinned_apply_ms": bare["apply_ms"],
+        "pinned_server_ms_per_apply": server_ms,
+        "pinned_overhead_ms": overhead_ms,
+        "pinned_memcpy_ms": memcpy_ms,
+        "pinned_pusher_cpu_cores": mid("pusher_cpu_cores"),
+        "pinned_server_reported_apply_ms": mid("server_reported_apply_ms"),
+        "pinned_cpus": {"server": core, "pushers": worker},
+        # a memcpy's speed sets the unit of pinned_overhead_memcpys: the CPU it was measured on
+        "pinned_cpu_model": cpu_model(),
+        # the floor: the least server (receive, decode, stage, apply) on core 1, same pushes
+        "pinned_floor_ms_per_apply": mid("floor_ms_per_apply"),
+        "pinned_floor_memcpys": floor_memcpys,
+        "pinned_overhead_beyond_floor_memcpys": overhead_memcpys - floor_memcpys,
+        # each round's figures, server and floor in turn: the spread the medians hide
+        "pinned_rounds_detail": rounds,
+    }
+
+
+def flood_server(plan: Plan, procs: Procs, bare: dict[str, Any]) -> dict[str, Any]:
+    """A downpour server on core 1 flooded by pre-encoded pushes from core 0 (``pinned.py
+    flood``), half a second of bare applies kept in flight: its applies/s as it reports
+    them, over timed windows after a warm-up."""
+    worker, core = host_cpus(0), host_cpus(1)
     proc, info = start_server(procs, "server-pinned", cpus=core)
     try:
         log(f"server pinned: server on core {core}, pushers on core {worker}")
         in_flight = max(16, int(0.5 * bare["bare_apply_per_s"]))
-        flood = child(
+        return child(
             procs,
             "flood",
             worker,
@@ -233,32 +294,6 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
         )
     finally:
         procs.stop(proc)
-    floor = receive_floor(plan, procs)
-    server_ms = 1e3 / flood["applies_per_s"]
-    overhead_ms = server_ms - bare["apply_ms"]
-    memcpy_ms = bare["apply_memcpy_ms"]
-    overhead_memcpys = max(overhead_ms, 1e-6) / memcpy_ms
-    # the least server's time per apply beyond the bare apply, in the same unit
-    floor_memcpys = (floor["ms_per_apply"] - bare["apply_ms"]) / memcpy_ms
-    return {
-        "pinned_ratio": flood["applies_per_s"] / bare["bare_apply_per_s"],
-        "pinned_overhead_memcpys": overhead_memcpys,
-        "pinned_server_apply_per_s": flood["applies_per_s"],
-        "pinned_bare_apply_per_s": bare["bare_apply_per_s"],
-        "pinned_apply_ms": bare["apply_ms"],
-        "pinned_server_ms_per_apply": server_ms,
-        "pinned_overhead_ms": overhead_ms,
-        "pinned_memcpy_ms": bare["apply_memcpy_ms"],
-        "pinned_pusher_cpu_cores": flood["pusher_cpu_cores"],
-        "pinned_server_reported_apply_ms": flood["server_reported_apply_ms"],
-        "pinned_cpus": {"server": core, "pushers": worker},
-        # a memcpy's speed sets the unit of pinned_overhead_memcpys: the CPU it was measured on
-        "pinned_cpu_model": cpu_model(),
-        # the floor: the least server (receive, decode, stage, apply) on core 1, same pushes
-        "pinned_floor_ms_per_apply": floor["ms_per_apply"],
-        "pinned_floor_memcpys": floor_memcpys,
-        "pinned_overhead_beyond_floor_memcpys": overhead_memcpys - floor_memcpys,
-    }
 
 
 def worker_floor(procs: Procs, window: list[str]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class Plan:
     e2e_bf16: bool = False  # also the --compress bf16 set-ups (full only: quick stays short)
     shard_rounds: int = 1  # rounds of the shards section
     pinned_rounds: int = 1  # rounds of the pinned end-to-end set-ups (emulated hosts)
+    pinned_server_rounds: int = 1  # rounds of the pinned server and its floor, in turn
     goodput_reps: int = 3  # messages per goodput sample (x size-dependent factor)
     link_window_s: float = 2.0  # timed window of each shaped-link set-up
     # measure only the headline set-ups: not the e2e 2-worker, CURVE and unpinned TF PSS ones,
@@ -64,7 +65,24 @@ class Plan:
 
 PLANS = {
     "smoke": Plan(
-        "smoke", 3, 2, 3, 1.0, 1, 1.0, 5, 2, 1, 1.0, 4, 2, 4, 1, goodput_reps=1, link_window_s=1.0
+        "smoke",
+        3,
+        2,
+        3,
+        1.0,
+        1,
+        1.0,
+        5,
+        2,
+        1,
+        1.0,
+        4,
+        2,
+        4,
+        1,
+        goodput_reps=1,
+        link_window_s=1.0,
+        pinned_server_rounds=2,
     ),
     # quick (under 3 minutes on 2 cores): one round, short windows, few steps; most of its time is
     # process start-up, so it measures the headline set-ups only (lean) and fewer TF PSS variants
@@ -90,6 +108,7 @@ PLANS = {
         True,
         5,
         pinned_rounds=2,
+        pinned_server_rounds=3,
         goodput_reps=10,
         link_window_s=4.0,
     ),  # fmt: skip
