@@ -222,6 +222,11 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
     log(f"server pinned: bare apply and memcpy on core {core}")
     bare = child(procs, "bare-apply", core, ["--reps", str(plan.apply_reps)])
     memcpy_ms = bare["apply_memcpy_ms"]
+
+    def beyond_bare(ms: float) -> float:
+        """Time per apply beyond the bare apply, in memcpys of the gradient list."""
+        return (ms - bare["apply_ms"]) / memcpy_ms
+
     rounds = []
     for i in range(plan.pinned_server_rounds):
         log(f"server pinned: round {i + 1} of {plan.pinned_server_rounds}")
@@ -233,8 +238,8 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
                 "server_apply_per_s": flood["applies_per_s"],
                 "server_ms_per_apply": server_ms,
                 "floor_ms_per_apply": floor["ms_per_apply"],
-                "overhead_memcpys": (server_ms - bare["apply_ms"]) / memcpy_ms,
-                "floor_memcpys": (floor["ms_per_apply"] - bare["apply_ms"]) / memcpy_ms,
+                "overhead_memcpys": beyond_bare(server_ms),
+                "floor_memcpys": beyond_bare(floor["ms_per_apply"]),
                 "beyond_floor_memcpys": (server_ms - floor["ms_per_apply"]) / memcpy_ms,
                 "pusher_cpu_cores": flood["pusher_cpu_cores"],
                 "server_reported_apply_ms": flood["server_reported_apply_ms"],
@@ -249,7 +254,7 @@ def server(plan: Plan, procs: Procs) -> dict[str, Any]:
     overhead_ms = server_ms - bare["apply_ms"]
     overhead_memcpys = max(overhead_ms, 1e-6) / memcpy_ms
     # the least server's time per apply beyond the bare apply, in the same unit
-    floor_memcpys = (mid("floor_ms_per_apply") - bare["apply_ms"]) / memcpy_ms
+    floor_memcpys = beyond_bare(mid("floor_ms_per_apply"))
     return {
         "pinned_ratio": applies_per_s / bare["bare_apply_per_s"],
         "pinned_overhead_memcpys": overhead_memcpys,
