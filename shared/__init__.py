@@ -8,11 +8,11 @@ The public API is what a model plugin writes against::
         return downpour.ModelSpec(name="mine", build=build, load_data=load)
 
 ``import downpour`` does not import TensorFlow; the modules that need it
-(``downpour.models``, ``downpour.server``, ``downpour.worker``) import it themselves.
+(``downpour.model.build``, ``downpour.server``, ``downpour.worker``) import it themselves.
 """
 
-from downpour.data import Dataset
-from downpour.inputs import InputContext
+from downpour.inputs.context import InputContext
+from downpour.inputs.data import Dataset
 from downpour.spec import ModelSpec
 
 __version__ = "0.1.0"

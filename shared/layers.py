@@ -15,7 +15,7 @@ been seen; the next new id fails the step with an error naming the layer and its
 Its graph holds a hash table and a NumPy call (the initial rows), so a model with it runs
 without XLA (``supports_jit`` is False: Keras's ``jit_compile="auto"`` picks the graph).
 
-Under downpour the rows live on the servers (``downpour.server.dynamic``). A worker builds the
+Under downpour the rows live on the servers (``downpour.server.tables.table``). A worker builds the
 model inside ``served(make)``: the layer then holds a bounded cache of rows (``make(layer)``,
 an object with ``capacity`` and ``table``, an id -> slot ``MutableHashTable``) that the worker
 fills with pulled rows before each step, and its lookup only maps ids to slots: it creates
@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from downpour import initial
+from downpour.model import initial
 
 __all__ = ["DynamicEmbedding", "served", "string_ids"]
 
@@ -167,7 +167,7 @@ class DynamicEmbedding(keras.layers.Layer):
     def hold(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Hold exactly ``rows`` for the unique int64 ``ids`` (at most ``capacity``), nothing
         else: how a copy of the model outside training reads rows pulled from the servers
-        (``downpour.scoring``). A built layer that is not a worker's."""
+        (``downpour.serving.scoring``). A built layer that is not a worker's."""
         if self._row_cache is not None:
             raise ValueError(f"DynamicEmbedding {self.name!r}: a worker's rows are its cache's")
         n = int(ids.size)

@@ -2,7 +2,7 @@
 
 A model is a plugin named ``module:function``; the function takes no arguments and returns a
 ``ModelSpec``. Both services call it, so both build the same variables in the same order (the
-fingerprint in ``downpour.models`` proves it at hello).
+fingerprint in ``downpour.model.build`` proves it at hello).
 
 This module imports neither TensorFlow nor Keras: ``import downpour`` stays light, and a
 plugin's own import of TensorFlow is the first one.
@@ -22,13 +22,14 @@ if TYPE_CHECKING:
     import keras
     import tensorflow as tf
 
-    from downpour.data import Dataset
-    from downpour.inputs import InputContext
-    from downpour.models_tf1 import Tf1Graph
+    from downpour.inputs.context import InputContext
+    from downpour.inputs.data import Dataset
+    from downpour.model.tf1 import Tf1Graph
 
 DEFAULT_MODEL = "downpour.models:deep_mnist"
 METRIC_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
-# Keys of a held-out evaluation result beside the metric's own (downpour.server.evaluation)
+# Keys of a held-out evaluation result beside the metric's own
+# (downpour.server.observers.evaluation)
 EVAL_KEYS = frozenset({"metric", "version", "time", "seconds", "count", "every", "examples"})
 
 
@@ -84,15 +85,15 @@ class ModelSpec:
     ``build`` must return a fresh, built Keras model (variables created) and be deterministic
     in variable names and order. The data comes from ``input_fn(ctx)``, a ``tf.data.Dataset``
     of ``(features, labels)`` batches for one epoch of this worker's share
-    (``downpour.inputs``), and the held-out set from ``held_out_fn(ctx)``; or, for data that
+    (``downpour.inputs.context``), and the held-out set from ``held_out_fn(ctx)``; or, for data that
     fits in memory, from ``load_data(data_dir)``, a NumPy ``downpour.Dataset`` that downpour
-    turns into both (``downpour.data.dataset_input_fn``), its labels cast to ``label_dtype``
+    turns into both (``downpour.inputs.data.dataset_input_fn``), its labels cast to ``label_dtype``
     (a dtype name or a ``tf.DType``; an ``input_fn``'s labels keep their own dtype: the step
     takes the dataset's ``element_spec``). ``batch_size`` is ``ctx.batch_size``. With a
     held_out_fn or load_data, the held-out set is scored with ``metric`` (``labels, outputs ->
     float``), reported as ``metric_name`` (``accuracy`` by default; ``auc`` with
     ``downpour.spec.auc``) by the server's evaluation, run-local and export. ``tf1_graph`` is the
-    same model as a ``tf.compat.v1`` graph (``downpour.models_tf1.Tf1Graph``), for workers run
+    same model as a ``tf.compat.v1`` graph (``downpour.model.tf1.Tf1Graph``), for workers run
     with ``--graph tf1``.
     """
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from downpour.config.settings import to_argv
 from downpour.server.settings import SERVER_OPTIONS
-from downpour.settings import to_argv
 from downpour.worker.settings import WORKER_OPTIONS
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -181,7 +181,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 def _log_context() -> Iterator[None]:
     """Services run in this process bind the process-wide log context (worker, version):
     restore it after each test, so one test's services never name another test's log lines."""
-    from downpour import logs
+    from downpour.runtime import logs
 
     saved = dict(logs._context)
     yield
@@ -293,8 +293,8 @@ def pull_weights(endpoint: str, encoding: str = "dense") -> tuple[int, list[Any]
     import numpy as np
 
     from downpour import wire
-    from downpour.client import ShardClient
-    from downpour.transport import make_context
+    from downpour.net.client import ShardClient
+    from downpour.net.transport import make_context
 
     ctx = make_context()
     client = ShardClient(ctx, endpoint, sender="test-probe", timeout_s=10)

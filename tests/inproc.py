@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from downpour.config.settings import Option, to_argv
 from downpour.server.service import Server
 from downpour.server.settings import SERVER_OPTIONS, ServerConfig
-from downpour.settings import Option, to_argv
 from downpour.spec import ModelSpec, load_spec
 from downpour.worker.service import Worker
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig
@@ -203,7 +203,7 @@ class Services:
             flags = _flags(SERVER_OPTIONS, config) + (["--keys", str(keys)] if keys else [])
             return self.cluster.server(*flags, model=model)
         if keys is not None:
-            from downpour.security import load_server_keys
+            from downpour.net.security import load_server_keys
 
             config["keys"] = load_server_keys(keys)
         capture = LogCapture()
@@ -244,7 +244,7 @@ class Services:
                 assert w.wait(timeout=300) == 0, w.log_text()
             return [summary(w) for w in procs]
         if key is not None:
-            from downpour.security import load_client_keys
+            from downpour.net.security import load_client_keys
 
             config["keys"] = load_client_keys(*key)
         threads = [WorkerThread(make_worker(ports, model, worker_id=i, **config)) for i in ids]

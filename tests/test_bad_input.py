@@ -17,7 +17,7 @@ from inproc import Services, settle
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.transport import ReqClient, make_context
+from downpour.net.transport import ReqClient, make_context
 from downpour.wire import Message
 
 NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]

@@ -12,7 +12,7 @@ from inproc import Services, settle
 from plain_tf import plain_tf_accuracy, save_eval_data
 
 from downpour import cli
-from downpour.models import build_model, evaluate
+from downpour.model.build import build_model, evaluate
 from downpour.spec import load_spec
 
 WINE = "downpour.examples.wine:spec"

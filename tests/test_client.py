@@ -16,10 +16,10 @@ import pytest
 import zmq
 
 from downpour import wire
-from downpour.client import ShardClient
-from downpour.cluster import ShardSet
-from downpour.partition import make_partition
-from downpour.transport import (
+from downpour.model.partition import make_partition
+from downpour.net.client import ShardClient
+from downpour.net.cluster import ShardSet
+from downpour.net.transport import (
     PushSocket,
     Refused,
     RemoteError,

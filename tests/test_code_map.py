@@ -91,7 +91,7 @@ def test_the_walk_finds_modules_of_every_source_folder() -> None:
         "downpour.__main__",
         "downpour.examples.wine",
         "downpour.server.dispatch",
-        "downpour.worker.row_cache",
+        "downpour.worker.rows.cache",
         "downpour.cli.status",
         "downpour.cli.__main__",
     ):

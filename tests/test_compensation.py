@@ -1,4 +1,5 @@
-"""Unit tests for the weight- and staleness-aware policies, ``services/server/compensation.py``:
+"""Unit tests for the weight- and staleness-aware policies,
+``services/server/policies/compensation.py``:
 delay compensation (dc, dc-a), gap-aware damping, asynchrony-aware momentum and look-ahead
 pulls."""
 
@@ -7,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from downpour.server.compensation import (
+from downpour.server.policies.base import APPLY, parse_policy
+from downpour.server.policies.compensation import (
     DelayCompensatedPolicy,
     GapAwarePolicy,
     LookaheadPolicy,
     MomentumAwarePolicy,
     WeightRing,
 )
-from downpour.server.policies import APPLY, parse_policy
 from downpour.wire import Sparse
 
 

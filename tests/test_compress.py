@@ -1,5 +1,5 @@
 """Gradient compression: the worker's compressors (``services/worker/compress.py``) and the
-``bf16`` / ``topk`` / ``sparse_bf16`` encodings of the wire protocol (``shared/wire.py``).
+``bf16`` / ``topk`` / ``sparse_bf16`` encodings of the wire protocol (``shared/wire/__init__.py``).
 
 Frames are turned into plain ``bytes`` before decoding, which is what a peer receives.
 """
@@ -18,8 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from downpour.buffers import is_private
-from downpour.codecs import widen_bf16
+from downpour.memory.buffers import is_private
 from downpour.wire import (
     BF16,
     DEFAULT_LIMITS,
@@ -46,6 +45,7 @@ from downpour.wire import (
     densify,
     encode,
 )
+from downpour.wire.codecs import widen_bf16
 from downpour.worker.compress import (
     COMPRESSION_FORMS,
     COMPRESSIONS,

@@ -84,7 +84,7 @@ def test_bf16_pulls_halve_the_weight_bytes_and_train(services: Services) -> None
     pull (once per version), the worker widens them back and computes there."""
     import ml_dtypes
 
-    from downpour.transport import RemoteError
+    from downpour.net.transport import RemoteError
 
     server = services.server(WIDE)
     (s,) = services.train(server.port, 1, WIDE, steps=30, compress="bf16", pull_compress="bf16")

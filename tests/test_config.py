@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, env
 
-from downpour import config, settings
+from downpour.config import loading, settings
 from downpour.server.settings import SERVER_OPTIONS
 from downpour.worker.settings import WORKER_OPTIONS
 
 SECTIONS = ("server", "worker")
 
 
-def load(service: str, argv: list[str], environ: dict[str, str]) -> config.Settings:
+def load(service: str, argv: list[str], environ: dict[str, str]) -> loading.Settings:
     """The settings of the real ``downpour SERVICE`` options."""
     options = SERVER_OPTIONS if service == "server" else WORKER_OPTIONS
-    return config.load(service, options, argv, environ, SECTIONS)
+    return loading.load(service, options, argv, environ, SECTIONS)
 
 
 def downpour(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -104,7 +104,7 @@ def test_types_booleans_and_negated_flags() -> None:
 def test_bad_environment_values_name_the_setting_and_range(
     service: str, environ: dict[str, str], needles: list[str]
 ) -> None:
-    with pytest.raises(config.ConfigError) as err:
+    with pytest.raises(loading.ConfigError) as err:
         load(service, [], environ)
     for needle in [*needles, next(iter(environ))]:
         assert needle in str(err.value)
@@ -113,18 +113,18 @@ def test_bad_environment_values_name_the_setting_and_range(
 def test_bad_file_values_and_unknown_names_are_refused(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
     f.write_text("port = 1.5\n")
-    with pytest.raises(config.ConfigError, match=r"port .*0\.\.65535"):
+    with pytest.raises(loading.ConfigError, match=r"port .*0\.\.65535"):
         load("server", ["--config", str(f)], {})
     f.write_text("prot = 5570\n")
-    with pytest.raises(config.ConfigError, match="did you mean 'port'"):
+    with pytest.raises(loading.ConfigError, match="did you mean 'port'"):
         load("server", ["--config", str(f)], {})
     f.write_text("[sever]\nport = 1\n")
-    with pytest.raises(config.ConfigError, match=r"unknown table \[sever\]"):
+    with pytest.raises(loading.ConfigError, match=r"unknown table \[sever\]"):
         load("server", ["--config", str(f)], {})
     f.write_text("port = \n")
-    with pytest.raises(config.ConfigError, match="not valid TOML"):
+    with pytest.raises(loading.ConfigError, match="not valid TOML"):
         load("server", ["--config", str(f)], {})
-    with pytest.raises(config.ConfigError, match="No such file"):
+    with pytest.raises(loading.ConfigError, match="No such file"):
         load("server", ["--config", str(tmp_path / "missing.toml")], {})
 
 
@@ -142,11 +142,11 @@ def test_options_added_later_are_settings_without_declaring_them_again() -> None
         settings.Option("brand_new", 3, "a new count", "new", type=settings.at_least(2)),
         settings.Option("feature", False, "a new switch", "new", bool),
     )
-    s = config.load("server", table, ["--feature"], {"DOWNPOUR_BRAND_NEW": "5"}, SECTIONS)
+    s = loading.load("server", table, ["--feature"], {"DOWNPOUR_BRAND_NEW": "5"}, SECTIONS)
     assert s.items["brand_new"].value == 5 and s.items["brand_new"].source.startswith("env")
     assert s.items["feature"].value is True and s.items["feature"].source == "flag --feature"
-    with pytest.raises(config.ConfigError, match=r"brand_new .*>= 2"):
-        config.load("server", table, [], {"DOWNPOUR_BRAND_NEW": "1"}, SECTIONS)
+    with pytest.raises(loading.ConfigError, match=r"brand_new .*>= 2"):
+        loading.load("server", table, [], {"DOWNPOUR_BRAND_NEW": "1"}, SECTIONS)
     derived = settings.config_class("Config", __name__, "a test config", table)
     cfg = derived.from_values(s.values())
     assert (cfg.brand_new, cfg.feature, cfg.learning_rate) == (5, True, 1e-3)

@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 from conftest import ROOT
 
-from downpour import security
-from downpour.client import fetch_status
+from downpour.net import security
+from downpour.net.client import fetch_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(1800)]
 

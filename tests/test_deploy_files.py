@@ -224,9 +224,9 @@ def test_every_deploy_file_passes_the_data_dispatch_setting_through_its_environm
     """``--data-dispatch`` reaches the server and the workers the way every other setting
     does (DOWNPOUR_DATA_DISPATCH, or ``data_dispatch`` in the systemd TOML files), with a
     value the setting accepts and the same value on both sides."""
-    from downpour import config
     from downpour.cli import SERVICES
-    from downpour.settings import DISPATCH_MODES
+    from downpour.config import loading
+    from downpour.config.settings import DISPATCH_MODES
 
     compose = documents(DOCKER / "compose.yaml")[0]["services"]
     k8s = {
@@ -251,11 +251,11 @@ def test_every_deploy_file_passes_the_data_dispatch_setting_through_its_environm
         for env in service_envs:
             value = env["DOWNPOUR_DATA_DISPATCH"]
             assert value in DISPATCH_MODES
-            loaded = config.load(service, options, [], {"DOWNPOUR_DATA_DISPATCH": value})
+            loaded = loading.load(service, options, [], {"DOWNPOUR_DATA_DISPATCH": value})
             assert loaded.values()["data_dispatch"] == value
             values.add(value)
         toml = ROOT / "deploy" / "systemd" / f"{service}.toml"
-        loaded = config.load(service, options, ["--config", str(toml)], {})
+        loaded = loading.load(service, options, ["--config", str(toml)], {})
         assert loaded.items["data_dispatch"].source == f"file {toml}"
         values.add(loaded.values()["data_dispatch"])
     assert len(values) == 1  # the server and its workers agree

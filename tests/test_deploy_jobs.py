@@ -32,8 +32,8 @@ import yaml
 from api_models import openapi_problems, pydantic_problems
 from test_deploy_files import K8S, KUBERNETES_VERSIONS, documents, run, tool
 
-from downpour.settings import ConfigError
-from downpour.tf_config import parse_tf_config, role_settings
+from downpour.config.settings import ConfigError
+from downpour.config.tf_config import parse_tf_config, role_settings
 
 pytestmark = pytest.mark.slow
 

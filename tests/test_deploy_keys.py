@@ -19,8 +19,9 @@ import zmq
 from conftest import wait_until
 from inproc import Services
 
-from downpour import security, wire
+from downpour import wire
 from downpour.cli.status import fetch_status
+from downpour.net import security
 from downpour.wire import Message
 
 ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20

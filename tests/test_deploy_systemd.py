@@ -1,6 +1,6 @@
 """systemd deployment: the notify protocol, and the unit files checked offline.
 
-- ``downpour.systemd`` against real AF_UNIX datagram sockets (a path and an abstract name).
+- ``downpour.runtime.systemd`` against real AF_UNIX datagram sockets (a path and an abstract name).
 - A server with ``$NOTIFY_SOCKET`` and ``$WATCHDOG_USEC``: READY=1 arrives when its three
   ports already accept connections, WATCHDOG=1 while it serves, STOPPING=1 when stopped; in
   this process (fast tier) and as a real process stopped by SIGTERM, then exit 0 (slow tier).
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Cluster, summary
 
-from downpour import systemd
 from downpour.cli.status import fetch_status
+from downpour.runtime import systemd
 
 UNITS = ROOT / "deploy" / "systemd"
 INSTALL_PREFIX = "/opt/downpour/venv"  # where the units expect the installed environment

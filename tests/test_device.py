@@ -22,12 +22,12 @@ import pytest
 from conftest import ROOT, env, wait_until
 from inproc import serving, train
 
-from downpour import config
 from downpour.cli import build_parser
 from downpour.cli.status import fetch_status
-from downpour.device import DeviceError, configure_device, parse_device
+from downpour.config import loading
+from downpour.config.settings import ConfigError
+from downpour.runtime.device import DeviceError, configure_device, parse_device
 from downpour.server.settings import SERVER_OPTIONS
-from downpour.settings import ConfigError
 from downpour.worker.settings import WORKER_OPTIONS
 
 
@@ -54,12 +54,12 @@ def test_other_devices_are_refused_naming_the_forms(text: str) -> None:
 @pytest.mark.parametrize("command", ["server", "worker"])
 def test_server_and_worker_take_device_as_flag_and_environment(command: str) -> None:
     options = SERVER_OPTIONS if command == "server" else WORKER_OPTIONS
-    assert config.load(command, options, [], {}).values()["device"] == "auto"
-    assert config.load(command, options, ["--device", "GPU:1"], {}).values()["device"] == "gpu:1"
-    env_values = config.load(command, options, [], {"DOWNPOUR_DEVICE": "cpu"}).values()
+    assert loading.load(command, options, [], {}).values()["device"] == "auto"
+    assert loading.load(command, options, ["--device", "GPU:1"], {}).values()["device"] == "gpu:1"
+    env_values = loading.load(command, options, [], {"DOWNPOUR_DEVICE": "cpu"}).values()
     assert env_values["device"] == "cpu"
     with pytest.raises(ConfigError, match="is not a device"):
-        config.load(command, options, [], {"DOWNPOUR_DEVICE": "tpu"})
+        loading.load(command, options, [], {"DOWNPOUR_DEVICE": "tpu"})
 
 
 def test_run_local_takes_device_for_all_its_processes() -> None:

@@ -284,8 +284,8 @@ def test_an_unconfigured_or_damaged_state_is_handled() -> None:
 
 
 def test_only_shard_0_may_dispatch() -> None:
+    from downpour.config.settings import ConfigError
     from downpour.server.settings import ServerConfig, validate_server
-    from downpour.settings import ConfigError
 
     validate_server(ServerConfig(data_dispatch="server", shard=0, num_shards=2))
     with pytest.raises(ConfigError, match="shard 0 only"):

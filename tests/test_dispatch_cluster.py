@@ -15,9 +15,9 @@ import zmq
 from conftest import Cluster, Service, free_ports, wait_until
 
 from downpour import wire
-from downpour.client import ShardClient, SplitGrant, fetch_status
-from downpour.server.checkpoint import CheckpointStore
-from downpour.transport import make_context
+from downpour.checkpoints.store import CheckpointStore
+from downpour.net.client import ShardClient, SplitGrant, fetch_status
+from downpour.net.transport import make_context
 
 FILES = wire.DataUniverse(files=tuple(f"part-{i:02d}.tfrecord" for i in range(16)))
 
@@ -126,7 +126,7 @@ def test_splits_go_once_each_to_workers_that_come_and_go(
 
 
 def test_a_worker_with_other_data_is_refused(cluster: Cluster, zctx: zmq.Context) -> None:
-    from downpour.transport import Refused
+    from downpour.net.transport import Refused
 
     server = cluster.server("--data-dispatch", "server")
     Reader(zctx, server, "w0", "p0").step()

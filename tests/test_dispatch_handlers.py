@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from downpour import wire
-from downpour.server.checkpoint import CheckpointStore, capture, restore_dispatcher
+from downpour.checkpoints.store import CheckpointStore, capture, restore_dispatcher
 from downpour.server.dispatch import Dispatcher
 from downpour.server.handlers import (
     HandlerContext,
@@ -21,8 +21,8 @@ from downpour.server.handlers import (
     handle_request,
     release_gone,
 )
-from downpour.server.policies import parse_policy
-from downpour.server.prometheus import render_text
+from downpour.server.observers.prometheus import render_text
+from downpour.server.policies.base import parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.state import ParameterState
 from downpour.server.status_doc import build_status

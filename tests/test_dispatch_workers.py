@@ -20,13 +20,13 @@ from conftest import Cluster, free_ports, summary, wait_until
 from inproc import WorkerThread, make_worker, serving
 
 from downpour import InputContext, ModelSpec, cli
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
+from downpour.config.settings import ConfigError
 from downpour.examples import digits_csv
 from downpour.examples.records import TRAIN, split_files
-from downpour.inputs import Split
-from downpour.pipeline import InputError
-from downpour.server.checkpoint import CheckpointStore
-from downpour.settings import ConfigError
+from downpour.inputs.context import Split
+from downpour.inputs.pipeline import InputError
 from downpour.worker.service import WorkerError
 
 SPLIT = 64  # elements per split: 10 splits of the 600 ids (the last one 24), 2 batches each

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from downpour.hashing import id_shard
-from downpour.server.checkpoint import Checkpoint, CheckpointStore
-from downpour.server.dynamic import COUNTERS, DynamicTable
-from downpour.server.dynamic_checkpoint import (
+from downpour.checkpoints.layout import pieces_from_parts
+from downpour.checkpoints.store import Checkpoint, CheckpointStore
+from downpour.model.hashing import id_shard
+from downpour.server.tables.checkpoint import (
     TABLES_META,
     capture_state,
     capture_tables,
@@ -23,8 +23,8 @@ from downpour.server.dynamic_checkpoint import (
     restore_tables,
     table_key,
 )
-from downpour.server.dynamic_sketch import CountMinSketch
-from downpour.server.layout import pieces_from_parts
+from downpour.server.tables.sketch import CountMinSketch
+from downpour.server.tables.table import COUNTERS, DynamicTable
 
 CONFIG = {  # variable path -> (layer name, dim, constructor keywords)
     "users/embeddings": ("users", 4, {"optimizer": "lazy_adam", "seed": 3, "admit_after": 2}),
@@ -282,7 +282,7 @@ def test_malformed_or_incomplete_checkpoints_are_refused(tmp_path: Path) -> None
 
 
 def test_a_record_less_checkpoint_reads_past_the_tables_arrays() -> None:
-    from downpour.partition import make_partition
+    from downpour.model.partition import make_partition
 
     part = make_partition(["w"], [(4, 2)], ["float32"], 1, "fp")
     arrays = {"model/w": np.zeros((4, 2), np.float32), table_key("users/embeddings", "ids"):
@@ -331,7 +331,7 @@ def test_a_parameter_state_checkpoint_restores_its_tables_onto_another_shard_cou
     the fixed variables come back too, and training goes on alike."""
     from test_reshard import _joined
 
-    from downpour.server.reshard import restore_set
+    from downpour.server.checkpointing.restore import restore_set
 
     def write(states: list[Any], root: Path) -> list[Checkpoint]:
         out = []

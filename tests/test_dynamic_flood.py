@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from downpour.initial import mix64
-from downpour.server.dynamic import EVICT_TO, DynamicTable
-from downpour.server.dynamic_index import REHASH_IN_PLACE
-from downpour.server.dynamic_sketch import CountMinSketch, false_admit_rate
+from downpour.model.initial import mix64
+from downpour.server.tables.index import REHASH_IN_PLACE
+from downpour.server.tables.sketch import CountMinSketch, false_admit_rate
+from downpour.server.tables.table import EVICT_TO, DynamicTable
 
 FLOOD = 10_000_000  # unique ids, each seen once
 BATCH = 100_000  # rows per apply

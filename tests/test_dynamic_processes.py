@@ -26,12 +26,12 @@ from soak import rss_mb
 from tiny_models import _arrange, _form_data, hashed
 
 from downpour import wire
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
-from downpour.client import ShardClient
-from downpour.hashing import id_shard, mix64
-from downpour.metrics import peak_rss_mib
-from downpour.server.checkpoint import CheckpointStore
-from downpour.transport import PushSocket, make_context
+from downpour.model.hashing import id_shard, mix64
+from downpour.net.client import ShardClient
+from downpour.net.transport import PushSocket, make_context
+from downpour.runtime.metrics import peak_rss_mib
 
 pytestmark = pytest.mark.slow
 
@@ -76,11 +76,11 @@ def _tables(dirs: list[Path]) -> dict[str, np.ndarray]:
 
 def _served_outputs(servers: list[Service], features: dict[str, np.ndarray]) -> np.ndarray:
     """The live servers' predictions: a copy of the model holding their weights and the rows
-    of these features' ids, pulled by id (``downpour.scoring``)."""
+    of these features' ids, pulled by id (``downpour.serving.scoring``)."""
     from tiny_models import dynamic_dict
 
-    from downpour.models import build_model
-    from downpour.scoring import load_and_score
+    from downpour.model.build import build_model
+    from downpour.serving.scoring import load_and_score
 
     model = build_model(dynamic_dict())
     _, out = load_and_score(

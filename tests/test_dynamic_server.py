@@ -17,7 +17,7 @@ from tiny_models import embedding_form, hashed
 from downpour import wire
 from downpour.cli.status import fetch_status, render
 from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
-from downpour.server.prometheus import render_text
+from downpour.server.observers.prometheus import render_text
 from downpour.server.state import ParameterState, TableOptions
 from downpour.spec import load_spec
 
@@ -156,7 +156,7 @@ def test_the_gradient_socket_takes_a_counted_push_of_every_row(compress: str) ->
     applied."""
     import zmq
 
-    from downpour.receive import Oversize, recv_bounded
+    from downpour.net.receive import Oversize, recv_bounded
     from downpour.server.handlers import socket_bounds
     from downpour.worker.compress import parse_compression
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from downpour.initial import TRUNCATED_STDDEV, Rule, initial_rows
-from downpour.server.dynamic import DynamicTable
-from downpour.server.dynamic_index import IdIndex
-from downpour.server.dynamic_sketch import CountMinSketch, false_admit_rate
-from downpour.server.dynamic_store import ChunkedStore
+from downpour.model.initial import TRUNCATED_STDDEV, Rule, initial_rows
+from downpour.server.tables.index import IdIndex
+from downpour.server.tables.sketch import CountMinSketch, false_admit_rate
+from downpour.server.tables.store import ChunkedStore
+from downpour.server.tables.table import DynamicTable
 
 EXTREMES = np.array([-(2**63), 2**63 - 1, 0, -1], np.int64)
 RULES = [Rule("uniform", -0.2, 0.3), Rule("normal", 0.5, 0.1), Rule("truncated", 0.0, 0.2)]
@@ -171,7 +171,7 @@ def _keras_reference(kind: str, rows: np.ndarray, batches: list, lr: float) -> n
     import keras
     import tensorflow as tf
 
-    from downpour.server.rows import make_optimizer, row_update
+    from downpour.server.tables.rows import make_optimizer, row_update
 
     var = keras.Variable(rows, name="t")
     opt = make_optimizer(kind, lr)

@@ -15,9 +15,9 @@ from inproc import WorkerThread, make_worker, serving, settle, train
 from tiny_models import FORMS, _form_data, embedding_form, hashed
 
 from downpour.cli.status import fetch_status
-from downpour.hashing import id_shard
 from downpour.layers import DynamicEmbedding
-from downpour.models import build_model
+from downpour.model.build import build_model
+from downpour.model.hashing import id_shard
 from downpour.server.state import ParameterState
 from downpour.wire import Keyed
 

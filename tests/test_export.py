@@ -12,9 +12,9 @@ from inproc import Services, settle
 from plain_tf import plain_tf_accuracy, save_eval_data
 
 from downpour import cli
-from downpour.cli.export import ExportError, export
-from downpour.models import build_model, evaluate, fingerprint
-from downpour.server.checkpoint import CheckpointStore
+from downpour.checkpoints.store import CheckpointStore
+from downpour.model.build import build_model, evaluate, fingerprint
+from downpour.serving.export import ExportError, export
 from downpour.spec import load_spec
 
 
@@ -177,7 +177,7 @@ def test_a_sharded_servers_checkpoints_are_joined_from_one_state_dir_per_shard(
 ) -> None:
     """Two shard states (hidden/kernel split by rows) checkpointed as a shard server does:
     export with both --state-dir gives the unsharded model's weights; one is not enough."""
-    from downpour.server.checkpoint import capture
+    from downpour.checkpoints.store import capture
     from downpour.server.state import ParameterState
 
     spec = load_spec("tiny_models:tiny")

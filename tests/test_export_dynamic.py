@@ -17,12 +17,13 @@ import pytest
 import tensorflow as tf
 
 from downpour import cli
-from downpour.data import Dataset
+from downpour.checkpoints.store import CheckpointStore
+from downpour.inputs.data import Dataset
 from downpour.layers import DynamicEmbedding, string_ids
-from downpour.models import build_model, fingerprint
-from downpour.server.checkpoint import CheckpointStore
-from downpour.server.dynamic import DynamicTable
-from downpour.serving import (
+from downpour.model.build import build_model, fingerprint
+from downpour.server.tables.table import DynamicTable
+from downpour.serving.delta import apply_delta, read_delta, write_delta
+from downpour.serving.saved_model import (
     ServingError,
     Table,
     as_table,
@@ -33,7 +34,6 @@ from downpour.serving import (
     tables_from_checkpoints,
     write_export,
 )
-from downpour.serving_delta import apply_delta, read_delta, write_delta
 from downpour.spec import ModelSpec, load_spec
 
 DIM = 4

@@ -1,4 +1,4 @@
-"""The fetch schedule's decision (``downpour.worker.schedule``): when a prefetching worker
+"""The fetch schedule's decision (``downpour.worker.pull.schedule``): when a prefetching worker
 with ``--n-fetch N`` requests its next pull, from its step time and pull round trip, and
 what row pulls expect of a pull sent later. Pure arithmetic: no sockets, no clock."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from downpour.worker.row_pulling import versions_ahead
-from downpour.worker.schedule import FetchSchedule
+from downpour.worker.pull.schedule import FetchSchedule
+from downpour.worker.rows.pulling import versions_ahead
 
 
 def schedule(n_fetch: int, step_s: float | None, rtt_s: float | None) -> FetchSchedule:

@@ -14,7 +14,7 @@ from typing import Any
 from conftest import wait_until
 from inproc import WorkerThread, make_worker, serving
 
-from downpour.client import fetch_status
+from downpour.net.client import fetch_status
 
 MISSING_AFTER_S = 1.0
 WINDOW_S = 4.0  # the quiet window watched: four times --missing-after

@@ -1,5 +1,5 @@
-"""The hybrid policy, ``services/server/hybrid.py``: its text, its two halves through a real
-``ParameterState`` and the gradient handler (a fixed table and a dynamic one), the push
+"""The hybrid policy, ``services/server/policies/hybrid.py``: its text, its two halves through a
+real ``ParameterState`` and the gradient handler (a fixed table and a dynamic one), the push
 accounting, and two in-process workers training under it."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from tiny_models import embedding_form, hashed
 from downpour import wire
 from downpour.cli.status import fetch_status
 from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
-from downpour.server.hybrid import HybridPolicy
-from downpour.server.policies import (
+from downpour.server.policies.base import (
     APPLY,
     DENSE,
     DROP,
@@ -31,6 +30,7 @@ from downpour.server.policies import (
     SyncPolicy,
     parse_policy,
 )
+from downpour.server.policies.hybrid import HybridPolicy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.settings import policy_text
 from downpour.server.state import ParameterState
@@ -258,8 +258,8 @@ def test_a_worker_reads_its_dense_policy_from_the_hello(
     (``ssp``) by the policy its dense variables follow: a hybrid's dense half."""
     import zmq
 
-    from downpour.cluster import ShardSet
-    from downpour.partition import make_partition
+    from downpour.model.partition import make_partition
+    from downpour.net.cluster import ShardSet
 
     partition = make_partition(["v"], [(4,)], ["float32"], 1, "f")
     shards = ShardSet(zmq.Context.instance(), [("127.0.0.1", 1)], partition, sender="w")

@@ -9,10 +9,10 @@ import keras
 import numpy as np
 import pytest
 
-from downpour import initial
-from downpour.data import Dataset
-from downpour.models import build_model, define_model
-from downpour.server.checkpoint import capture
+from downpour.checkpoints.store import capture
+from downpour.inputs.data import Dataset
+from downpour.model import initial
+from downpour.model.build import build_model, define_model
 from downpour.server.state import ParameterState
 from downpour.spec import ModelSpec, load_spec
 

@@ -19,8 +19,8 @@ import zmq
 from conftest import free_ports, wait_until
 from inproc import InprocServer, WorkerThread, make_worker, serving, settle, train
 
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
-from downpour.server.checkpoint import CheckpointStore
 from downpour.worker.service import WorkerError
 
 FINAL_ONLY = {"checkpoint_every": 0, "checkpoint_secs": 0.0}

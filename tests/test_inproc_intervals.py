@@ -5,7 +5,7 @@ Each scenario counts the worker's pulls and pushes (its summary) against the ser
 updates, and checks the staleness the server measured for them (the status document's
 histogram). The model (``slow_models:paced``) takes a steady 50 ms a step, so a pull of its
 weights takes a small fraction of a step and the worker's fetch schedule
-(``downpour.worker.schedule``) requests each pull one step before the weights are needed.
+(``downpour.worker.pull.schedule``) requests each pull one step before the weights are needed.
 
 With one worker, the push computed at step ``s`` is applied at version ``s // n_push`` (the
 pushes before it), and its staleness is that minus the version it was computed from.

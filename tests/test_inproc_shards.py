@@ -16,10 +16,10 @@ from conftest import free_ports, pull_weights, wait_until
 from inproc import InprocServer, WorkerThread, make_worker, serving, settle, train
 from test_shards import held_out_accuracy, servers_partition
 
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli import main as cli_main
 from downpour.cli.status import fetch_status
-from downpour.models import build_model
-from downpour.server.checkpoint import CheckpointStore
+from downpour.model.build import build_model
 from downpour.server.main import show_partition
 from downpour.spec import load_spec
 from downpour.worker.service import WorkerError

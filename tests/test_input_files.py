@@ -18,9 +18,9 @@ import tensorflow as tf
 
 from downpour import InputContext, cli
 from downpour.cli.data import digits
-from downpour.data import load_mnist_5k
 from downpour.examples import digits_csv, mnist_tfrecord
-from downpour.models import build_model
+from downpour.inputs.data import load_mnist_5k
+from downpour.model.build import build_model
 from downpour.spec import load_spec
 
 

@@ -15,10 +15,11 @@ import pytest
 import tensorflow as tf
 import tiny_models
 
-from downpour import InputContext, pipeline
-from downpour.data import Dataset, dataset_input_fn
-from downpour.models import build_model, evaluate
-from downpour.pipeline import (
+from downpour import InputContext
+from downpour.config.settings import ConfigError
+from downpour.inputs import pipeline
+from downpour.inputs.data import Dataset, dataset_input_fn
+from downpour.inputs.pipeline import (
     InputError,
     build_dataset,
     epoch_batches,
@@ -26,7 +27,7 @@ from downpour.pipeline import (
     resolve_inputs,
     retire,
 )
-from downpour.settings import ConfigError
+from downpour.model.build import build_model, evaluate
 from downpour.worker.service import Worker
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
 from downpour.worker.step import GradientStep

@@ -15,19 +15,19 @@ from conftest import wait_until
 from inproc import InprocServer, WorkerThread, make_worker
 
 from downpour import wire
-from downpour.cli.chief import run_chief, run_evaluator
-from downpour.client import ShardClient, fetch_status
-from downpour.server.checkpoint import CheckpointStore
+from downpour.checkpoints.store import CheckpointStore
+from downpour.cli.job.chief import run_chief, run_evaluator
+from downpour.net.client import ShardClient, fetch_status
+from downpour.net.transport import make_context
 from downpour.server.job import DONE, EXIT_FAILED, FAILED, RUNNING, JobTracker
 from downpour.server.registry import WorkerRegistry
-from downpour.transport import make_context
 
 WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
 class TFConfig:
-    """The contract's ``downpour.tf_config.TFConfig``, as far as the chief reads it."""
+    """The contract's ``downpour.config.tf_config.TFConfig``, as far as the chief reads it."""
 
     cluster: dict[str, list[str]]
     task_type: str
@@ -208,7 +208,7 @@ def test_the_chief_exports_a_series_of_versions_whose_deltas_give_the_final_mode
     order to the first gives the last."""
     from test_serving_dir import _apply_in_order, _same_export
 
-    from downpour import serving_dir
+    from downpour.serving import versions
 
     model = "tiny_models:dynamic_dict"
     servers = [
@@ -229,10 +229,10 @@ def test_the_chief_exports_a_series_of_versions_whose_deltas_give_the_final_mode
         for w in workers:
             w.result(WAIT_S)
         base = tmp_path / "export"
-        held = serving_dir.versions(base)
+        held = versions.versions(base)
         final = max(s.server.state.version for s in servers)
         assert held[-1] == final and len(held) >= 2, held
-        assert serving_dir.deltas(base) == list(zip(held, held[1:], strict=False))
+        assert versions.deltas(base) == list(zip(held, held[1:], strict=False))
         reached, applied = _apply_in_order(base, tmp_path)
         assert reached == final
         _same_export(applied, base / str(final))

@@ -1,7 +1,7 @@
 """Slow tier: a job that completes, in real processes.
 
 Two ps (``downpour server --job-workers 2``), two workers and the chief
-(``downpour.cli.chief.run_chief``): every process exits 0 on its own, the servers after
+(``downpour.cli.job.chief.run_chief``): every process exits 0 on its own, the servers after
 their final checkpoint and the chief's acknowledgement, and the chief's export of the final
 checkpoints is on disk.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Cluster, env
 
-from downpour.server.checkpoint import CheckpointStore
+from downpour.checkpoints.store import CheckpointStore
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ WAIT_S = 300.0
 CHIEF = """
 import json, sys
 from types import SimpleNamespace
-from downpour.cli.chief import run_chief
+from downpour.cli.job.chief import run_chief
 tf = SimpleNamespace(**json.loads(sys.argv[1]))
 sys.exit(run_chief(tf, sys.argv[2:]))
 """

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from downpour import initial
 from downpour.layers import DynamicEmbedding, string_ids
+from downpour.model import initial
 
 HUGE = np.array([-(2**63), 2**63 - 1, 0, -1, 123456789012345, -987654321098], np.int64)
 

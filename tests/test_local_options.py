@@ -2,7 +2,7 @@
 is on the command line it starts each child with, as the child's own config loader reads it.
 
 No process is started: the children's command lines come from ``plan_children``, the function
-``run-local`` spawns them from, and are parsed by ``downpour.config.load`` as ``downpour
+``run-local`` spawns them from, and are parsed by ``downpour.config.loading.load`` as ``downpour
 server|worker`` parses them.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from downpour import cli, config
+from downpour import cli
 from downpour.cli import local
-from downpour.cli.local_options import (
+from downpour.cli.local.options import (
     LOCAL_OPTIONS,
     OVERRIDES,
     RUN_OPTIONS,
@@ -26,8 +26,9 @@ from downpour.cli.local_options import (
     Child,
     plan_children,
 )
+from downpour.config import loading
+from downpour.config.settings import Option, Range, to_argv
 from downpour.server.settings import SERVER_OPTIONS, ServerConfig
-from downpour.settings import Option, Range, to_argv
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig
 
 SERVICES = {"server": (SERVER_OPTIONS, ServerConfig), "worker": (WORKER_OPTIONS, WorkerConfig)}
@@ -77,7 +78,7 @@ def run_local_args(values: dict[str, Any]) -> argparse.Namespace:
 def child_config(child: Child) -> Any:
     """The config the child builds from its command line (no environment, no file)."""
     options, config_type = SERVICES[child.service]
-    settings = config.load(child.service, options, child.argv[1:], {}, SERVICES)
+    settings = loading.load(child.service, options, child.argv[1:], {}, SERVICES)
     return config_type.from_values(settings.values())
 
 

@@ -1,4 +1,4 @@
-"""The server's malloc arena limit (``downpour.malloc``): what it bounds, how it is reported,
+"""The server's malloc arena limit (``downpour.memory.malloc``): what it bounds, how it is reported,
 and what happens where it cannot be set.
 
 The heap probes run in fresh interpreters: arenas are process-wide and glibc fixes its own
@@ -14,8 +14,8 @@ import platform
 import pytest
 from conftest import isolated_json
 
-from downpour import malloc
 from downpour.cli.status import render
+from downpour.memory import malloc
 
 GLIBC = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the arenas are glibc's")
 ENV_SET = pytest.mark.skipif(
@@ -28,8 +28,8 @@ ENV_SET = pytest.mark.skipif(
 HEAP_PROBE = """
 import json, sys, threading
 import numpy as np
-from downpour import malloc
-from downpour.receive import keep_receive_buffers
+from downpour.memory import malloc
+from downpour.net.receive import keep_receive_buffers
 limit, size, threads = json.loads(sys.argv[1])
 if limit:
     malloc.limit_arenas(limit, environ={})
@@ -91,7 +91,7 @@ def test_a_limit_that_cannot_be_set_is_a_warning_and_in_status(
     fresh_limit: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(malloc, "libc_function", lambda name: None)  # a C library without it
-    with caplog.at_level(logging.WARNING, "downpour.malloc"):
+    with caplog.at_level(logging.WARNING, "downpour.memory.malloc"):
         limit = malloc.limit_arenas(2, environ={})
     assert limit.arenas is None and limit.source == "none"
     assert limit.problem == "no mallopt in this C library"

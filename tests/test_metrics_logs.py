@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from downpour import logs, metrics, wire
+from downpour import wire
 from downpour.cli.status import merge_workers, render, render_cluster
-from downpour.metrics import STALENESS_BOUNDS, Histogram
+from downpour.runtime import logs, metrics
+from downpour.runtime.metrics import STALENESS_BOUNDS, Histogram
 
 BF16_NOTICE = "--compress bf16: gradients are rounded in NumPy at each push"
 
@@ -125,7 +126,7 @@ def test_clean_reported_keeps_only_finite_numbers() -> None:
 def test_notices_are_logged_once_and_the_first_few_kept(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from downpour.bodies import MAX_NOTICES, NOTICE_CHARS
+    from downpour.wire.bodies import MAX_NOTICES, NOTICE_CHARS
 
     log = logging.getLogger("downpour.worker.test")
     caplog.set_level("WARNING", logger="downpour.worker.test")
@@ -175,7 +176,7 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
 def test_collector_turns_a_status_document_into_metric_families() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from downpour.server.prometheus import render_text
+    from downpour.server.observers.prometheus import render_text
 
     text = render_text(_doc)
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -217,7 +218,7 @@ def test_collector_turns_a_status_document_into_metric_families() -> None:
 def test_metrics_exporter_serves_http_on_loopback() -> None:
     import urllib.request
 
-    from downpour.server.prometheus import MetricsExporter
+    from downpour.server.observers.prometheus import MetricsExporter
 
     exporter = MetricsExporter(_doc, "127.0.0.1", 0)
     try:
@@ -402,7 +403,7 @@ def test_plot_writes_the_three_pngs(tmp_path: Path) -> None:
 def test_peak_rss_is_this_address_spaces_high_water_mark() -> None:
     """``peak_rss_mib`` is VmHWM: at least the resident set now, and it grows with a block
     this process touches."""
-    from downpour.metrics import peak_rss_mib
+    from downpour.runtime.metrics import peak_rss_mib
 
     def rss_mib() -> float:
         with open("/proc/self/status") as f:
@@ -423,7 +424,7 @@ def test_peak_rss_of_another_process_is_read_by_pid() -> None:
     import subprocess
     import sys
 
-    from downpour.metrics import peak_rss_mib
+    from downpour.runtime.metrics import peak_rss_mib
 
     first = peak_rss_mib()
     by_pid = peak_rss_mib(os.getpid())

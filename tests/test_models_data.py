@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from downpour.data import load_mnist_5k, load_mnist_idx, read_idx
-from downpour.models import build_model, deep_mnist, fingerprint
+from downpour.inputs.data import load_mnist_5k, load_mnist_idx, read_idx
+from downpour.model.build import build_model, fingerprint
+from downpour.models import deep_mnist
 from downpour.spec import load_spec
 
 
@@ -42,7 +43,7 @@ def test_load_spec_rejects_bad_references() -> None:
     with pytest.raises(ValueError, match="module:function"):
         load_spec("no_colon")
     with pytest.raises(TypeError, match="not a ModelSpec"):
-        load_spec("downpour.data:load_mnist_5k")
+        load_spec("downpour.inputs.data:load_mnist_5k")
 
 
 def test_mnist_5k_is_shuffled_split_and_scaled() -> None:

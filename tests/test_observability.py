@@ -33,8 +33,8 @@ from inproc import InprocServer, WorkerThread, make_worker
 from downpour import wire
 from downpour.cli.local import wait_ready
 from downpour.cli.status import fetch_status
-from downpour.client import ShardClient
-from downpour.transport import make_context
+from downpour.net.client import ShardClient
+from downpour.net.transport import make_context
 from downpour.wire import Message
 
 FOREVER = "1000000"  # steps: the workers train until the fixture stops them

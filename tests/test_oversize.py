@@ -15,8 +15,8 @@ import zmq
 from inproc import serving
 
 from downpour import wire
-from downpour.client import ShardClient
-from downpour.transport import Refused, RemoteError, ReqClient, RequestTimeout, make_context
+from downpour.net.client import ShardClient
+from downpour.net.transport import Refused, RemoteError, ReqClient, RequestTimeout, make_context
 from downpour.wire import Message
 
 BIG = wire.REQUEST_MAX_BYTES + 1024  # over the limit, under the socket's drop size
@@ -145,7 +145,7 @@ def test_a_message_of_many_small_frames_past_the_bound_leaves_no_memory_behind(
     from conftest import wait_until
 
     from downpour.cli.status import fetch_status
-    from downpour.transport import PushSocket
+    from downpour.net.transport import PushSocket
 
     server = cluster.server()
     pid = server.proc.pid

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from downpour.partition import make_partition
+from downpour.model.partition import make_partition
 from downpour.wire import Sparse
 
 # The Deep-MNIST CNN's trainable variables (downpour.models:deep_mnist), without building it.

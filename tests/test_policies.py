@@ -1,4 +1,4 @@
-"""Unit tests for the server's staleness policies, ``services/server/policies.py``."""
+"""Unit tests for the server's staleness policies, ``services/server/policies/base.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from downpour.server.policies import (
+from downpour.server.policies.base import (
     APPLY,
     DROP,
     HOLD,
@@ -27,7 +27,7 @@ from downpour.server.policies import (
     SyncPolicy,
     parse_policy,
 )
-from downpour.server.policy_forms import POLICIES, POLICY_FORMS
+from downpour.server.policies.forms import POLICIES, POLICY_FORMS
 
 SHAPES = [(2, 3), (3,)]
 

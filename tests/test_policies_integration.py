@@ -23,8 +23,8 @@ from inproc import Services, WorkerThread, make_worker, serving, settle
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.client import ShardClient, Weights
-from downpour.transport import PushSocket, make_context
+from downpour.net.client import ShardClient, Weights
+from downpour.net.transport import PushSocket, make_context
 
 LR = 0.1
 SGD = {"optimizer": "sgd", "learning_rate": LR}

@@ -1,5 +1,5 @@
 """``--pull-bound B``: a worker takes new weights only when they moved by more than B of
-their norm since the version it holds (``downpour.server.movement``).
+their norm since the version it holds (``downpour.server.policies.movement``).
 
 The estimate against the exact relative distance, the pull handler's answers (whole and
 row pulls, another incarnation, bad bounds), and workers training with a bound in the
@@ -22,7 +22,7 @@ from tiny_models import embedding_form
 
 from downpour import wire
 from downpour.cli.status import fetch_status, render
-from downpour.server.movement import Movement
+from downpour.server.policies.movement import Movement
 from downpour.spec import load_spec
 from downpour.wire import Message
 

@@ -1,4 +1,4 @@
-"""``downpour.receive``: whole messages within a bound of frames and bytes, on real loopback
+"""``downpour.net.receive``: whole messages within a bound of frames and bytes, on real loopback
 sockets; a message past it is received, dropped and reported, and the next one is intact.
 Also the two refusals the wire spec names from the header alone: row ids in another encoding
 than dense (``bad_header``) and a message on a socket that does not serve its type
@@ -18,7 +18,7 @@ from conftest import isolated_json
 from inproc import serving
 
 from downpour import wire
-from downpour.receive import (
+from downpour.net.receive import (
     MAX_MMAP_THRESHOLD,
     Bound,
     Oversize,
@@ -87,7 +87,7 @@ def test_no_message_waiting_raises_again(pair: tuple[zmq.Socket, zmq.Socket]) ->
 FAULTS_PROBE = """
 import json, resource, sys
 import numpy as np, zmq
-from downpour.receive import keep_receive_buffers
+from downpour.net.receive import keep_receive_buffers
 keep, size, k, rounds = json.loads(sys.argv[1])
 heap = keep_receive_buffers(size, k * size) if keep else None
 ctx = zmq.Context()
@@ -124,11 +124,11 @@ def test_kept_receive_buffers_are_reused_by_the_next_messages_without_page_fault
 def test_frames_larger_than_the_heap_keeps_are_named_at_warning_level(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, "downpour.receive"):
+    with caplog.at_level(logging.WARNING, "downpour.net.receive"):
         small = keep_receive_buffers(1 << 20, 1 << 22)
     assert small.problem is None and small.reused_frame_bytes >= 1 << 20
     assert small.retained_bytes == 1 << 22 and not caplog.records
-    with caplog.at_level(logging.WARNING, "downpour.receive"):
+    with caplog.at_level(logging.WARNING, "downpour.net.receive"):
         big = keep_receive_buffers(MAX_MMAP_THRESHOLD * 2, 1 << 22)
     assert big.reused_frame_bytes < MAX_MMAP_THRESHOLD  # capped at what glibc keeps
     assert "mapped afresh on every receive" in caplog.text

@@ -97,7 +97,7 @@ def test_a_spec_names_its_metric_and_bad_names_are_refused() -> None:
 def test_status_and_prometheus_report_the_metric_under_its_name() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from downpour.server.prometheus import render_text
+    from downpour.server.observers.prometheus import render_text
 
     ev = {"version": 40, "metric": "auc", "auc": 0.8125, "time": 1.0, "count": 3, "every": 20}
     doc = {"version": 40, "model": "recsys", "eval": ev, "workers": {}}
@@ -110,8 +110,8 @@ def test_status_and_prometheus_report_the_metric_under_its_name() -> None:
 
 def test_the_servers_evaluator_scores_the_recsys_model_by_auc() -> None:
     from downpour.examples.recsys import make_spec
-    from downpour.models import build_model
-    from downpour.server.evaluation import HeldOutEvaluator
+    from downpour.model.build import build_model
+    from downpour.server.observers.evaluation import HeldOutEvaluator
 
     spec = make_spec(TINY, "recsys_tiny")
     model = build_model(spec)
@@ -189,7 +189,7 @@ def test_the_tower_model_has_a_dense_part_every_batch_updates_and_learns() -> No
     parameters dense; trained in one process it ranks past popularity, short of the
     oracle."""
     from downpour.examples.recsys import build_tower, make_spec, train_one_process
-    from downpour.models import build_model
+    from downpour.model.build import build_model
     from downpour.wire import Sparse
     from downpour.worker.step import GradientStep
 

@@ -19,8 +19,8 @@ AUC_BAR = 0.78
 
 def test_two_workers_through_the_server_reach_the_documented_auc(cluster: Cluster) -> None:
     from downpour.examples.recsys import spec
-    from downpour.inputs import InputContext
-    from downpour.models import build_model, evaluate
+    from downpour.inputs.context import InputContext
+    from downpour.model.build import build_model, evaluate
 
     server = cluster.server("--lr", "0.01", "--eval-every", "100", model=MODEL, early=True)
     workers = [

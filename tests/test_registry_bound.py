@@ -18,9 +18,9 @@ from conftest import Cluster, pull_weights, wait_until
 from test_server_handlers import Clock, hello, make_ctx, offer, push, request, weights
 
 from downpour import wire
-from downpour.client import fetch_status
-from downpour.config import ConfigError
-from downpour.metrics import new_worker_stats
+from downpour.config.loading import ConfigError
+from downpour.net.client import fetch_status
+from downpour.runtime.metrics import new_worker_stats
 from downpour.server.handlers import HandlerContext
 from downpour.server.registry import SEQ_MEMORY_FACTOR, WorkerRegistry
 from downpour.server.settings import ServerConfig, validate_server

@@ -13,9 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from downpour.partition import make_partition
-from downpour.server.checkpoint import FORMAT, CheckpointStore, capture, records
-from downpour.server.layout import (
+from downpour.checkpoints.layout import (
     WEIGHTS,
     Piece,
     array_key,
@@ -24,8 +22,10 @@ from downpour.server.layout import (
     pieces_from_records,
     plan_rows,
 )
-from downpour.server.npz import NpzArrays
-from downpour.server.reshard import find_sources, restore, restore_set
+from downpour.checkpoints.npz import NpzArrays
+from downpour.checkpoints.store import FORMAT, CheckpointStore, capture, records
+from downpour.model.partition import make_partition
+from downpour.server.checkpointing.restore import find_sources, restore, restore_set
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
 from downpour.wire import Sparse
@@ -318,7 +318,7 @@ def test_run_local_reshards_a_state_dir_of_another_shard_count(tmp_path: Path) -
     them (--restore-from); 2 shards use their own dirs as they are."""
     from test_local_options import child_config, run_local_args
 
-    from downpour.cli.local_options import plan_children
+    from downpour.cli.local.options import plan_children
 
     old = _states(2)
     _train(old, range(2))

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from conftest import Cluster, Service, summary
 
+from downpour.checkpoints.layout import assemble, pieces_from_records, plan_rows
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
-from downpour.server.checkpoint import CheckpointStore
-from downpour.server.layout import assemble, pieces_from_records, plan_rows
 
 MODEL = "tiny_models:embedding"  # a row-sparse table split by rows, and a dense layer
 CKPT = ("--optimizer", "adam", "--checkpoint-every", "0", "--checkpoint-secs", "0")

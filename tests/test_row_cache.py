@@ -17,12 +17,12 @@ from inproc import make_worker, serving, train
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.cluster import pull_full
-from downpour.models import build_model
-from downpour.partition import Part
-from downpour.settings import ConfigError
+from downpour.config.settings import ConfigError
+from downpour.model.build import build_model
+from downpour.model.partition import Part
+from downpour.net.cluster import pull_full
 from downpour.spec import load_spec
-from downpour.worker.row_cache import RowCache
+from downpour.worker.rows.cache import RowCache
 from downpour.worker.service import WorkerError
 
 BIG = "tiny_models:big_embedding"  # 100,000 x 16; a batch gathers <= 120 ids of 200 in use

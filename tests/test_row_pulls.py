@@ -18,7 +18,7 @@ from inproc import serving
 from downpour import wire
 from downpour.cli.status import fetch_status
 from downpour.server.handlers import HandlerContext, handle_gradients, handle_request
-from downpour.server.policies import parse_policy
+from downpour.server.policies.base import parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
@@ -266,8 +266,8 @@ def test_a_real_server_refuses_hostile_row_requests_and_keeps_serving() -> None:
         rejected = doc["rejected"]
         assert rejected[wire.R_ROWS_DTYPE] == 2 and rejected[wire.R_ROWS_TOO_MANY] == 1
         assert doc["version"] == 0
-        from downpour.client import ShardClient
-        from downpour.transport import make_context
+        from downpour.net.client import ShardClient
+        from downpour.net.transport import make_context
 
         zctx = make_context()
         client = ShardClient(zctx, server.rep, sender="probe", timeout_s=10)

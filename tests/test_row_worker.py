@@ -17,13 +17,13 @@ from inproc import InprocServer, WorkerThread, make_worker, serving, train
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.cluster import ShardSet, partition_of, pull_full
-from downpour.metrics import Notices
-from downpour.models import build_model
-from downpour.partition import make_partition
+from downpour.model.build import build_model
+from downpour.model.partition import make_partition
+from downpour.net.cluster import ShardSet, partition_of, pull_full
+from downpour.net.transport import make_context
+from downpour.runtime.metrics import Notices
 from downpour.spec import load_spec
-from downpour.transport import make_context
-from downpour.worker.rows import Lookahead, RowPlan
+from downpour.worker.rows.plan import Lookahead, RowPlan
 from downpour.worker.service import WorkerError
 
 BIG = "tiny_models:big_embedding"

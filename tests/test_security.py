@@ -24,10 +24,11 @@ from conftest import ROOT, Cluster, Service, env, summary, wait_until
 from inproc import InprocServer, Services, WorkerThread, make_worker, serving
 from relay import UP, Relay
 
-from downpour import security, wire
+from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.client import ShardClient
-from downpour.transport import RequestTimeout
+from downpour.net import security
+from downpour.net.client import ShardClient
+from downpour.net.transport import RequestTimeout
 from downpour.wire import Message
 
 TINY_NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]

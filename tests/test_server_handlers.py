@@ -14,7 +14,8 @@ import msgpack  # tests may craft raw headers; the services never import msgpack
 import numpy as np
 import pytest
 
-from downpour import security, wire
+from downpour import wire
+from downpour.net import security
 from downpour.server.handlers import (
     GradientOutcome,
     HandlerContext,
@@ -22,7 +23,7 @@ from downpour.server.handlers import (
     handle_gradients,
     handle_request,
 )
-from downpour.server.policies import APPLY, DROP, parse_policy
+from downpour.server.policies.base import APPLY, DROP, parse_policy
 from downpour.server.registry import ALIVE, GONE, MISSING, WorkerRegistry
 from downpour.server.state import ParameterState
 from downpour.server.status_doc import build_status

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from downpour.models import build_model
+from downpour.model.build import build_model
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
 from downpour.wire import BFloat16, Keyed, KeyedBF16, as_bf16

@@ -1,4 +1,4 @@
-"""Serving exports kept current while training runs (``downpour.serving_dir``, the server's
+"""Serving exports kept current while training runs (``downpour.serving.versions``, the server's
 ``--export-every``): versions appear whole and atomically, the last K are kept, a reader polling
 the directory never loads a partial one, and the deltas applied in order to the first full
 export give the last."""
@@ -15,12 +15,12 @@ import tensorflow as tf
 from conftest import wait_until
 from inproc import serving, train
 
-from downpour import serving_dir
 from downpour.cli.status import fetch_status
-from downpour.models import build_model, fingerprint
-from downpour.serving import Table, dense_variables, dynamic_layers, read_export
-from downpour.serving_delta import apply_delta, read_delta
-from downpour.settings import ConfigError
+from downpour.config.settings import ConfigError
+from downpour.model.build import build_model, fingerprint
+from downpour.serving import versions
+from downpour.serving.delta import apply_delta, read_delta
+from downpour.serving.saved_model import Table, dense_variables, dynamic_layers, read_export
 from downpour.spec import load_spec
 
 TOKENS = np.arange(60, dtype=np.int32).reshape(10, 6)
@@ -36,7 +36,7 @@ def _weights(model: Any, scale: float) -> dict[str, np.ndarray]:
 
 
 def _export(base: Path, model: Any, version: int, keep: int = 5, **kw: Any) -> Any:
-    return serving_dir.export_versions(
+    return versions.export_versions(
         base, model, version, _weights(model, version / 10), {},
         fingerprint(model.trainable_variables), "embedding", keep=keep, **kw,
     )  # fmt: skip
@@ -47,8 +47,8 @@ def test_versions_are_renamed_into_place_and_the_last_k_kept(tmp_path: Path) -> 
     for version in (3, 5, 8, 13):
         written = _export(tmp_path, model, version, keep=2)
         assert written.path == tmp_path / str(version)
-    assert serving_dir.versions(tmp_path) == [8, 13]
-    assert serving_dir.deltas(tmp_path) == [(8, 13)]  # the deltas from 3 and 5 went with them
+    assert versions.versions(tmp_path) == [8, 13]
+    assert versions.deltas(tmp_path) == [(8, 13)]  # the deltas from 3 and 5 went with them
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     with pytest.raises(ValueError, match="not above the newest, 13"):
         _export(tmp_path, model, 13)
@@ -67,15 +67,15 @@ def test_a_crash_mid_write_leaves_no_numeric_directory(tmp_path: Path) -> None:
         raise RuntimeError("killed mid-write")
 
     with pytest.raises(RuntimeError, match="killed mid-write"):
-        serving_dir.publish(tmp_path / "2", half_then_crash)
-    assert serving_dir.versions(tmp_path) == [1]
+        versions.publish(tmp_path / "2", half_then_crash)
+    assert versions.versions(tmp_path) == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
 
     # a process killed mid-write leaves its .tmp- directory; the next start removes it
     (tmp_path / ".tmp-2-999" / "variables").mkdir(parents=True)
     (tmp_path / "deltas" / ".tmp-1-2-999").mkdir(parents=True)
-    assert serving_dir.versions(tmp_path) == [1]
-    assert len(serving_dir.clean_leftovers(tmp_path)) == 2
+    assert versions.versions(tmp_path) == [1]
+    assert len(versions.clean_leftovers(tmp_path)) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "deltas"]
 
 
@@ -88,10 +88,10 @@ def test_a_failed_version_leaves_no_delta_to_it(
     def crash(*_a: Any, **_k: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("downpour.serving.write_export", crash)
+    monkeypatch.setattr("downpour.serving.saved_model.write_export", crash)
     with pytest.raises(OSError, match="disk full"):
         _export(tmp_path, model, 2)
-    assert serving_dir.versions(tmp_path) == [1] and serving_dir.deltas(tmp_path) == []
+    assert versions.versions(tmp_path) == [1] and versions.deltas(tmp_path) == []
 
 
 def test_a_reader_polling_the_directory_loads_every_version_it_sees(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_a_reader_polling_the_directory_loads_every_version_it_sees(tmp_path: Pa
         seen = -1
         while True:
             finished = done.is_set()  # read before listing: the last listing sees everything
-            held = serving_dir.versions(tmp_path)
+            held = versions.versions(tmp_path)
             if held and held[-1] > seen:
                 seen = held[-1]
                 try:
@@ -133,18 +133,18 @@ def test_a_reader_polling_the_directory_loads_every_version_it_sees(tmp_path: Pa
 
 
 def _reference_output(model: Any, version: int) -> float:
-    serving_dir.assign_weights(model, _weights(model, version / 10))
+    versions.assign_weights(model, _weights(model, version / 10))
     return float(np.asarray(model(TOKENS, training=False))[0, 0])
 
 
 def _apply_in_order(base: Path, work: Path) -> tuple[int, Path]:
     """Apply every delta from the first version on, in order; (version reached, its dir)."""
-    held = serving_dir.versions(base)
-    steps = dict(serving_dir.deltas(base))
+    held = versions.versions(base)
+    steps = dict(versions.deltas(base))
     at, path = held[0], base / str(held[0])
     while at in steps:
         out = work / f"applied-{steps[at]}"
-        apply_delta(path, serving_dir.delta_dir(base, at, steps[at]), out)
+        apply_delta(path, versions.delta_dir(base, at, steps[at]), out)
         at, path = steps[at], out
     return at, path
 
@@ -176,15 +176,15 @@ def test_a_training_server_exports_versions_whose_deltas_give_the_last(
         train(server.port, spec, steps=40, worker_id="w", n_fetch=1)
         doc = wait_until(lambda: (d := fetch_status(server.status))["version"] == 40 and d, 30,
                          "40 updates")  # fmt: skip
-    held = serving_dir.versions(base)
+    held = versions.versions(base)
     assert held[-1] == 40 and len(held) >= 2  # the first due export, and the final one
     exports = server.server.exports
     assert exports is not None and exports.counts.written == len(held)
     assert exports.counts.failed == 0 and exports.counts.last_version == 40
     assert doc["exports"]["every"] == 10 and doc["exports"]["dir"] == str(base)
-    assert serving_dir.deltas(base) == list(zip(held, held[1:], strict=False))
+    assert versions.deltas(base) == list(zip(held, held[1:], strict=False))
 
-    delta, _ = read_delta(serving_dir.delta_dir(base, held[-2], held[-1]))
+    delta, _ = read_delta(versions.delta_dir(base, held[-2], held[-1]))
     if table == "fixed":  # the Embedding goes by changed row, not whole
         (record,) = delta["fixed"].values()
         assert 0 < record["changed"] < 5000
@@ -216,12 +216,12 @@ def test_a_dynamic_table_delta_drops_evicted_ids(tmp_path: Path) -> None:
 
     def write(version: int, ids: list[int], table_rows: np.ndarray) -> None:
         table = Table(np.array(ids, np.int64), table_rows, np.full(len(ids), version, np.int64))
-        serving_dir.export_versions(tmp_path, model, version, weights, {path: table}, fp,
+        versions.export_versions(tmp_path, model, version, weights, {path: table}, fp,
                                     spec.name)  # fmt: skip
 
     write(1, [7, -3, 2**40], rows)
     write(2, [7, 11], np.stack([rows[0] + 1, rows[1]]))  # -3 and 2**40 evicted, 11 new
-    delta, arrays = read_delta(serving_dir.delta_dir(tmp_path, 1, 2))
+    delta, arrays = read_delta(versions.delta_dir(tmp_path, 1, 2))
     key = delta["tables"][path]["key"]
     assert sorted(arrays[f"{key}/tombstones"].tolist()) == [-3, 2**40]
     assert sorted(arrays[f"{key}/ids"].tolist()) == [7, 11]
@@ -233,7 +233,7 @@ def test_a_dynamic_table_delta_drops_evicted_ids(tmp_path: Path) -> None:
 def test_an_export_due_while_one_is_written_is_skipped_and_counted(tmp_path: Path) -> None:
     from concurrent.futures import Future
 
-    from downpour.server.exports import ServingExporter
+    from downpour.server.observers.exports import ServingExporter
     from downpour.server.state import ParameterState
 
     spec = load_spec("tiny_models:tiny")
@@ -243,7 +243,7 @@ def test_an_export_due_while_one_is_written_is_skipped_and_counted(tmp_path: Pat
         exporter._running = Future()  # an export still being written
         state.version = 5
         exporter.after_loop_pass(state)
-        assert exporter.counts.skipped == 1 and serving_dir.versions(tmp_path) == []
+        assert exporter.counts.skipped == 1 and versions.versions(tmp_path) == []
         exporter._running = None
         state.version = 9  # the next is due 5 updates after the skipped one
         exporter.after_loop_pass(state)
@@ -251,15 +251,15 @@ def test_an_export_due_while_one_is_written_is_skipped_and_counted(tmp_path: Pat
         state.version = 10
         exporter.after_loop_pass(state)
         exporter.final(state)  # waits for it; version 10 is exported already
-        assert serving_dir.versions(tmp_path) == [10]
+        assert versions.versions(tmp_path) == [10]
         state.version = 12
         exporter.final(state)
     finally:
         exporter.close()
-    assert serving_dir.versions(tmp_path) == [10, 12]
-    assert serving_dir.deltas(tmp_path) == [(10, 12)]
+    assert versions.versions(tmp_path) == [10, 12]
+    assert versions.deltas(tmp_path) == [(10, 12)]
     assert exporter.snapshot() | {"last_seconds": None} == {
         "written": 2, "skipped": 1, "failed": 0, "last_version": 12, "last_seconds": None,
-        "last_delta": str(serving_dir.delta_dir(tmp_path, 10, 12)), "every": 5, "keep": 3,
+        "last_delta": str(versions.delta_dir(tmp_path, 10, 12)), "every": 5, "keep": 3,
         "dir": str(tmp_path),
     }  # fmt: skip

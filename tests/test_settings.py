@@ -19,9 +19,11 @@ from conftest import ROOT, isolated_json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from downpour import cli, config
+from downpour import cli
 from downpour.cli import local
-from downpour.device import parse_device
+from downpour.config import loading
+from downpour.config.settings import ConfigError, Option, Range, to_argv
+from downpour.runtime.device import parse_device
 from downpour.server.settings import (
     OPTIMIZERS,
     SERVER_INTERNAL,
@@ -30,7 +32,6 @@ from downpour.server.settings import (
     policy_text,
     validate_server,
 )
-from downpour.settings import ConfigError, Option, Range, to_argv
 from downpour.worker.settings import (
     WORKER_INTERNAL,
     WORKER_OPTIONS,
@@ -73,7 +74,7 @@ def test_every_option_is_a_flag_a_setting_and_a_config_attribute_with_one_defaul
 ) -> None:
     options, internal, config_type = SERVICES[service]
     parsed = vars(subparser(service).parse_args([]))
-    shown = config.load(service, options, [], {}, SERVICES).as_dict()["settings"]
+    shown = loading.load(service, options, [], {}, SERVICES).as_dict()["settings"]
     fields = {f.name: f for f in dataclasses.fields(config_type)}
     assert list(shown) == [o.name for o in options]  # config show: every option, in order
     assert set(fields) == {o.field for o in options} | {i.name for i in internal}
@@ -110,7 +111,7 @@ def test_names_flags_and_attributes_are_unique(options: tuple[Option, ...]) -> N
 
 def test_settings_files_and_environment_names_in_deploy_are_declared() -> None:
     """The deploy files set DOWNPOUR_* variables: each names a server or worker setting."""
-    known = {o.env_var for o in (*SERVER_OPTIONS, *WORKER_OPTIONS)} | {config.CONFIG_ENV}
+    known = {o.env_var for o in (*SERVER_OPTIONS, *WORKER_OPTIONS)} | {loading.CONFIG_ENV}
     used: set[str] = set()
     for path in (ROOT / "deploy").rglob("*"):
         if path.is_file() and path.suffix in {".yaml", ".yml", ".env", ".service", ""}:
@@ -125,14 +126,14 @@ def test_config_objects_take_the_effective_values_under_their_attribute_names(
     f = tmp_path / "c.toml"
     f.write_text('[worker]\nserver = "10.0.0.1:6000,10.0.0.2:6001"\npush_endpoint = "nat:7000"\n')
     w = WorkerConfig.from_values(
-        config.load(
+        loading.load(
             "worker", WORKER_OPTIONS, ["--config", str(f), "--no-prefetch", "--id", "a"], {}
         ).values()
     )
     assert w.endpoints() == (("10.0.0.1", 6000), ("10.0.0.2", 6001))
     assert w.push_endpoint == ("nat", 7000) and w.prefetch is False and w.resolved_id() == "a"
     s = ServerConfig.from_values(
-        config.load("server", SERVER_OPTIONS, ["--missing-after", "3", "--lr", "0.5"], {}).values()
+        loading.load("server", SERVER_OPTIONS, ["--missing-after", "3", "--lr", "0.5"], {}).values()
     )
     assert (s.missing_after_s, s.learning_rate, s.keys) == (3.0, 0.5, None)
 
@@ -192,7 +193,7 @@ def test_worker_cross_setting_checks() -> None:
 def test_optimizer_choices_are_the_optimizers_the_server_builds() -> None:
     """--optimizer's choices are the keys of the server's optimizer table (read from its
     source: importing it would import TensorFlow)."""
-    tree = ast.parse((ROOT / "services" / "server" / "rows.py").read_text())
+    tree = ast.parse((ROOT / "services" / "server" / "tables" / "rows.py").read_text())
     table = next(
         node.value
         for node in tree.body
@@ -286,7 +287,7 @@ def test_to_argv_reads_back_as_the_same_settings(service: str, data: st.DataObje
     given_values = data.draw(some_settings(options))
     values = {o.name: o.default_value() for o in options} | given_values
     argv = to_argv(options, given_values)
-    assert config.load(service, options, argv, {}, SERVICES).values() == values
+    assert loading.load(service, options, argv, {}, SERVICES).values() == values
     assert vars(subparser(service).parse_args(argv)) == values | {"config": None}
 
 

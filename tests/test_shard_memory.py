@@ -9,7 +9,7 @@ Real ``downpour server`` processes:
   bytes). Adagrad keeps one accumulator per variable, so a shard's slots are as many bytes as
   its slice (the ``shard_bytes`` of its status document).
 * a one-shard server and a three-shard cluster of the same model and seed serve byte-identical
-  initial weights, pulled whole through the shard client (``downpour.cluster.pull_full``).
+  initial weights, pulled whole through the shard client (``downpour.net.cluster.pull_full``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 from conftest import Cluster, Service
 
 from downpour.cli.status import fetch_status
-from downpour.cluster import partition_of, pull_full
-from downpour.metrics import peak_rss_mib
-from downpour.models import define_model
+from downpour.model.build import define_model
+from downpour.net.cluster import partition_of, pull_full
+from downpour.runtime.metrics import peak_rss_mib
 from downpour.spec import load_spec
 
 TABLE_MODEL = "tiny_models:ten_million_embedding"

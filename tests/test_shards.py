@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, Cluster, Service, env, free_ports, pull_weights, summary, wait_until
 
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
-from downpour.cluster import partition_of, pull_full
-from downpour.models import build_model, evaluate
-from downpour.server.checkpoint import CheckpointStore
+from downpour.model.build import build_model, evaluate
+from downpour.net.cluster import partition_of, pull_full
 from downpour.spec import load_spec
 
 

@@ -21,9 +21,9 @@ from conftest import wait_until
 from inproc import InprocServer
 
 from downpour import wire
+from downpour.checkpoints.store import CheckpointStore, capture
 from downpour.cli.status import fetch_status
-from downpour.server.checkpoint import CheckpointStore, capture
-from downpour.server.reshard import restore
+from downpour.server.checkpointing.restore import restore
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
 from downpour.wire import Message, Sparse

@@ -18,7 +18,7 @@ At the end:
   itself. The warm-up is the baseline because TensorFlow's
   allocator, the first traces and the first checkpoints grow RSS in the first minute, then
   it levels off; a leak grows with the work done and shows as growth past 10 %. It levels
-  off that soon because the server caps malloc's arenas at 2 (``downpour.malloc``): with
+  off that soon because the server caps malloc's arenas at 2 (``downpour.memory.malloc``): with
   glibc's own 16 here, every arena a thread takes keeps a few freed 13 MB receive buffers,
   and RSS climbs for thousands of updates (7-10 % past the warm-up in the soak). The
   figures carry the status document's ``malloc`` section at both measurements. Only growth

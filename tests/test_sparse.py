@@ -8,7 +8,7 @@ from conftest import pull_weights
 from inproc import Services, settle
 
 from downpour.cli.status import fetch_status
-from downpour.models import build_model, evaluate
+from downpour.model.build import build_model, evaluate
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec
 from downpour.wire import Sparse

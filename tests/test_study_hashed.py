@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from downpour import wire
-from downpour.models import build_model, evaluate
+from downpour.model.build import build_model, evaluate
 from downpour.server.handlers import check_gradients
-from downpour.server.policies import parse_policy
+from downpour.server.policies.base import parse_policy
 from downpour.server.state import ParameterState
 from downpour.wire import Keyed, Message
 

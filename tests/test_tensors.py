@@ -1,5 +1,5 @@
 """Tensors between TensorFlow and NumPy: views without a copy, and aligned tensors made in
-one memcpy (``downpour.tensors``)."""
+one memcpy (``downpour.memory.tensors``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import gc
 import numpy as np
 import tensorflow as tf
 
-from downpour.buffers import ALIGN_BYTES, aligned_empty, is_private, private_empty
-from downpour.tensors import _Capsule, as_array, to_tensor
+from downpour.memory.buffers import ALIGN_BYTES, aligned_empty, is_private, private_empty
+from downpour.memory.tensors import _Capsule, as_array, to_tensor
 from downpour.wire import Sparse
 from downpour.worker.step import to_wire
 

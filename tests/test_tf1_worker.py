@@ -15,7 +15,7 @@ from conftest import pull_weights
 from inproc import Services, settle
 
 from downpour.cli.status import fetch_status
-from downpour.models import build_model, evaluate, fingerprint
+from downpour.model.build import build_model, evaluate, fingerprint
 from downpour.spec import load_spec
 from downpour.wire import Sparse
 from downpour.worker.tf1 import Tf1Step

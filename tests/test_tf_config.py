@@ -17,18 +17,18 @@ import pytest
 from conftest import isolated_json
 
 import downpour.cli
-from downpour import config
 from downpour.cli import job, local
-from downpour.server import main as server_main
-from downpour.server.settings import SERVER_OPTIONS
-from downpour.settings import ConfigError, Option, at_least
-from downpour.tf_config import (
+from downpour.config import loading
+from downpour.config.settings import ConfigError, Option, at_least
+from downpour.config.tf_config import (
     TFConfig,
     from_environ,
     parse_tf_config,
     role_settings,
     status_endpoints,
 )
+from downpour.server import main as server_main
+from downpour.server.settings import SERVER_OPTIONS
 from downpour.worker import main as worker_main
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
 
@@ -66,9 +66,9 @@ def started(environ: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
     return seen
 
 
-def load(service: str, argv: list[str], environ: dict[str, str]) -> config.Settings:
+def load(service: str, argv: list[str], environ: dict[str, str]) -> loading.Settings:
     options = SERVER_OPTIONS if service == "server" else WORKER_OPTIONS
-    return config.load(service, options, argv, environ, ("server", "worker"))
+    return loading.load(service, options, argv, environ, ("server", "worker"))
 
 
 # ------------------------------------------------------------------------------ every role
@@ -281,18 +281,18 @@ def test_a_malformed_or_mismatched_tf_config_exits_2_naming_the_field(
 
 NO_TENSORFLOW = """
 import json, sys
-from downpour import config
+from downpour.config import loading
 from downpour.server.settings import SERVER_OPTIONS
-from downpour.settings import ConfigError
-from downpour.tf_config import from_environ, role_settings
+from downpour.config.settings import ConfigError
+from downpour.config.tf_config import from_environ, role_settings
 from downpour.worker.settings import WORKER_OPTIONS
 
 good, bad = json.loads(sys.argv[1])
 tf = from_environ({"TF_CONFIG": good})
 implied = role_settings(tf, "server")
-shard = config.load("server", SERVER_OPTIONS, [], {"TF_CONFIG": good}).values()["shard"]
+shard = loading.load("server", SERVER_OPTIONS, [], {"TF_CONFIG": good}).values()["shard"]
 try:
-    config.load("worker", WORKER_OPTIONS, [], {"TF_CONFIG": bad})
+    loading.load("worker", WORKER_OPTIONS, [], {"TF_CONFIG": bad})
     refused = None
 except ConfigError as exc:
     refused = str(exc)
@@ -398,10 +398,10 @@ def test_job_hands_chief_and_evaluator_to_their_functions(
 
         return run
 
-    fake = types.ModuleType("downpour.cli.chief")
+    fake = types.ModuleType("downpour.cli.job.chief")
     fake.run_chief = runner("run_chief")  # type: ignore[attr-defined]
     fake.run_evaluator = runner("run_evaluator")  # type: ignore[attr-defined]
-    environ.setitem(sys.modules, "downpour.cli.chief", fake)
+    environ.setitem(sys.modules, "downpour.cli.job.chief", fake)
     environ.setattr(downpour.cli, "chief", fake, raising=False)
     environ.setenv("TF_CONFIG", tf_config(task_type, 0))
     assert downpour.cli.main(["job", "--model", "m:f", "--poll", "3"]) == 7

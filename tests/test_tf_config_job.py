@@ -23,8 +23,8 @@ import netns
 import pytest
 from conftest import ROOT, env, wait_until
 
-from downpour import security
-from downpour.server.checkpoint import CheckpointStore
+from downpour.checkpoints.store import CheckpointStore
+from downpour.net import security
 
 REASON = netns.available()
 pytestmark = [

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from downpour.transport import backoff_delays, interface_addresses, is_loopback
+from downpour.net.transport import backoff_delays, interface_addresses, is_loopback
 
 
 def test_backoff_doubles_to_its_cap_and_stays_there_for_any_number_of_calls() -> None:

@@ -9,7 +9,7 @@ import pytest
 from conftest import Cluster, pull_weights
 from inproc import InprocServer, Services, make_worker, settle
 
-from downpour.models import build_model, check_variables, evaluate
+from downpour.model.build import build_model, check_variables, evaluate
 from downpour.spec import load_spec
 
 

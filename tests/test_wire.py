@@ -1,4 +1,4 @@
-"""Unit tests for the wire protocol, ``shared/wire.py`` (its docstring is the spec).
+"""Unit tests for the wire protocol, ``shared/wire/__init__.py`` (its docstring is the spec).
 
 Frames are turned into plain ``bytes`` before decoding (``wire``), which is what a peer
 receives; the zero-copy tests go through real ZeroMQ sockets instead. Bad headers are made
@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from downpour.codecs import Checked, Slot
 from downpour.wire import (
     ALLOWED_DTYPES,
     CODECS,
@@ -69,6 +68,7 @@ from downpour.wire import (
     encode,
     error_message,
 )
+from downpour.wire.codecs import Checked, Slot
 
 FUZZ_EXAMPLES = int(os.environ.get("DOWNPOUR_FUZZ_EXAMPLES", "300"))
 DTYPES = sorted(ALLOWED_DTYPES)

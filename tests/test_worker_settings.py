@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from downpour import config
+from downpour.config import loading
 from downpour.worker.compress import parse_compression
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig
 
@@ -21,7 +21,7 @@ from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig
 def worker_config(*argv: str) -> WorkerConfig:
     """The worker's settings from a ``downpour worker`` command line, no file, no
     environment (the loader every service uses)."""
-    return WorkerConfig.from_values(config.load("worker", WORKER_OPTIONS, list(argv), {}).values())
+    return WorkerConfig.from_values(loading.load("worker", WORKER_OPTIONS, list(argv), {}).values())
 
 
 def test_pulls_and_pushes_are_bf16_and_every_step_by_default() -> None:

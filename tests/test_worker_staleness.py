@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from downpour import wire
 from downpour.cli.status import render
-from downpour.client import fetch_status
+from downpour.net.client import fetch_status
 from downpour.wire import Message
 
 NAMES = ["hidden/kernel", "hidden/bias", "logits/kernel", "logits/bias"]

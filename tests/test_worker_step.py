@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 from downpour import wire
-from downpour.inputs import InputContext
-from downpour.models import build_model
-from downpour.pipeline import build_dataset, resolve_inputs
+from downpour.inputs.context import InputContext
+from downpour.inputs.pipeline import build_dataset, resolve_inputs
+from downpour.model.build import build_model
 from downpour.spec import load_spec
 from downpour.wire import BFloat16, Keyed, Sparse
 from downpour.worker.step import Accumulator, GradientStep
@@ -209,7 +209,7 @@ def test_round_bf16_gives_the_bits_as_bf16_gives_of_the_float32_gradients(
 def test_bf16_rounded_gradients_split_across_shards_and_refuse_other_uses() -> None:
     """A rounded gradient splits by rows like its float32 one (a view of its bits); only the
     ``bf16`` compressor takes it, counting its float32 bytes as raw; it cannot be summed."""
-    from downpour.partition import make_partition
+    from downpour.model.partition import make_partition
     from downpour.worker.compress import parse_compression
 
     spec, element_spec, (x, y) = _first_batch("tiny_models:wide")

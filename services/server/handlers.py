@@ -15,7 +15,7 @@ reply. Every refusal is counted here (``ServerStats.rejected`` by reason, and
 against the worker's record where one is known) and returned as a ``Rejection`` for the
 service to log; a refused message never changes a parameter.
 
-Every valid push goes through the staleness policy (``downpour.server.policies``): it is
+Every valid push goes through the staleness policy (``downpour.server.policies.base``): it is
 applied (with the policy's learning-rate scale), dropped (counted, not an error: the sender
 hears about stale drops in its next pull reply, ``dropped_stale``) or held (``sync:K/N``
 aggregation). Under ``ssp:K`` the policy also gates pulls: a worker too far ahead of the
@@ -23,7 +23,7 @@ slowest live one is answered "wait" (``wait_ms``, no weights) and asks again. Un
 ``lookahead`` a whole pull is served the policy's extrapolated weights of the current version
 (``Policy.pull_weights``, computed once per version; row-sparse tables as they are); a row
 pull is served the weights as they are.
-Under a hybrid policy (``downpour.server.hybrid``) a push's decision is its dense half's,
+Under a hybrid policy (``downpour.server.policies.hybrid``) a push's decision is its dense half's,
 and the decision about its rows half rides on it (``Decision.rows``): the rows are applied
 first, then the dense half, each one version step.
 """
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from downpour import security, wire
-from downpour.metrics import clean_reported
-from downpour.receive import Bound, Oversize
+from downpour import wire
+from downpour.net import security
+from downpour.net.receive import Bound, Oversize
+from downpour.runtime.metrics import clean_reported
 from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher
 from downpour.server.job import JobTracker
-from downpour.server.movement import Movement
-from downpour.server.policies import (
+from downpour.server.policies.base import (
     APPLY,
     DROP,
     REASON_LATE,
@@ -53,6 +53,7 @@ from downpour.server.policies import (
     Policy,
     SyncPolicy,
 )
+from downpour.server.policies.movement import Movement
 from downpour.server.registry import ALIVE, GONE, WorkerRegistry
 from downpour.server.stats import ServerStats
 from downpour.wire import Message, ProtocolError

@@ -11,15 +11,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from downpour.logs import setup_logging
-from downpour.malloc import limit_arenas
+from downpour.config.settings import passes
+from downpour.memory.malloc import limit_arenas
+from downpour.net.transport import is_loopback
+from downpour.runtime.logs import setup_logging
 from downpour.server.settings import (
     SERVER_OPTIONS,
     ServerConfig,
     validate_server,
 )
-from downpour.settings import passes
-from downpour.transport import is_loopback
 
 log = logging.getLogger("downpour.server")
 OPTIONS = SERVER_OPTIONS  # what `downpour server` and `downpour config show server` take
@@ -27,8 +27,8 @@ OPTIONS = SERVER_OPTIONS  # what `downpour server` and `downpour config show ser
 
 def show_partition(model_ref: str, num_shards: int) -> int:
     """Print the partition of the model over ``num_shards`` shards (``--show-partition``)."""
-    from downpour.models import define_model, fingerprint
-    from downpour.partition import make_partition
+    from downpour.model.build import define_model, fingerprint
+    from downpour.model.partition import make_partition
     from downpour.spec import load_spec
 
     variables = define_model(load_spec(model_ref)).trainable_variables
@@ -61,7 +61,7 @@ def run(cfg: ServerConfig) -> int:
     if cfg.show_partition:
         return show_partition(cfg.model_ref, cfg.num_shards)
     limit_arenas()  # before TensorFlow's threads allocate: docs/reliability.md
-    from downpour.security import SecurityError, load_server_keys
+    from downpour.net.security import SecurityError, load_server_keys
 
     if cfg.keys_dir:  # before TensorFlow is imported: bad keys fail at once
         try:

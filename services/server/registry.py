@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from downpour.metrics import WORKER_STALENESS_BOUNDS, Histogram
+from downpour.runtime.metrics import WORKER_STALENESS_BOUNDS, Histogram
 
 log = logging.getLogger("downpour.server")
 

@@ -38,18 +38,19 @@ from typing import Any
 import numpy as np
 import zmq
 
-from downpour import security, systemd, wire
-from downpour.device import configure_device
-from downpour.logs import RateLimitedLog, set_log_context, stop_on_signals
-from downpour.receive import Bound, Oversize, keep_receive_buffers, recv_bounded
-from downpour.server.checkpoint import (
+from downpour import wire
+from downpour.checkpoints.store import (
     CheckpointStore,
     CheckpointWriter,
     restore_dispatcher,
 )
+from downpour.net import security
+from downpour.net.receive import Bound, Oversize, keep_receive_buffers, recv_bounded
+from downpour.runtime import systemd
+from downpour.runtime.device import configure_device
+from downpour.runtime.logs import RateLimitedLog, set_log_context, stop_on_signals
+from downpour.server.checkpointing.restore import find_sources, restore_set, same_layout
 from downpour.server.dispatch import Dispatcher
-from downpour.server.dynamic_checkpoint import capture_state
-from downpour.server.exports import ServingExporter
 from downpour.server.handlers import (
     HandlerContext,
     Rejection,
@@ -63,15 +64,16 @@ from downpour.server.handlers import (
     socket_bounds,
 )
 from downpour.server.job import DONE, FAILED, JobTracker
-from downpour.server.observe import Observers
-from downpour.server.policies import Policy, SyncPolicy, parse_policy
+from downpour.server.observers import Observers
+from downpour.server.observers.exports import ServingExporter
+from downpour.server.policies.base import Policy, SyncPolicy, parse_policy
 from downpour.server.registry import WorkerRegistry
-from downpour.server.reshard import find_sources, restore_set, same_layout
 from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
 from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
+from downpour.server.tables.checkpoint import capture_state
 from downpour.spec import ModelSpec
 from downpour.wire import ProtocolError
 
@@ -88,7 +90,7 @@ def check_dynamic(state: ParameterState, policy: Policy, config: ServerConfig) -
     """Refuse, naming the setting, what a model with dynamic tables cannot run with; say at
     warning level when their rows are updated by another optimizer than ``--optimizer``.
     A hybrid policy passes whatever its dense half (sync included): its rows half, which the
-    dynamic rows follow, is row-safe by construction (``downpour.server.hybrid``)."""
+    dynamic rows follow, is row-safe by construction (``downpour.server.policies.hybrid``)."""
     if not state.tables:
         return
     names = ", ".join(sorted(state.tables))

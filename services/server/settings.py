@@ -1,6 +1,6 @@
 """The server's settings: every ``downpour server`` option, ``ServerConfig``, ``validate_server``.
 
-``SERVER_OPTIONS`` is the one declaration (see ``downpour.settings`` for the naming rule);
+``SERVER_OPTIONS`` is the one declaration (see ``downpour.config.settings`` for the naming rule);
 ``ServerConfig`` is derived from it plus a few attributes that are not settings. Importing this
 module does not import TensorFlow, so ``downpour server`` refuses bad settings at once.
 """
@@ -10,12 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from downpour import security, wire
-from downpour.server.job import JOB_TIMEOUT_S, LINGER_AFTER_DONE_S
-from downpour.server.policies import parse_policy
-from downpour.server.policy_forms import POLICY_HELP
-from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
-from downpour.settings import (
+from downpour import wire
+from downpour.config.settings import (
     DATA_DIR,
     DEVICE,
     DISPATCH_MODES,
@@ -33,11 +29,16 @@ from downpour.settings import (
     positive,
     refuse,
 )
-from downpour.transport import is_loopback
+from downpour.net import security
+from downpour.net.transport import is_loopback
+from downpour.server.job import JOB_TIMEOUT_S, LINGER_AFTER_DONE_S
+from downpour.server.policies.base import parse_policy
+from downpour.server.policies.forms import POLICY_HELP
+from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 
 OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
 MAX_PULL_ROWS = 1 << 20
-ADMIT_MAX = 255  # a count-min sketch counter saturates there (downpour.server.dynamic_sketch)
+ADMIT_MAX = 255  # a count-min sketch counter saturates there (downpour.server.tables.sketch)
 
 
 def policy_text(text: str) -> str:

@@ -5,7 +5,7 @@
     status_sock  REP   the status document, read-only          (status_port, ``--status-port``)
 
 With keys, every socket is a CURVE server whose clients are checked by a ZAP handler against
-the allow-lists (``downpour.security.Authenticator``), and a monitor on each socket counts
+the allow-lists (``downpour.net.security.Authenticator``), and a monitor on each socket counts
 failed handshakes; all of it is in place before the first bind, so no plaintext peer ever
 gets in. Each socket has a MAXMSGSIZE: a peer sending more than the model could need is cut
 off before the server allocates it. The REP socket's is ``wire.REQUEST_DROP_FACTOR`` times
@@ -19,8 +19,9 @@ from typing import Any
 
 import zmq
 
-from downpour import security, wire
-from downpour.transport import bind, make_context
+from downpour import wire
+from downpour.net import security
+from downpour.net.transport import bind, make_context
 
 REQUEST_MAX_BYTES = wire.REQUEST_MAX_BYTES  # without row tables: requests carry no big tensors
 STATUS_MAX_BYTES = 1 << 16

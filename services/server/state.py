@@ -15,7 +15,7 @@ call and copies into it, about three times slower).
 
 The step's first input is the learning rate of that one update, a float32 scalar assigned to
 ``optimizer.learning_rate`` inside the step: a staleness policy scales it per update
-(``downpour.server.policies``; scaling the gradient would not scale an Adam step) without a
+(``downpour.server.policies.base``; scaling the gradient would not scale an Adam step) without a
 retrace or an eager assign. ``apply(grads)`` feeds the base rate, so unscaled updates are
 exactly what they were without the input.
 """
@@ -32,10 +32,11 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from downpour import initial
-from downpour.buffers import aligned_empty
 from downpour.layers import DynamicEmbedding, served
-from downpour.models import (
+from downpour.memory.buffers import aligned_empty
+from downpour.memory.tensors import as_array
+from downpour.model import initial
+from downpour.model.build import (
     define_model,
     describe_variables,
     dynamic_tables,
@@ -44,13 +45,12 @@ from downpour.models import (
     fingerprint,
     zero_inputs,
 )
-from downpour.partition import Part, Partition, make_partition, message_bytes
-from downpour.server.dynamic import DynamicTable
-from downpour.server.dynamic_store import RowOptimizer
-from downpour.server.policies import ALL, DENSE, ROWS, ApplyPart
-from downpour.server.rows import ROW_WISE, make_optimizer, row_update
+from downpour.model.partition import Part, Partition, make_partition, message_bytes
+from downpour.server.policies.base import ALL, DENSE, ROWS, ApplyPart
+from downpour.server.tables.rows import ROW_WISE, make_optimizer, row_update
+from downpour.server.tables.store import RowOptimizer
+from downpour.server.tables.table import DynamicTable
 from downpour.spec import ModelSpec
-from downpour.tensors import as_array
 from downpour.wire import BFloat16, Keyed, Sparse, WireTensor, all_finite, as_bf16, dedupe_rows
 
 log = logging.getLogger("downpour.server")
@@ -81,7 +81,7 @@ STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float
 @dataclass(frozen=True)
 class TableOptions:
     """How a server keeps its dynamic tables' rows (``--admit-after``, ``--table-capacity``,
-    ``--evict-policy``, ``--evict-idle-versions``; ``downpour.server.dynamic``)."""
+    ``--evict-policy``, ``--evict-idle-versions``; ``downpour.server.tables.table``)."""
 
     admit_after: int = 1
     capacity: int | None = None
@@ -197,7 +197,7 @@ def _own_parts(
     full: Sequence[keras.Variable], parts: Sequence[Part], seed: int, shard: int
 ) -> list[keras.Variable]:
     """One variable per part this shard holds, allocated at the part's size and given the
-    rows it covers of the whole variable's initial value (``downpour.initial``: the same rows
+    rows it covers of the whole variable's initial value (``downpour.model.initial``: the same rows
     any layout gives). A variable ``define_model`` had to allocate whole is sliced, and its
     whole-variable initialiser is named at warning level when it is split (the shard then
     draws all its rows to keep some)."""
@@ -252,9 +252,9 @@ class ParameterState:
     applied to the rows a push touched only; ``sparse_apply=False`` applies them densely.
 
     With ``num_shards`` > 1 the state holds only shard ``shard``'s parts of the model
-    (``downpour.partition``): one variable per part, allocated at the part's size, nothing
+    (``downpour.model.partition``): one variable per part, allocated at the part's size, nothing
     else of the model; initial values are a function of (seed, variable, row) only
-    (``downpour.initial``), so the shards together start from exactly the unsharded weights.
+    (``downpour.model.initial``), so the shards together start from exactly the unsharded weights.
     ``names`` are then the parts' wire names and ``model`` is None (a shard cannot evaluate).
     """
 
@@ -300,7 +300,7 @@ class ParameterState:
             for s, d, dyn in zip(self.shapes, self.dtypes, self.dynamic, strict=True)
         )
         self.optimizer = make_optimizer(optimizer, learning_rate)
-        # row-sparse tables updated row-wise here (downpour.server.rows), the rest by Keras
+        # row-sparse tables updated row-wise here (downpour.server.tables.rows), the rest by Keras
         self.row_wise = [self.sparse[i] and optimizer in ROW_WISE for i in self._fixed]
         self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
         self.optimizer.build(self.variables)
@@ -360,7 +360,7 @@ class ParameterState:
         ``variables``; returns this shard's parts and which of the model's variables are
         row-sparse."""
         with served(_Unheld):  # a DynamicEmbedding's rows are this shard's DynamicTable's
-            model = define_model(spec, seed)  # declared, not allocated (downpour.initial)
+            model = define_model(spec, seed)  # declared, not allocated (downpour.model.initial)
         full = list(model.trainable_variables)
         layers = dynamic_tables(model)
         # None with --sparse-apply off: nothing served by row, by the operator's choice

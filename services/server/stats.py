@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from downpour.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter
+from downpour.runtime.metrics import STALENESS_BOUNDS, Ewma, Histogram, Rate, ReasonCounter
 
 # Plain counters, reported under these names at the top level of the status document.
 COUNTER_NAMES = (

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from downpour import malloc, security, wire
-from downpour.metrics import peak_rss_mib, rss_mib
+from downpour import wire
+from downpour.memory import malloc
+from downpour.net import security
+from downpour.runtime.metrics import peak_rss_mib, rss_mib
 from downpour.server.handlers import HandlerContext
 
 

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from downpour import wire
-from downpour.forms import Form, Forms, literal, pattern
+from downpour.config.forms import Form, Forms, literal, pattern
 from downpour.wire import BFloat16, FlatSparse, Sparse, SparseBF16, Tensor, WireTensor
 
 

@@ -6,8 +6,8 @@ import contextlib
 from collections.abc import Iterator
 
 from downpour import wire
-from downpour.cluster import Incompatible
-from downpour.transport import Refused, ServerUnavailable, Stopped
+from downpour.net.cluster import Incompatible
+from downpour.net.transport import Refused, ServerUnavailable, Stopped
 
 
 class WorkerError(Exception):

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from downpour.logs import setup_logging
-from downpour.settings import passes
+from downpour.config.settings import passes
+from downpour.runtime.logs import setup_logging
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
 
 log = logging.getLogger("downpour.worker")
@@ -29,7 +29,7 @@ def run(cfg: WorkerConfig) -> int:
     setup_logging("worker", cfg.log_level, cfg.log_format)
     if not passes(validate_worker, cfg, log):
         return 2
-    from downpour.security import SecurityError, client_keys_from_args, may_speak_as
+    from downpour.net.security import SecurityError, client_keys_from_args, may_speak_as
 
     try:  # before TensorFlow is imported: bad keys fail at once
         keys = client_keys_from_args(cfg.key_file, cfg.server_key_file)
@@ -46,7 +46,7 @@ def run(cfg: WorkerConfig) -> int:
             cfg.worker_id,
             keys.keypair.name,
         )
-    from downpour.pipeline import InputError
+    from downpour.inputs.pipeline import InputError
     from downpour.spec import load_spec
     from downpour.worker.service import Worker, WorkerError
 

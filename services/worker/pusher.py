@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 from downpour import wire
-from downpour.cluster import ShardSet
-from downpour.transport import Stopped
+from downpour.net.cluster import ShardSet
+from downpour.net.transport import Stopped
 from downpour.worker.compress import Compressor, parse_compression, payload_bytes, raw_bytes
 from downpour.worker.errors import translated
 from downpour.worker.splits import SplitMark

@@ -1,20 +1,20 @@
 """The worker service: pull weights, compute the whole gradient list, push it; repeat.
 
 ``Worker.run`` is that loop: the next batch, the puller before the step
-(``downpour.worker.puller``: installs pulled weights, waits where the server's policy says,
+(``downpour.worker.pull.puller``: installs pulled weights, waits where the server's policy says,
 prefetches the next pull, tops up the batch's table rows), one compiled evaluation of the loss
 and the whole gradient list (``downpour.worker.step``), then the pusher
 (``downpour.worker.pusher``: accumulation over ``n_push`` steps, compression, one sequence
 number per push, byte accounting).
 
-The worker speaks to the servers only through the client layer (``downpour.cluster.ShardSet``
-over one ``downpour.client.ShardClient`` per shard and thread), where nothing blocks forever:
+The worker speaks to the servers only through the client layer (``downpour.net.cluster.ShardSet``
+over one ``downpour.net.client.ShardClient`` per shard and thread), where nothing blocks forever:
 requests time out and their REQ socket is recreated, pushes have a send timeout, and a server
 that stays away longer than ``server_timeout_s`` ends the worker with a clear error
 (``WorkerError``, translated in one place: ``downpour.worker.errors.translated``).
 
 With several server shards (``servers`` lists them in shard order) the worker computes the
-same partition as the shards (``downpour.partition``), pushes each shard its slice of every
+same partition as the shards (``downpour.model.partition``), pushes each shard its slice of every
 gradient list under one sequence number, and pulls from all shards at once. Each shard has its
 own weight version; a push carries the version of that shard's weights it was computed from,
 so each shard measures its own staleness.
@@ -34,14 +34,8 @@ from typing import Any
 import tensorflow as tf
 
 from downpour import wire
-from downpour.cluster import ShardSet
-from downpour.device import configure_device
-from downpour.inputs import InputContext
-from downpour.logs import set_log_context, stop_on_signals
-from downpour.metrics import Notices, Rate, new_worker_stats, peak_rss_mib, reported_counts
-from downpour.models import build_model, evaluate, fingerprint_of
-from downpour.partition import Partition, make_partition, message_bytes
-from downpour.pipeline import (
+from downpour.inputs.context import InputContext
+from downpour.inputs.pipeline import (
     InputError,
     Inputs,
     build_dataset,
@@ -50,15 +44,21 @@ from downpour.pipeline import (
     known_batches,
     resolve_inputs,
 )
+from downpour.model.build import build_model, evaluate, fingerprint_of
+from downpour.model.partition import Partition, make_partition, message_bytes
+from downpour.net.cluster import ShardSet
+from downpour.net.transport import make_context
+from downpour.runtime.device import configure_device
+from downpour.runtime.logs import set_log_context, stop_on_signals
+from downpour.runtime.metrics import Notices, Rate, new_worker_stats, peak_rss_mib, reported_counts
 from downpour.spec import ModelSpec
-from downpour.transport import make_context
 from downpour.worker.compress import parse_compression
 from downpour.worker.errors import WorkerError, translated
-from downpour.worker.puller import Puller
+from downpour.worker.pull.puller import Puller
 from downpour.worker.pusher import Pusher
-from downpour.worker.row_cache import caches_of, check_batch, logical_shapes, row_cache_scope
-from downpour.worker.row_pulling import RowPuller
-from downpour.worker.rows import Lookahead, RowPlan
+from downpour.worker.rows.cache import caches_of, check_batch, logical_shapes, row_cache_scope
+from downpour.worker.rows.plan import Lookahead, RowPlan
+from downpour.worker.rows.pulling import RowPuller
 from downpour.worker.settings import WorkerConfig, validate_worker
 from downpour.worker.splits import SplitFeed, probe_universe
 from downpour.worker.step import GradientStep, batch_signature
@@ -88,8 +88,8 @@ class Worker:
         """Build the model and check the input against it: the first epoch's dataset is
         built and its ``element_spec`` traced into the step, so bad input (InputError) is
         refused here, before anything is sent to a server. ``inputs`` defaults to the spec's
-        (``downpour.pipeline.resolve_inputs``). ConfigError (``validate_worker``) for settings
-        that contradict each other."""
+        (``downpour.inputs.pipeline.resolve_inputs``). ConfigError (``validate_worker``) for
+        settings that contradict each other."""
         validate_worker(config)  # the cross-field checks live there, and only there
         self.device = configure_device(config.device)  # before any TF op; logged by run()
         self.spec = spec
@@ -129,7 +129,8 @@ class Worker:
             self._batches = self._prime(first)
         self.partition = self._partition(len(config.endpoints()))
         self._stop = threading.Event()
-        # Sent with every push and heartbeat; names and units: downpour.metrics.WORKER_REPORTED.
+        # Sent with every push and heartbeat; names and units:
+        # downpour.runtime.metrics.WORKER_REPORTED.
         # The client layer counts reconnects, backpressure and dropped pushes into it.
         self.stats: dict[str, float] = new_worker_stats()
         self._step_rate = Rate(10.0)

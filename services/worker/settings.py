@@ -1,6 +1,6 @@
 """The worker's settings: every ``downpour worker`` option, ``WorkerConfig``, ``validate_worker``.
 
-``WORKER_OPTIONS`` is the one declaration (see ``downpour.settings`` for the naming rule);
+``WORKER_OPTIONS`` is the one declaration (see ``downpour.config.settings`` for the naming rule);
 ``WorkerConfig`` is derived from it plus a few attributes that are not settings. Importing this
 module does not import TensorFlow.
 """
@@ -12,8 +12,7 @@ import dataclasses
 import os
 import socket
 
-from downpour import security
-from downpour.settings import (
+from downpour.config.settings import (
     DATA_DIR,
     DEVICE,
     DISPATCH_MODES,
@@ -32,6 +31,7 @@ from downpour.settings import (
     positive,
     refuse,
 )
+from downpour.net import security
 from downpour.worker.compress import COMPRESSION_HELP, parse_compression
 
 PULL_COMPRESSIONS = ("none", "bf16")  # --pull-compress

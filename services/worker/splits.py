@@ -31,10 +31,10 @@ from typing import Any
 import tensorflow as tf
 
 from downpour import wire
-from downpour.client import ShardClient, SplitGrant
-from downpour.inputs import ELEMENTS, FILES, InputContext
-from downpour.pipeline import InputError, InputFn, build_dataset, retire
-from downpour.transport import Refused, RemoteError, ServerUnavailable, Stopped
+from downpour.inputs.context import ELEMENTS, FILES, InputContext
+from downpour.inputs.pipeline import InputError, InputFn, build_dataset, retire
+from downpour.net.client import ShardClient, SplitGrant
+from downpour.net.transport import Refused, RemoteError, ServerUnavailable, Stopped
 from downpour.worker.errors import DispatchError
 
 log = logging.getLogger("downpour.worker")

@@ -17,10 +17,10 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
+from downpour.memory.tensors import as_array, to_tensor
 from downpour.spec import ModelSpec
-from downpour.tensors import as_array, to_tensor
 from downpour.wire import BFloat16, Keyed, Sparse, Tensor, WireTensor, pushed_rows
-from downpour.worker.row_cache import RowCache
+from downpour.worker.rows.cache import RowCache
 
 
 def batch_signature(element_spec: Any) -> Any:

@@ -21,8 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from downpour.models import describe_variables, fingerprint_of
-from downpour.models_tf1 import Tf1Graph
+from downpour.model.build import describe_variables, fingerprint_of
+from downpour.model.tf1 import Tf1Graph
 from downpour.spec import ModelSpec
 from downpour.wire import Sparse, Tensor, pushed_rows
 
@@ -50,8 +50,8 @@ class Tf1Step:
         if spec.tf1_graph is None:
             raise ValueError(
                 f"model {spec.name!r} has no TF1 graph: --graph tf1 needs a ModelSpec with "
-                "tf1_graph set (a function returning a downpour.models_tf1.Tf1Graph, e.g. "
-                "downpour.models_tf1.deep_mnist_graph); use --graph tf2"
+                "tf1_graph set (a function returning a downpour.model.tf1.Tf1Graph, e.g. "
+                "downpour.model.tf1.deep_mnist_graph); use --graph tf2"
             )
         self.g: Tf1Graph = spec.tf1_graph()
         self.described = [

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from downpour.examples.records import HELD_OUT, TRAIN, shard_name
-from downpour.hashing import mix64
+from downpour.model.hashing import mix64
 from downpour.spec import auc
 
 CLICKS_META = "clicks.json"

@@ -255,8 +255,8 @@ def train_one_process(
     """Train ``model_spec`` in this process for ``epochs`` passes over the whole training
     split (Adam at ``lr``, the server's optimizer, one update per batch as one worker makes
     them) from the same initialisation as the server's; return the held-out AUC."""
-    from downpour.models import build_model as build_seeded
-    from downpour.models import evaluate
+    from downpour.model.build import build_model as build_seeded
+    from downpour.model.build import evaluate
 
     model = build_seeded(model_spec)  # the initialisation the server uses
     optimizer = keras.optimizers.Adam(learning_rate=lr)

@@ -12,7 +12,7 @@ everything it builds must come out the same in every process:
 - ``build`` makes a fresh model with deterministic layer names (variable paths such as
   ``hidden1/kernel`` name the tensors on the wire and in checkpoints). ``build_model`` seeds
   the initialisers, so do not seed anything yourself.
-- ``load_data`` returns a ``downpour.data.Dataset``: float32 features, int64 labels, a fixed
+- ``load_data`` returns a ``downpour.inputs.data.Dataset``: float32 features, int64 labels, a fixed
   train / held-out split (the server scores the held-out part with ``--eval-every``).
 - Standardising the features is part of the model: a ``Normalization`` layer given the
   training split's mean and variance holds them as constants, not variables, so the
@@ -29,7 +29,7 @@ import keras
 import numpy as np
 
 from downpour import ModelSpec
-from downpour.data import Dataset
+from downpour.inputs.data import Dataset
 
 SEED = 20_240
 N_TRAIN = 134  # of 178; 44 held out

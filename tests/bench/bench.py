@@ -77,7 +77,7 @@ import bench_tables  # noqa: E402
 import bench_wire  # noqa: E402
 from bench_util import PLANS, Plan, Procs, log, machine  # noqa: E402
 
-from downpour.data import load_mnist_5k  # noqa: E402
+from downpour.inputs.data import load_mnist_5k  # noqa: E402
 from downpour.spec import load_spec  # noqa: E402
 
 REQUIRED: dict[str, list[str]] = {

@@ -92,7 +92,7 @@ def fill(table: Any, rows: int, start: int = 0) -> float:
 
 def insert_rows_per_s(rows: int, rounds: int) -> dict[str, Any]:
     """New rows per second into an empty table (see the module): the median and each round."""
-    from downpour.server.dynamic import DynamicTable
+    from downpour.server.tables.table import DynamicTable
 
     fill(DynamicTable("warm", DIM, optimizer=OPTIMIZER), BATCH)  # code paths, not timed
     rates = []
@@ -117,7 +117,7 @@ def _status_kib(key: str) -> int:
 def child_main(rows: int) -> None:
     """In the measuring process: the resident set once imported and once ``rows`` live rows
     are in a table, as one JSON line on stdout."""
-    from downpour.server.dynamic import DynamicTable
+    from downpour.server.tables.table import DynamicTable
 
     fill(DynamicTable("warm", DIM, optimizer=OPTIMIZER), BATCH)  # code paths, not memory
     gc.collect()

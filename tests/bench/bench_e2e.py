@@ -34,10 +34,10 @@ from bench_util import (
     status_endpoint,
 )
 
-from downpour import security
 from downpour.cli.status import fetch_status
-from downpour.data import Dataset
-from downpour.models import build_model
+from downpour.inputs.data import Dataset
+from downpour.model.build import build_model
+from downpour.net import security
 from downpour.spec import ModelSpec
 
 HERE = Path(__file__).resolve().parent

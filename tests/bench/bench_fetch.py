@@ -5,7 +5,7 @@ the default model): that section has just measured it with ``--n-fetch 1``; this
 again with ``--n-fetch 4``, same plan and windows, and reports steps/s and the mean
 staleness the server measured (from the first push on) for both, with their ratio. With
 ``--n-fetch 4`` the worker pulls a quarter as often; its fetch schedule
-(``downpour.worker.schedule``) sends each pull so that it arrives just before the step that
+(``downpour.worker.pull.schedule``) sends each pull so that it arrives just before the step that
 installs it, so the weights are about as fresh as the round trip allows rather than four
 steps old. The worker's own figures (how many steps ahead it requested, its pull round trip
 and step time) come from its summary.

@@ -36,10 +36,10 @@ from bench_util import Plan, Procs, median
 
 from downpour import InputContext
 from downpour.cli.data import mnist5k, write
-from downpour.data import load_mnist_5k
 from downpour.examples import mnist_tfrecord
-from downpour.models import build_model
-from downpour.pipeline import epoch_batches
+from downpour.inputs.data import load_mnist_5k
+from downpour.inputs.pipeline import epoch_batches
+from downpour.model.build import build_model
 from downpour.spec import load_spec
 from downpour.worker.step import GradientStep
 

@@ -51,7 +51,7 @@ def shape(ns: str, dev: str) -> str | None:
 
 def sample(endpoint: str, worker: str, warmup_steps: int, windows: int, window_s: float) -> None:
     """Print the worker's steps/s over ``windows`` windows after ``warmup_steps`` (bounded)."""
-    from downpour.client import fetch_status
+    from downpour.net.client import fetch_status
 
     def steps(doc: dict[str, Any]) -> int:
         return int(doc.get("workers", {}).get(worker, {}).get("steps") or 0)

@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 from bench_util import median, time_ms
 
-from downpour.data import Dataset
-from downpour.models import build_model
+from downpour.inputs.data import Dataset
+from downpour.model.build import build_model
 from downpour.spec import ModelSpec
 from downpour.worker.step import GradientStep
 

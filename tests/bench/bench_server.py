@@ -45,11 +45,11 @@ from bench_wire import run as run_wire
 
 from downpour import wire
 from downpour.cli.status import fetch_status
-from downpour.client import ShardClient
-from downpour.server.movement import Movement
+from downpour.net.client import ShardClient
+from downpour.net.transport import make_context, tcp
+from downpour.server.policies.movement import Movement
 from downpour.server.state import ParameterState
 from downpour.spec import ModelSpec, load_spec
-from downpour.transport import make_context, tcp
 from downpour.wire import Message
 
 ADAM_TRAFFIC = 7  # payloads read + written per Adam step: var, grad, m, v in; var, m, v out

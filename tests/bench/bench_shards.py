@@ -4,7 +4,7 @@ Synthetic pushers, no model compute: gradients of the default model computed and
 once, flooded at real ``downpour server`` processes (bench_server.Flood, at most
 ``in_flight`` messages ahead of the applied version). One shard receives the whole gradient
 list; each of two shards (``--shard I --num-shards 2``) receives its slice of it
-(downpour.partition), from its own pusher thread. A full-model update needs both slices
+(downpour.model.partition), from its own pusher thread. A full-model update needs both slices
 applied, so the 2-shard capacity is the *slower* shard's applies/s.
 
 Rounds alternate: a window on the single shard (the pair idle), then a window on the pair
@@ -35,7 +35,7 @@ from bench_util import (
     status_endpoint,
 )
 
-from downpour.partition import make_partition
+from downpour.model.partition import make_partition
 
 
 def _window(

@@ -47,7 +47,7 @@ from bench_util import (
 from bench_util import status_endpoint as endpoint_of
 from sparse_model import DIM
 
-from downpour.client import fetch_status
+from downpour.net.client import fetch_status
 
 OPTIMIZER = {"optimizer": "adagrad", "lr": 0.05}
 MODELS = {

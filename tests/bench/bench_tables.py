@@ -49,8 +49,8 @@ from bench_util import (
 )
 from bench_util import status_endpoint as endpoint_of
 
-from downpour.client import fetch_status
-from downpour.metrics import peak_rss_mib
+from downpour.net.client import fetch_status
+from downpour.runtime.metrics import peak_rss_mib
 
 OPTIMIZER = {"optimizer": "adagrad", "lr": 0.05}
 ADAGRAD_SLOTS = 1  # accumulators per variable: a shard's slots are 1 x its slice

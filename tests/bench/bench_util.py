@@ -383,9 +383,9 @@ def start_server(
 
 def service_args(service: str, **settings: Any) -> list[str]:
     """``python -m downpour SERVICE`` with ``settings`` (by name) as ``Procs.start`` takes it:
-    the flags come from the service's option declarations (``downpour.settings.to_argv``)."""
+    the flags come from the service's option declarations (``downpour.config.settings.to_argv``)."""
+    from downpour.config.settings import to_argv
     from downpour.server.settings import SERVER_OPTIONS
-    from downpour.settings import to_argv
     from downpour.worker.settings import WORKER_OPTIONS
 
     options = SERVER_OPTIONS if service == "server" else WORKER_OPTIONS

@@ -19,9 +19,9 @@ import zmq
 from bench_util import median, percentile, time_ms
 
 from downpour import wire
-from downpour.models import build_model
+from downpour.model.build import build_model
+from downpour.net.transport import make_context
 from downpour.spec import ModelSpec
-from downpour.transport import make_context
 from downpour.wire import Message
 from downpour.worker.compress import BF16Compression
 
@@ -176,8 +176,8 @@ def bf16_pulls(spec: ModelSpec, reps: int) -> dict[str, Any]:
     frames and making tensors of them (``GradientStep.prepare``: widened bf16 weights are
     adopted without a copy) for a bf16 reply against a float32 one.
     """
+    from downpour.memory.tensors import to_tensor
     from downpour.server.state import ParameterState  # TensorFlow: not at import
-    from downpour.tensors import to_tensor
 
     state = ParameterState(spec, "adam", 1e-3)
     grads = gradient_list(state.shapes)

@@ -43,7 +43,7 @@ from bench_util import (
 from bench_util import status_endpoint as endpoint_of
 from dynamic_model import DIM, LAYER
 
-from downpour.client import fetch_status
+from downpour.net.client import fetch_status
 
 OPTIMIZER, LR = "adagrad", 0.05
 TABLE = f"{LAYER}/embeddings"  # the table's variable path: its key in the status document
@@ -75,9 +75,9 @@ def build_main(rows: int, state_dir: str) -> None:
     written as the server writes a checkpoint (see the module); one JSON line on stdout."""
     from bench_dynamic import BATCH, fill
 
-    from downpour.server.checkpoint import CheckpointStore
-    from downpour.server.dynamic_checkpoint import capture_state
+    from downpour.checkpoints.store import CheckpointStore
     from downpour.server.state import ParameterState
+    from downpour.server.tables.checkpoint import capture_state
     from downpour.spec import load_spec
 
     spec = load_spec(MODELS[rows])

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from downpour.server.dynamic import DynamicTable
+from downpour.server.tables.table import DynamicTable
 
 
 def _rss() -> int:

@@ -16,7 +16,7 @@ A fetch setting (``Job.fetch``) is one of, or several joined by ``+``:
 ``adaptive:B``    ``--pull-bound B``: the worker asks before every step; the server answers
                   "unchanged" (no tensors) unless the weights moved by more than ``B`` of
                   their norm since the worker's version: ``||w_now - w_have|| / ||w_now||``.
-                  The server (``downpour.server.movement``) estimates it on a fixed sample
+                  The server (``downpour.server.policies.movement``) estimates it on a fixed sample
                   of the dense weights' elements; this simulation computes it exactly, over
                   every variable a simulated worker pulls whole (the whole model but a
                   dynamic table, whose rows go by id and come with every pull; a real worker

@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 
 from downpour import wire
-from downpour.transport import PushSocket, ReqClient, make_context, tcp
+from downpour.net.transport import PushSocket, ReqClient, make_context, tcp
 from downpour.wire import Message
 
 RAW = b"raw"

@@ -54,8 +54,8 @@ for _var, _set in (
 
 from bench_util import cpu_seconds, median  # noqa: E402
 
-from downpour.data import load_mnist_5k  # noqa: E402
-from downpour.models import build_model  # noqa: E402
+from downpour.inputs.data import load_mnist_5k  # noqa: E402
+from downpour.model.build import build_model  # noqa: E402
 from downpour.spec import load_spec  # noqa: E402
 
 SPEC = "downpour.models:deep_mnist"
@@ -219,7 +219,7 @@ def send(args: argparse.Namespace) -> dict[str, Any]:
     import zmq
     from bench_server import push_frames
 
-    from downpour.transport import make_context, tcp
+    from downpour.net.transport import make_context, tcp
 
     names, grads = _gradients()
     frames = push_frames(dict(zip(names, grads, strict=True)), seq=1, sender="bench-floor")
@@ -242,9 +242,9 @@ def receive(args: argparse.Namespace) -> dict[str, Any]:
     import zmq
 
     from downpour import wire
-    from downpour.receive import keep_receive_buffers
+    from downpour.net.receive import keep_receive_buffers
+    from downpour.net.transport import make_context
     from downpour.server.state import ParameterState
-    from downpour.transport import make_context
 
     names, grads = _gradients()
     payload = sum(g.nbytes for g in grads)
@@ -289,9 +289,9 @@ def least_worker(args: argparse.Namespace) -> dict[str, Any]:
     from bench_e2e import batches
 
     from downpour import wire
-    from downpour.client import ShardClient
-    from downpour.models import fingerprint
-    from downpour.transport import make_context, tcp
+    from downpour.model.build import fingerprint
+    from downpour.net.client import ShardClient
+    from downpour.net.transport import make_context, tcp
     from downpour.worker.step import GradientStep
 
     spec = load_spec(SPEC)

@@ -50,7 +50,7 @@ from bench_util import (
     status_endpoint,
 )
 
-from downpour.client import fetch_status
+from downpour.net.client import fetch_status
 
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 PERF = shutil.which("perf")
@@ -257,7 +257,7 @@ def goodput(procs: Procs, out: Path, seconds: float, rate: int) -> list[str]:
     and 1 MB, pushes, pulls and both, through downpour's sockets and raw pyzmq in turn."""
     from bench_goodput import SCRIPT, sizes_of, start_receiver
 
-    from downpour.models import build_model
+    from downpour.model.build import build_model
     from downpour.spec import load_spec
 
     model = build_model(load_spec("downpour.models:deep_mnist"), seed=0)

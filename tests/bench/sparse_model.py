@@ -25,8 +25,8 @@ import keras
 import numpy as np
 
 from downpour import ModelSpec
-from downpour.data import Dataset
 from downpour.examples.clicks import zipf_ids
+from downpour.inputs.data import Dataset
 
 DIM = 16  # float32 columns of the table: 64 bytes a row
 FEATURES = 8  # ids gathered per example

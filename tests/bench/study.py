@@ -12,7 +12,7 @@ For 1, 2, 4 and 8 workers, every staleness policy (``async``, ``staleness-aware`
 ``momentum-aware``, ``lookahead``) and every compression (``none``, ``bf16``,
 ``topk:0.01``; the last four policies without compression only): the applied updates,
 gradients and simulated time to reach 96 % held-out accuracy on the fixed MNIST-5k split
-(4,000 train / 1,000 held out, ``downpour.data.load_mnist_5k``), or the accuracy reached
+(4,000 train / 1,000 held out, ``downpour.inputs.data.load_mnist_5k``), or the accuracy reached
 within a cap, and the wall-clock speed-up over 1 worker. Writes ``study-results.json``
 (top-level ``runs``: every run with ``workers``, ``policy``, ``compress``,
 ``sim_seconds_to_target``, ``speedup`` = 1 worker's simulated seconds over the run's and
@@ -125,7 +125,7 @@ def _cnn() -> Any:
 def mnist_cnn() -> Any:
     """The study's model plugin: conv 5x5x16 + pool, conv 5x5x32 + pool, dense 128, dense 10
     (215,306 parameters, 0.86 MB) on MNIST-5k (or ``--data-dir``), batch 50."""
-    from downpour.data import load_mnist
+    from downpour.inputs.data import load_mnist
     from downpour.spec import ModelSpec
 
     return ModelSpec(name="study_cnn", build=_cnn, load_data=load_mnist, batch_size=50)
@@ -281,7 +281,7 @@ class _Context:
         from study_hashed import HashedWorker, HashedWorkers
         from study_models import DYNAMIC_MODELS, LOADERS, SPEC_REFS
 
-        from downpour.models import build_model
+        from downpour.model.build import build_model
         from downpour.spec import load_spec
         from downpour.worker.step import GradientStep
 
@@ -363,7 +363,7 @@ def measure_costs(reps: int = 20, model: str = "mnist", shards: int = 1) -> dict
     ``Partition.split`` of the same gradients), in gradient-times. Each gradient is of the
     next batch of one worker's stream, on the weights the previous applies made, after
     ``COST_WARMUP`` batches (default 5) trained the same way untimed."""
-    from downpour.server.policies import parse_policy
+    from downpour.server.policies.base import parse_policy
     from downpour.server.state import ParameterState
 
     ctx = _context(model)
@@ -416,7 +416,7 @@ def one_process_server_optimizer(model: str, updates: int, lr: float) -> dict[st
     process through the server's own optimizer (``ParameterState``), no wire, no staleness;
     its held-out metric (a model with dynamic tables: each batch's rows pulled from the state
     first, as the simulated workers pull them)."""
-    from downpour.server.policies import parse_policy
+    from downpour.server.policies.base import parse_policy
     from downpour.server.state import ParameterState
 
     started = time.monotonic()
@@ -452,7 +452,7 @@ def simulate(job: Job) -> dict[str, Any]:
 
     from downpour import wire
     from downpour.server.handlers import check_gradients
-    from downpour.server.policies import APPLY, HOLD, SyncPolicy, parse_policy
+    from downpour.server.policies.base import APPLY, HOLD, SyncPolicy, parse_policy
     from downpour.server.state import ParameterState
     from downpour.wire import Message
     from downpour.worker.compress import parse_compression
@@ -1457,7 +1457,7 @@ def prepare(plan: Plan, model: str, given_costs: str | None) -> tuple[dict[str, 
         }
     log(f"{model}: costs {costs}")
     ctx = _context(model)
-    from downpour.models import dynamic_tables
+    from downpour.model.build import dynamic_tables
 
     tables = dynamic_tables(ctx.model)  # rows created on first touch: not declared parameters
     n_params = sum(

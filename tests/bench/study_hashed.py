@@ -5,9 +5,9 @@ touch: no worker gets the table whole, and the server's state cannot evaluate th
 ``HashedWorker`` does, in the study's one process, what a real worker and server do for
 such a model, with their own classes:
 
-- The model is built under ``row_cache_scope`` (``downpour.worker.row_cache``): every dynamic
+- The model is built under ``row_cache_scope`` (``downpour.worker.rows.cache``): every dynamic
   table is a keyed ``RowCache`` of slots, and ``GradientStep`` pushes its gradient as
-  ``Keyed`` rows (global ids). The worker's ``RowPlan`` (``downpour.worker.rows``) gives each
+  ``Keyed`` rows (global ids). The worker's ``RowPlan`` (``downpour.worker.rows.plan``) gives each
   batch's unique ids per table (its compiled id extractor) and the ones not fetched at the
   version the worker computes on (row staleness 0, the worker's default).
 - Those ids are served as the server's pull handler serves a row request: ``check_rows``,
@@ -28,7 +28,7 @@ such a model, with their own classes:
   adaptive pull keeps the fixed weights and still brings the rows, as the server's row reply
   does.
 
-Scoring (``score``) is ``downpour.scoring``'s: a copy of the model built as serving builds
+Scoring (``score``) is ``downpour.serving.scoring``'s: a copy of the model built as serving builds
 it holds the state's fixed weights, and before each held-out batch exactly the rows of that
 batch's ids (``with_table_rows``, here pulled from the state instead of over sockets).
 """
@@ -43,7 +43,7 @@ import numpy as np
 
 
 class _StateShards:
-    """``downpour.cluster.ShardSet.pull_rows`` answered by one unsharded state, as its row
+    """``downpour.net.cluster.ShardSet.pull_rows`` answered by one unsharded state, as its row
     pull handler answers a rows-only request (``check_rows``, then ``gather``)."""
 
     def __init__(self, state: Any) -> None:
@@ -66,8 +66,8 @@ class HashedWorker:
     def __init__(self, spec: Any, element_spec: Any, scoring: bool = True) -> None:
         """Build the worker's model (row caches), its step, and (``scoring``) the scoring
         copy."""
-        from downpour.models import build_model
-        from downpour.worker.row_cache import caches_of, row_cache_scope
+        from downpour.model.build import build_model
+        from downpour.worker.rows.cache import caches_of, row_cache_scope
         from downpour.worker.step import GradientStep, batch_signature
 
         self.spec = spec
@@ -96,7 +96,7 @@ class HashedWorker:
 
         from downpour.server.service import check_dynamic
         from downpour.server.settings import ServerConfig
-        from downpour.worker.rows import RowPlan
+        from downpour.worker.rows.plan import RowPlan
 
         check_dynamic(state, policy, ServerConfig(optimizer=state.optimizer_name))
         self.mode = parse_fetch(fetch)
@@ -168,9 +168,9 @@ class HashedWorker:
 
     def score(self, state: Any, held: list[tuple[Any, Any]]) -> float:
         """The spec's metric of ``state``'s weights on the held-out batches ``held``, scored
-        as ``downpour.scoring`` scores the servers' model."""
-        from downpour.models import evaluate
-        from downpour.scoring import with_table_rows
+        as ``downpour.serving.scoring`` scores the servers' model."""
+        from downpour.model.build import evaluate
+        from downpour.serving.scoring import with_table_rows
 
         if self.scorer is None:
             raise ValueError("this HashedWorker was built without its scoring copy")

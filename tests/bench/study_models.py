@@ -239,7 +239,7 @@ def one_process_auc(spec: Any, data: Loaded, updates: int, lr: float) -> dict[st
     import tensorflow as tf
 
     from downpour.examples.recsys import _summed_rows  # the server's row sums, as recsys's loop
-    from downpour.models import build_model, evaluate
+    from downpour.model.build import build_model, evaluate
 
     started = time.monotonic()
     model = build_model(spec, seed=0)

@@ -67,8 +67,8 @@ def coordinate(
     import keras
     from fused_adam import FusedAdam
 
-    from downpour.data import load_mnist_5k
-    from downpour.models import build_model
+    from downpour.inputs.data import load_mnist_5k
+    from downpour.model.build import build_model
     from downpour.spec import load_spec
 
     spec = load_spec("downpour.models:deep_mnist")

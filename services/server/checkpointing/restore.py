@@ -1,0 +1,274 @@
+"""Restoring a shard from checkpoints of the same layout or of any other number of shards.
+
+Which checkpoints a shard restores from (``find_sources``):
+
+1. the newest checkpoint of its own ``--state-dir`` that loads, when it is of this shard of
+   this partition (a restart);
+2. otherwise, with ``--restore-from``, the checkpoint set of the old layout: the newest
+   checkpoint that loads in each of the old shards' state directories (``old_state_dirs``);
+   the set must hold each old shard exactly once, all of one partition of this model;
+3. otherwise nothing (fresh weights), or an error when the own directory holds a checkpoint
+   of another layout and no ``--restore-from`` says where the rest of that layout is.
+
+How (``restore_set``): each of the shard's parts, its weights and every optimizer slot, is
+put together from the old arrays that overlap its rows (``layout.plan_rows``), reading only
+those rows (the archives are memory-mapped, ``downpour.checkpoints.npz``). Each dynamic table is
+rebuilt from the saved ids that are this shard's now, from every old shard
+(``downpour.server.tables.checkpoint``). Everything is checked first (model fingerprint, rows
+no checkpoint holds, overlapping pieces, shapes, dtypes, missing slots, tables that disagree
+with the model); a refused restore assigns nothing. The learning rate is not restored: the
+one configured at start wins.
+
+When the old shards stopped at different versions (each checkpoints on its own), the rule is:
+
+- the new version is the largest old version, and the optimizer's step count (``iteration``,
+  which Adam's bias correction reads) the largest old one;
+- each worker's last accepted sequence number is its largest over the old shards, so no push
+  an old shard accepted is applied again;
+- the split dispatcher (``--data-dispatch server``) is old shard 0's, which ran it.
+
+Each row keeps the value its old shard had, so the new shards start from the union of the old
+shards' last checkpoints, as after a restart of each of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from downpour.checkpoints.layout import (
+    WEIGHTS,
+    Piece,
+    assemble,
+    optimizer_slots,
+    partition_over,
+    pieces_from_parts,
+    pieces_from_records,
+    plan_rows,
+)
+from downpour.checkpoints.store import Checkpoint, CheckpointStore
+
+log = logging.getLogger("downpour.server")
+
+SHARD_DIR = "shard-"  # run-local's per-shard state directories: DIR/shard-I
+NOT_RESTORED = frozenset({"learning_rate"})  # the configured one wins
+
+
+@dataclass
+class Restored:
+    """What a restore carried over besides the arrays."""
+
+    version: int
+    workers: dict[str, int]
+    dispatch: Checkpoint | None  # old shard 0's checkpoint, which holds the dispatcher
+    sources: list[Checkpoint] = field(default_factory=list)
+
+
+def old_state_dirs(text: str) -> list[Path]:
+    """The state directories ``--restore-from`` names: comma-separated directories, each a
+    shard's state dir, or a parent whose ``shard-I`` subdirectories are (run-local's)."""
+    dirs: list[Path] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        d = Path(item)
+        if not d.is_dir():
+            raise ValueError(f"--restore-from {item}: no such directory")
+        subs = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith(SHARD_DIR))
+        dirs += subs if subs and not any(d.glob("ckpt-*.npz")) else [d]
+    if not dirs:
+        raise ValueError("--restore-from names no directory")
+    return dirs
+
+
+def run_local_layout(state_dir: Path) -> tuple[int, list[Path]] | None:
+    """(shard count, the shards' state dirs) of the newest checkpoint under a run-local
+    ``--state-dir`` (``DIR`` for one shard, ``DIR/shard-I`` for several); None if none loads."""
+    if not state_dir.is_dir():
+        return None
+    subs = [p for p in state_dir.iterdir() if p.is_dir() and p.name.startswith(SHARD_DIR)]
+    newest = [c for d in [state_dir, *subs] if (c := CheckpointStore(d).latest()) is not None]
+    if not newest:
+        return None
+    n = int(max(newest, key=lambda c: c.version).meta.get("num_shards", 1))
+    return n, [state_dir] if n == 1 else [state_dir / f"{SHARD_DIR}{i}" for i in range(n)]
+
+
+def load_set(dirs: Sequence[Path]) -> list[Checkpoint]:
+    """The newest checkpoint that loads in each directory (one per old shard)."""
+    found = []
+    for d in dirs:
+        ckpt = CheckpointStore(d).latest()
+        if ckpt is None:
+            raise ValueError(f"{d}: no checkpoint (ckpt-*.npz) that loads")
+        found.append(ckpt)
+    return found
+
+
+def _check_model(ckpt: Checkpoint, state: Any) -> None:
+    if ckpt.meta.get("fingerprint") != state.fingerprint:
+        raise ValueError(
+            f"{ckpt.path}: saved for model fingerprint {ckpt.meta.get('fingerprint')}, "
+            f"this server has {state.fingerprint}"
+        )
+
+
+def _layout_text(meta: dict[str, Any]) -> str:
+    return (
+        f"shard {meta.get('shard', 0)} of {meta.get('num_shards', 1)}, partition "
+        f"{meta.get('partition')}"
+    )
+
+
+def same_layout(ckpt: Checkpoint, state: Any) -> bool:
+    """Whether ``ckpt`` is this shard's own, of this partition (a plain restart)."""
+    digest = state.partition.digest
+    return (
+        ckpt.meta.get("partition", digest) == digest
+        and int(ckpt.meta.get("shard", 0)) == state.shard
+        and int(ckpt.meta.get("num_shards", 1)) == state.partition.num_shards
+    )
+
+
+def find_sources(state: Any, store: CheckpointStore, restore_from: str | None) -> list[Checkpoint]:
+    """The checkpoints this shard restores from (see the module docstring); empty: none."""
+    own = store.latest()
+    if own is not None:
+        _check_model(own, state)
+        if same_layout(own, state):
+            return [own]
+    if restore_from:
+        dirs = old_state_dirs(restore_from)
+        found = load_set(dirs)
+        log.info(
+            "resharding: shard %d of %d restores from %d checkpoint(s) of %d shard(s): %s",
+            state.shard,
+            state.partition.num_shards,
+            len(found),
+            int(found[0].meta.get("num_shards", 1)),
+            ", ".join(str(c.path) for c in found),
+        )
+        return found
+    if own is not None:
+        raise ValueError(
+            f"{own.path}: a checkpoint of {_layout_text(own.meta)}; this server is shard "
+            f"{state.shard} of {state.partition.num_shards}, partition "
+            f"{state.partition.digest}: give each shard its own --state-dir, or pass "
+            "--restore-from with the old layout's state directories to reshard"
+        )
+    return []
+
+
+def _check_set(ckpts: Sequence[Checkpoint], state: Any) -> None:
+    """Refuse a set that is not this shard's own checkpoint nor every shard of one layout."""
+    for c in ckpts:
+        _check_model(c, state)
+    if len(ckpts) == 1 and same_layout(ckpts[0], state):
+        return
+    layouts = {(int(c.meta.get("num_shards", 1)), c.meta.get("partition")) for c in ckpts}
+    if len(layouts) > 1:
+        raise ValueError(
+            "the checkpoints are of different layouts: "
+            + ", ".join(f"{c.path} ({_layout_text(c.meta)})" for c in ckpts)
+        )
+    n = layouts.pop()[0]
+    shards = sorted(int(c.meta.get("shard", 0)) for c in ckpts)
+    if shards != list(range(n)):
+        raise ValueError(
+            f"need the checkpoint of each of the {n} old shard(s) once, got shard(s) {shards} "
+            f"from {', '.join(str(c.path) for c in ckpts)}"
+        )
+
+
+def source_pieces(ckpts: Sequence[Checkpoint], state: Any) -> list[Piece]:
+    """Every array of the set, as its records (or the partition its metadata names) say."""
+    out: list[Piece] = []
+    for i, c in enumerate(ckpts):
+        recs = c.meta.get("arrays")
+        if isinstance(recs, dict):
+            out += pieces_from_records(i, c.path, c.arrays, recs)
+            continue
+        old = partition_over(state.partition, int(c.meta.get("num_shards", 1)))
+        if c.meta.get("partition", old.digest) != old.digest:
+            raise ValueError(
+                f"{c.path}: written with partition {c.meta.get('partition')}, which is not "
+                f"this model's over {old.num_shards} shard(s) ({old.digest}), and it does not "
+                "record its arrays' rows"
+            )
+        pieces, unknown = pieces_from_parts(i, c.arrays, old.shards[int(c.meta.get("shard", 0))])
+        if unknown:
+            raise ValueError(f"{c.path}: holds arrays this model lacks: {sorted(unknown)}")
+        out += pieces
+    return out
+
+
+def _plan(state: Any, pieces: Sequence[Piece]) -> tuple[list, dict[str, Any]]:
+    """(variable, copies, shape, dtype) per target array, and each scalar's new value."""
+    parts = state.parts
+    slots, scalars = optimizer_slots(state.optimizer, state.variables)
+    targets = [(WEIGHTS, i, v) for i, v in enumerate(state.variables)] + slots
+    plans = []
+    for kind, i, var in targets:
+        p = parts[i]
+        shape, dtype = tuple(int(d) for d in var.shape), np.dtype(str(var.dtype)).name
+        copies = plan_rows(p.name, kind, p.start, p.stop, p.shape, dtype, pieces)
+        plans.append((var, copies, shape, dtype))
+    values = {}
+    for v in scalars:
+        if v.name in NOT_RESTORED:
+            continue
+        found = [pc for pc in pieces if pc.variable is None and pc.slot == v.name]
+        if not found:
+            raise ValueError(f"optimizer scalar {v.name!r}: no checkpoint given holds it")
+        values[v.name] = (v, found)
+    used = {k for k, _, _ in targets}
+    extra = sorted({pc.slot for pc in pieces if pc.variable is not None} - used)
+    if extra:
+        log.warning("checkpoint slots %s are not used by --optimizer %s: not restored",
+                    extra, state.optimizer_name)  # fmt: skip
+    return plans, values
+
+
+def restore_set(state: Any, ckpts: Sequence[Checkpoint]) -> Restored:
+    """Load ``ckpts`` (this shard's own checkpoint, or one per shard of an old layout) into
+    ``state``; see the module docstring. ValueError, with nothing assigned, when refused."""
+    if not ckpts:
+        raise ValueError("no checkpoint to restore from")
+    _check_set(ckpts, state)
+    pieces = source_pieces(ckpts, state)
+    plans, scalars = _plan(state, pieces)
+    from downpour.server.tables.checkpoint import load_tables  # TensorFlow: not at import
+
+    tables = load_tables(state, ckpts)
+    arrays = [c.arrays for c in ckpts]
+    for var, copies, shape, dtype in plans:
+        var.assign(assemble(copies, arrays, shape, dtype))
+    for var, found in scalars.values():
+        var.assign(max(np.asarray(arrays[pc.source][pc.key]) for pc in found))
+    state.tables.update(tables)
+    state.version = max(c.version for c in ckpts)
+    workers: dict[str, int] = {}
+    for c in ckpts:
+        for k, v in c.meta.get("workers", {}).items():
+            workers[str(k)] = max(int(v), workers.get(str(k), -1))
+    first = [c for c in ckpts if int(c.meta.get("shard", 0)) == 0]
+    own = len(ckpts) == 1 and same_layout(ckpts[0], state)
+    dispatch = ckpts[0] if own else (first[0] if first else None)
+    return Restored(state.version, workers, dispatch, list(ckpts))
+
+
+def restore(state: Any, ckpt: Checkpoint) -> None:
+    """Load a checkpoint of this shard's own layout into ``state`` (a restart)."""
+    _check_model(ckpt, state)
+    if not same_layout(ckpt, state):
+        raise ValueError(
+            f"{ckpt.path}: a checkpoint of {_layout_text(ckpt.meta)}; this server is shard "
+            f"{state.shard} of {state.partition.num_shards}: give each shard its own "
+            "--state-dir (restore_set reshards a whole old set)"
+        )
+    restore_set(state, [ckpt])

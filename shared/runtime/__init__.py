@@ -1,0 +1,3 @@
+"""What every service process runs on: logging, metrics and their catalogue, systemd's
+notify protocol, and the compute device.
+"""

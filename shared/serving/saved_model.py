@@ -1,0 +1,318 @@
+"""A model's serving export; a ``DynamicEmbedding`` in it becomes a hash-table lookup.
+
+A ``downpour.layers.DynamicEmbedding`` creates a row on first touch and draws its initial
+value in NumPy: neither belongs in a serving graph. ``serving_module`` clones the Keras model
+with every such layer replaced by ``TableLookup``: the table's live ids (gathered from every
+shard) map through a TensorFlow hash table to a row of a rows variable, and an id the table
+does not hold reads the **default row, zeros**. An unknown id carries no information; in
+training it would read its initial value, a random draw, which a serving model should not
+invent. A layer fed strings hashes them with ``downpour.layers.string_ids`` (FarmHash
+Fingerprint64), traced into the graph, so the served model needs no downpour import. A model
+without dynamic tables is served as it is (not cloned), in the same export layout, so that
+delta exports (``serving_delta``) follow it too.
+
+The hash table is a ``tf.lookup.experimental.MutableHashTable`` that serving only reads: its
+contents are saved in the SavedModel's variables (not as constants in the graph, which caps a
+graph at 2 GB), and ``serving_delta.apply_delta`` can load an export, change its ids and rows
+in place and save it again without the model's Python code.
+
+A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)`` or the
+``serving_default`` signature) holding, besides ``serve``:
+
+- ``tables[key]``: the hash table, id -> row index (1-based; index 0 is the default row);
+- ``rows[key]``: the rows, ``(n + 1, dim)``, row 0 zeros, row i + 1 the i-th smallest id's;
+- ``dense``: the model's other variables, in the order ``assets.extra`` records their paths
+  (a fixed ``keras.layers.Embedding`` table among them, listed in ``fixed_tables``);
+
+and, for a delta export (``serving_delta``) computed from it later, ``assets.extra/``:
+``downpour_export.json`` (``EXPORT_META``: format, model fingerprint, per-shard versions,
+per-table key/layer/dim/dtype, dense paths, ``fixed_tables``) and ``downpour_ids.npz`` (each
+table's ids, ascending, under its key).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from downpour.layers import DynamicEmbedding, string_ids
+
+FORMAT = "downpour-export"
+FORMAT_VERSION = 1
+EXTRA = "assets.extra"
+EXPORT_META = "downpour_export.json"
+EXPORT_IDS = "downpour_ids.npz"
+
+
+class ServingError(ValueError):
+    """A model, a table or an export directory that cannot be served or read as one."""
+
+
+@dataclass
+class Table:
+    """One dynamic table's live rows, every shard's together: ``ids`` (int64, unique) with
+    their ``rows`` (n, dim) and the version each was last updated at (``versions``)."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    versions: np.ndarray
+
+    def sorted(self) -> Table:
+        """The same rows in ascending id order (the order of a full export)."""
+        order = np.argsort(self.ids, kind="stable")
+        return Table(self.ids[order], self.rows[order], self.versions[order])
+
+
+def dynamic_layers(model: keras.Model) -> dict[str, DynamicEmbedding]:
+    """The model's DynamicEmbedding layers by their table's variable path (nested too)."""
+    found: dict[str, DynamicEmbedding] = {}
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras's own walk
+        if isinstance(layer, DynamicEmbedding):
+            found[layer.embeddings.path] = layer
+    return found
+
+
+def dense_variables(model: keras.Model) -> list[keras.Variable]:
+    """The model's variables that are not a DynamicEmbedding's (trainable or not)."""
+    dynamic = {id(v) for layer in dynamic_layers(model).values() for v in layer.variables}
+    return [v for v in model.variables if id(v) not in dynamic]
+
+
+def fixed_tables(model: keras.Model) -> list[str]:
+    """The paths of the model's trainable ``keras.layers.Embedding`` tables: dense variables
+    that a delta export sends by row (the rows changed), not whole."""
+    return [
+        layer.embeddings.path
+        for layer in model._flatten_layers(include_self=False)  # noqa: SLF001 - Keras's own walk
+        if isinstance(layer, keras.layers.Embedding) and layer.embeddings.trainable
+    ]
+
+
+class TableLookup(keras.layers.Layer):
+    """A DynamicEmbedding for serving: ids (int or string) -> rows of ``rows`` through
+    ``table`` (id -> row index, 0 for an unknown id: the zero row)."""
+
+    def __init__(self, table: Any, rows: tf.Variable, dim: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.table, self.rows, self.dim = table, rows, dim
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        ids = string_ids(inputs) if inputs.dtype == tf.string else tf.cast(inputs, tf.int64)
+        slots = tf.reshape(self.table.lookup(ids), tf.shape(ids))
+        rows = tf.cast(tf.gather(self.rows, slots), self.compute_dtype)
+        return tf.ensure_shape(rows, ids.shape.concatenate([self.dim]))
+
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
+        return (*input_shape, self.dim)
+
+
+def new_lookup(key: str, table: Table) -> tuple[Any, tf.Variable]:
+    """(hash table, rows variable) holding ``table`` (ascending ids, as ``Table.sorted``)."""
+    index = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0, name=f"{key}_index")
+    rows = tf.Variable(
+        with_default_row(table.rows),
+        shape=tf.TensorShape([None, table.rows.shape[1]]),
+        name=f"{key}_rows",
+    )
+    index.insert(table.ids, np.arange(1, table.ids.size + 1, dtype=np.int64))
+    return index, rows
+
+
+def with_default_row(rows: np.ndarray) -> np.ndarray:
+    """``rows`` below the default row (zeros): the rows variable of a lookup."""
+    return np.concatenate([np.zeros((1, rows.shape[1]), rows.dtype), rows])
+
+
+def input_signature(model: keras.Model) -> list[Any]:
+    """The serving function's input signature: the model's inputs (one, a list, a dict),
+    any batch size."""
+    from downpour.model.build import model_inputs
+
+    struct = model_inputs(model)
+    if struct is None:
+        raise ServingError(f"model {model.name!r} declares no inputs (keras.Input)")
+    return [tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype, t.name), struct)]
+
+
+def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.Module, dict]:
+    """(module to save, table records for the export's meta): ``model`` with each
+    DynamicEmbedding replaced by a ``TableLookup`` over ``tables[its path]``."""
+    layers = dynamic_layers(model)
+    missing = sorted(set(layers) - set(tables))
+    if missing:
+        raise ServingError(f"no rows given for the dynamic table(s) {missing}")
+    module, records, lookups = tf.Module(), {}, {}
+    module.tables, module.rows = {}, {}
+    for i, (path, layer) in enumerate(sorted(layers.items())):
+        key, table = f"t{i}", tables[path].sorted()
+        if table.rows.ndim != 2 or table.rows.shape[1] != layer.dim:
+            raise ServingError(
+                f"table {path}: rows of shape {table.rows.shape} for a layer of dim {layer.dim}"
+            )
+        module.tables[key], module.rows[key] = new_lookup(key, table)
+        lookups[id(layer)] = TableLookup(module.tables[key], module.rows[key], layer.dim,
+                                         name=layer.name, dtype=layer.dtype_policy)  # fmt: skip
+        records[path] = {"key": key, "layer": layer.name, "dim": layer.dim,
+                         "dtype": np.dtype(table.rows.dtype).name}  # fmt: skip
+    try:
+        served = (
+            model
+            if not lookups
+            else keras.models.clone_model(
+                model, clone_function=lambda layer: lookups.get(id(layer), layer)
+            )
+        )
+    except ValueError as exc:
+        raise ServingError(
+            f"model {model.name!r} cannot be cloned for serving (a functional or Sequential "
+            f"model can): {' '.join(str(exc).split())[:300]}"
+        ) from None
+    module.dense = [v.value for v in dense_variables(model)]
+    module.serve = tf.function(
+        lambda x: served(x, training=False), input_signature=input_signature(model)
+    )
+    return module, records
+
+
+def write_export(
+    model: keras.Model,
+    tables: Mapping[str, Table],
+    out: str | Path,
+    versions: Sequence[int],
+    fingerprint: str,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """Write the full export of ``model`` (named ``name``, by default the model's own name)
+    serving ``tables`` to directory ``out`` (see the module) at the shards' ``versions``;
+    returns its meta."""
+    module, records = serving_module(model, tables)
+    tf.saved_model.save(module, str(out), signatures={"serving_default": module.serve})
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": name or model.name,
+        "fingerprint": fingerprint,
+        "versions": [int(v) for v in versions],
+        "tables": records,
+        "dense": [v.path for v in dense_variables(model)],
+        "fixed_tables": fixed_tables(model),
+    }
+    ids = {records[p]["key"]: tables[p].sorted().ids for p in records}
+    write_extra(Path(out), meta, ids)
+    return meta
+
+
+def write_extra(out: Path, meta: dict[str, Any], ids: Mapping[str, np.ndarray]) -> None:
+    """The export's ``assets.extra``: its meta and each table's ids (by key)."""
+    (out / EXTRA).mkdir(exist_ok=True)
+    (out / EXTRA / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
+    np.savez(out / EXTRA / EXPORT_IDS, **ids)
+
+
+def read_export(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(meta, ids by table path) of a full export; ServingError if ``path`` is not one."""
+    extra = Path(path) / EXTRA
+    try:
+        meta = json.loads((extra / EXPORT_META).read_text())
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"format {meta.get('format')!r} {meta.get('format_version')!r}")
+        with np.load(extra / EXPORT_IDS) as npz:
+            ids = {p: npz[r["key"]] for p, r in meta["tables"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ServingError(
+            f"{path} is not a downpour export of a model with dynamic tables "
+            f"({FORMAT} {FORMAT_VERSION}: {EXTRA}/{EXPORT_META} and {EXPORT_IDS}): {exc}"
+        ) from None
+    return meta, ids
+
+
+def hold_rows(layer: DynamicEmbedding, ids: np.ndarray, rows: np.ndarray) -> None:
+    """Make ``layer`` hold exactly ``ids`` (unique int64) with ``rows``: the Keras model then
+    computes what the served one does for these ids. ServingError over the layer's capacity."""
+    if ids.size > layer.capacity:
+        raise ServingError(
+            f"layer {layer.name!r} holds at most {layer.capacity} ids, {ids.size} given"
+        )
+    held, _ = layer.index.export()
+    layer.index.remove(held)
+    layer.index.insert(ids, np.arange(ids.size, dtype=np.int64))
+    layer.embeddings.assign(
+        np.concatenate([rows, np.zeros((layer.capacity - ids.size, layer.dim), rows.dtype)])
+    )
+    layer.rows_used.assign(ids.size)
+
+
+def layer_ids(model: keras.Model, batch: Any) -> dict[str, np.ndarray]:
+    """The unique int64 ids each DynamicEmbedding of a functional ``model`` reads for
+    ``batch`` (strings hashed), by table path."""
+    layers = dynamic_layers(model)
+    paths = sorted(layers)
+    probe = keras.Model(model.inputs, [layers[p].input for p in paths])
+    out = probe(batch)
+    out = out if isinstance(out, (list, tuple)) else [out]
+    found = {}
+    for path, ids in zip(paths, out, strict=True):
+        ids = string_ids(ids) if ids.dtype == tf.string else tf.cast(ids, tf.int64)
+        found[path] = np.unique(np.asarray(ids).ravel())
+    return found
+
+
+def reference_outputs(model: keras.Model, tables: Mapping[str, Table], batch: Any) -> np.ndarray:
+    """What the served model must return for ``batch``: ``model`` with each DynamicEmbedding
+    holding the table's rows of the batch's ids, zeros for ids the table lacks."""
+    layers = dynamic_layers(model)
+    for path, ids in layer_ids(model, batch).items():
+        table, layer = tables[path], layers[path]
+        rows = np.zeros((ids.size, layer.dim), table.rows.dtype)
+        order = np.argsort(table.ids)
+        pos = np.searchsorted(table.ids, ids, sorter=order).clip(max=max(table.ids.size - 1, 0))
+        known = table.ids[order][pos] == ids if table.ids.size else np.zeros(ids.size, bool)
+        rows[known] = table.rows[order][pos[known]]
+        hold_rows(layer, ids, rows)
+    return np.asarray(model(batch, training=False))
+
+
+def remove_export(out: Path) -> None:
+    """Remove a partly written export directory."""
+    shutil.rmtree(out, ignore_errors=True)
+
+
+DYNAMIC_PREFIX = "dynamic/"
+TABLE_FIELDS = ("ids", "rows", "versions")
+
+
+def tables_from_checkpoints(checkpoints: Sequence[Any]) -> dict[str, dict[str, np.ndarray]]:
+    """Each dynamic table's live ``ids``, ``rows`` and ``versions``, every shard's joined,
+    from checkpoints holding ``dynamic/<path>/<field>`` (a ``DynamicTable.export_state``
+    per table and shard). ServingError for a field missing or an id on two shards."""
+    parts: dict[str, list[dict[str, np.ndarray]]] = {}
+    for c in checkpoints:
+        found: dict[str, dict[str, np.ndarray]] = {}
+        for key, array in c.arrays.items():
+            if key.startswith(DYNAMIC_PREFIX):
+                path, _, name = key[len(DYNAMIC_PREFIX) :].rpartition("/")
+                found.setdefault(path, {})[name] = np.asarray(array)
+        for path, state in found.items():
+            lacking = [f for f in TABLE_FIELDS if f not in state]
+            if lacking:
+                raise ServingError(f"{c.path}: dynamic table {path} lacks {lacking}")
+            parts.setdefault(path, []).append(state)
+    out = {}
+    for path, states in parts.items():
+        out[path] = {f: np.concatenate([s[f] for s in states]) for f in TABLE_FIELDS}
+        if np.unique(out[path]["ids"]).size != out[path]["ids"].size:
+            raise ServingError(f"dynamic table {path}: an id is held by two checkpoints")
+    return out
+
+
+def as_table(state: Mapping[str, np.ndarray]) -> Table:
+    """A ``Table`` of a ``DynamicTable.export_state`` (or ``tables_from_checkpoints``) dict."""
+    return Table(*(np.asarray(state[f]) for f in TABLE_FIELDS))
