@@ -8,9 +8,9 @@ from pathlib import Path
 from conftest import pull_weights, wait_until
 from inproc import Services, settle
 
+from downpour.cli.export import export
 from downpour.cli.status import fetch_status
 from downpour.model.build import build_model, evaluate, recalibrate_batchnorm
-from downpour.serving.export import export
 from downpour.spec import load_spec
 
 MODEL = "tiny_models:batchnorm"

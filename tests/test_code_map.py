@@ -154,3 +154,13 @@ def test_the_checks_name_a_missing_and_an_unknown_module(tmp_path: Path) -> None
         f"downpour.svc.loop: no '::: downpour.svc.loop' in {API_DIR}/*.md",
         f"downpour.wire: no '::: downpour.wire' in {API_DIR}/*.md",
     ]
+
+
+MAX_MODULES_PER_FOLDER = 20
+
+
+def test_no_source_folder_holds_more_than_twenty_modules() -> None:
+    """Folders group modules by concept; one that grows past this is split into subpackages."""
+    counts = Counter(m.rpartition(".")[0] for m in package_modules(ROOT) if m != "downpour")
+    crowded = {pkg: n for pkg, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"

@@ -59,7 +59,7 @@ def test_topk_sends_over_40x_fewer_bytes_and_trains(services: Services) -> None:
 
 
 def test_bf16_halves_the_bytes_and_trains_on_two_shards(services: Services) -> None:
-    from downpour.cli.local import Evaluator
+    from downpour.serving.scoring import Evaluator
 
     shards = [services.server(WIDE, num_shards=2, shard=i) for i in range(2)]
     ports = [sh.port for sh in shards]

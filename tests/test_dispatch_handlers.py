@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from downpour import wire
-from downpour.checkpoints.store import CheckpointStore, capture, restore_dispatcher
+from downpour.checkpoints.store import CheckpointStore
+from downpour.server.checkpointing.capture import capture
+from downpour.server.checkpointing.restore import restore_dispatcher
 from downpour.server.dispatch import Dispatcher
 from downpour.server.handlers import (
     HandlerContext,

@@ -15,9 +15,9 @@ import pytest
 from downpour.checkpoints.layout import pieces_from_parts
 from downpour.checkpoints.store import Checkpoint, CheckpointStore
 from downpour.model.hashing import id_shard
+from downpour.server.checkpointing.capture import capture_state
 from downpour.server.tables.checkpoint import (
     TABLES_META,
-    capture_state,
     capture_tables,
     load_tables,
     restore_tables,

@@ -13,8 +13,8 @@ from plain_tf import plain_tf_accuracy, save_eval_data
 
 from downpour import cli
 from downpour.checkpoints.store import CheckpointStore
+from downpour.cli.export import ExportError, export
 from downpour.model.build import build_model, evaluate, fingerprint
-from downpour.serving.export import ExportError, export
 from downpour.spec import load_spec
 
 
@@ -177,7 +177,7 @@ def test_a_sharded_servers_checkpoints_are_joined_from_one_state_dir_per_shard(
 ) -> None:
     """Two shard states (hidden/kernel split by rows) checkpointed as a shard server does:
     export with both --state-dir gives the unsharded model's weights; one is not enough."""
-    from downpour.checkpoints.store import capture
+    from downpour.server.checkpointing.capture import capture
     from downpour.server.state import ParameterState
 
     spec = load_spec("tiny_models:tiny")

@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 from downpour import cli
-from downpour.checkpoints.store import CheckpointStore
+from downpour.checkpoints.store import CheckpointError, CheckpointStore
+from downpour.checkpoints.tables import tables_from_checkpoints
 from downpour.inputs.data import Dataset
 from downpour.layers import DynamicEmbedding, string_ids
 from downpour.model.build import build_model, fingerprint
@@ -31,7 +32,6 @@ from downpour.serving.saved_model import (
     dynamic_layers,
     hold_rows,
     read_export,
-    tables_from_checkpoints,
     write_export,
 )
 from downpour.spec import ModelSpec, load_spec
@@ -245,7 +245,7 @@ def test_tables_are_joined_from_every_shards_checkpoint(tmp_path: Path) -> None:
     joined = tables_from_checkpoints(ckpts)["users/embeddings"]
     for f in ("ids", "rows", "versions"):
         np.testing.assert_array_equal(joined[f], state[f])
-    with pytest.raises(ServingError, match="held by two"):
+    with pytest.raises(CheckpointError, match="held by two"):
         tables_from_checkpoints([ckpts[0], ckpts[0]])
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import Cluster, Service, free_ports, summary, wait_until
 
-from downpour.checkpoints.store import CheckpointStore, capture
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
+from downpour.server.checkpointing.capture import capture
 from downpour.server.checkpointing.restore import restore
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec

@@ -9,10 +9,10 @@ import keras
 import numpy as np
 import pytest
 
-from downpour.checkpoints.store import capture
 from downpour.inputs.data import Dataset
 from downpour.model import initial
 from downpour.model.build import build_model, define_model
+from downpour.server.checkpointing.capture import capture
 from downpour.server.state import ParameterState
 from downpour.spec import ModelSpec, load_spec
 

@@ -17,8 +17,8 @@ from conftest import free_ports, wait_until
 from inproc import WorkerThread, make_worker, serving, train
 
 from downpour.cli import main as cli_main
-from downpour.cli.local import Evaluator
 from downpour.cli.status import fetch_status
+from downpour.serving.scoring import Evaluator
 from downpour.worker.service import WorkerError
 
 

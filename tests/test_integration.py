@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_server_and_two_workers_train_the_default_model(cluster: Cluster) -> None:
-    from downpour.cli.local import Evaluator
+    from downpour.serving.scoring import Evaluator
 
     server = cluster.server(model="downpour.models:deep_mnist", early=True)
     workers = [

@@ -23,8 +23,9 @@ from downpour.checkpoints.layout import (
     plan_rows,
 )
 from downpour.checkpoints.npz import NpzArrays
-from downpour.checkpoints.store import FORMAT, CheckpointStore, capture, records
+from downpour.checkpoints.store import FORMAT, CheckpointStore
 from downpour.model.partition import make_partition
+from downpour.server.checkpointing.capture import capture, records
 from downpour.server.checkpointing.restore import find_sources, restore, restore_set
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec

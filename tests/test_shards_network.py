@@ -18,8 +18,8 @@ import netns
 import pytest
 from conftest import ROOT, Cluster, Service, env, free_ports, summary, wait_until
 
+from downpour.cli.export import export
 from downpour.net import security
-from downpour.serving.export import export
 
 REASON = netns.available()
 pytestmark = [  # slow tier: real processes in network namespaces

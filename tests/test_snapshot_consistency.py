@@ -21,8 +21,9 @@ from conftest import wait_until
 from inproc import InprocServer
 
 from downpour import wire
-from downpour.checkpoints.store import CheckpointStore, capture
+from downpour.checkpoints.store import CheckpointStore
 from downpour.cli.status import fetch_status
+from downpour.server.checkpointing.capture import capture
 from downpour.server.checkpointing.restore import restore
 from downpour.server.state import ParameterState
 from downpour.spec import load_spec

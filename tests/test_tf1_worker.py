@@ -97,7 +97,7 @@ def test_a_model_without_a_matching_tf1_graph_is_refused_clearly() -> None:
 def test_a_tf1_worker_and_a_tf2_worker_train_one_server(
     services: Services, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from downpour.cli.local import Evaluator
+    from downpour.serving.scoring import Evaluator
 
     caplog.set_level(logging.INFO, logger="downpour.worker")
     steps = 60

@@ -17,6 +17,7 @@ import pytest
 from conftest import isolated_json
 
 import downpour.cli
+import downpour.cli.job
 from downpour.cli import job, local
 from downpour.config import loading
 from downpour.config.settings import ConfigError, Option, at_least
@@ -402,7 +403,7 @@ def test_job_hands_chief_and_evaluator_to_their_functions(
     fake.run_chief = runner("run_chief")  # type: ignore[attr-defined]
     fake.run_evaluator = runner("run_evaluator")  # type: ignore[attr-defined]
     environ.setitem(sys.modules, "downpour.cli.job.chief", fake)
-    environ.setattr(downpour.cli, "chief", fake, raising=False)
+    environ.setattr(downpour.cli.job, "chief", fake, raising=False)
     environ.setenv("TF_CONFIG", tf_config(task_type, 0))
     assert downpour.cli.main(["job", "--model", "m:f", "--poll", "3"]) == 7
     assert calls == [

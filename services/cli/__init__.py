@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG plots of a run directory (history.csv, status.json)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by run-local")
 
-    from downpour.serving import export
+    from downpour.cli import export
 
     export.add_arguments(
         sub.add_parser(
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_main(args.run_dir)
     if args.command == "export":
-        from downpour.serving import export
+        from downpour.cli import export
 
         return export.main(args)
     if args.command == "data":

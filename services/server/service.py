@@ -39,17 +39,20 @@ import numpy as np
 import zmq
 
 from downpour import wire
-from downpour.checkpoints.store import (
-    CheckpointStore,
-    CheckpointWriter,
-    restore_dispatcher,
-)
+from downpour.checkpoints.store import CheckpointStore
 from downpour.net import security
 from downpour.net.receive import Bound, Oversize, keep_receive_buffers, recv_bounded
 from downpour.runtime import systemd
 from downpour.runtime.device import configure_device
 from downpour.runtime.logs import RateLimitedLog, set_log_context, stop_on_signals
-from downpour.server.checkpointing.restore import find_sources, restore_set, same_layout
+from downpour.server.checkpointing.capture import capture_state
+from downpour.server.checkpointing.restore import (
+    find_sources,
+    restore_dispatcher,
+    restore_set,
+    same_layout,
+)
+from downpour.server.checkpointing.writer import CheckpointWriter
 from downpour.server.dispatch import Dispatcher
 from downpour.server.handlers import (
     HandlerContext,
@@ -73,7 +76,6 @@ from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
 from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
-from downpour.server.tables.checkpoint import capture_state
 from downpour.spec import ModelSpec
 from downpour.wire import ProtocolError
 

@@ -122,9 +122,9 @@ def sparse_gradients(model: keras.Model) -> RowSparsity:
     Embedding), found by tracing, not running, the gradient of the sum of the outputs on one
     example in the model's own input structure (a tensor, a list, a dict, nested) through
     ``stateless_call``: no data, no labels and no variable values needed, so it works on a
-    model whose variables are not allocated (``models.define_model``). A model that cannot
-    be probed that way (no declared inputs, a call that fails) is logged at warning level,
-    naming its Embedding tables, which are then applied and served whole."""
+    model whose variables are not allocated (``downpour.model.build.define_model``). A model
+    that cannot be probed that way (no declared inputs, a call that fails) is logged at warning
+    level, naming its Embedding tables, which are then applied and served whole."""
     trainable, other = model.trainable_variables, model.non_trainable_variables
     kinds: list[bool] = []
 

@@ -23,7 +23,7 @@ restart on the same layout and for a restore onto another number of shards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +178,36 @@ def pieces_from_parts(
             continue
         shape, dtype = _header(arrays, key)
         out.append(Piece(source, key, p.name, slot, p.start, p.stop, p.shape, shape, dtype))
+    return out, unknown
+
+
+def pieces_of_set(
+    checkpoints: Sequence[Any], partition_for: Callable[[int], Partition]
+) -> tuple[list[Piece], dict[Any, list[str]]]:
+    """Every array of a checkpoint set (``source`` = its index in ``checkpoints``) as a piece:
+    as a checkpoint's metadata records it, or, for one without records, by the partition its
+    metadata names, which must be ``partition_for(num_shards)``, this model's over that many
+    shards. Returns (pieces, the keys that fit no part, by checkpoint path). ValueError for a
+    malformed record and for a checkpoint without records of another partition."""
+    out: list[Piece] = []
+    unknown: dict[Any, list[str]] = {}
+    for i, c in enumerate(checkpoints):
+        recs = c.meta.get("arrays")
+        if isinstance(recs, dict):
+            out += pieces_from_records(i, c.path, c.arrays, recs)
+            continue
+        n = int(c.meta.get("num_shards", 1))
+        old = partition_for(n)
+        if c.meta.get("partition", old.digest) != old.digest:
+            raise ValueError(
+                f"{c.path}: written with partition {c.meta.get('partition')}, which is not "
+                f"this model's over {n} shard(s) ({old.digest}), and it does not record its "
+                "arrays' rows: pass the server's --model"
+            )
+        pieces, left = pieces_from_parts(i, c.arrays, old.shards[int(c.meta.get("shard", 0))])
+        out += pieces
+        if left:
+            unknown[c.path] = sorted(left)
     return out, unknown
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "from_environ",
     "parse_tf_config",
     "role_settings",
+    "ps_endpoints",
     "split_address",
     "status_endpoints",
 ]
@@ -201,6 +202,17 @@ def status_endpoints(tf: TFConfig) -> list[str]:
         host, port = split_address(address, f"cluster.ps[{i}]")
         out.append(f"{host}:{port + STATUS_PORT_OFFSET}")
     return out
+
+
+def ps_endpoints(tf: TFConfig) -> tuple[list[str], list[str]]:
+    """(every ps task's REP endpoint ``tcp://HOST:P``, its status endpoint
+    ``tcp://HOST:P+2``), in shard order: where a job's clients find the servers."""
+    reps, statuses = [], []
+    for i, address in enumerate(tf.cluster.get("ps", ())):
+        host, port = split_address(address, f"cluster.ps[{i}]")
+        reps.append(f"tcp://{host}:{port}")
+        statuses.append(f"tcp://{host}:{port + STATUS_PORT_OFFSET}")
+    return reps, statuses
 
 
 def _server_settings(tf: TFConfig) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def partition_of(
     variables: Sequence[Any], num_shards: int, dynamic: Collection[str] = ()
 ) -> Partition:
     """The partition of a model's trainable variables over ``num_shards`` shards;
-    ``dynamic``: the paths of its dynamic tables (``models.dynamic_tables``)."""
+    ``dynamic``: the paths of its dynamic tables (``downpour.model.build.dynamic_tables``)."""
     from downpour.model.build import fingerprint  # Keras: only callers holding a model pay for it
 
     return make_partition(

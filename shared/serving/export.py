@@ -1,4 +1,4 @@
-"""``downpour export``: the trained model out of the server's checkpoints, for plain TensorFlow.
+"""The trained model out of the servers' checkpoints, for plain TensorFlow (``downpour export``).
 
 The server's checkpoint (``shared/checkpoints/store.py``) holds every trainable variable as
 ``model/<variable path>`` (and the optimizer's slots as ``optimizer/...``, ignored here). Export
@@ -28,17 +28,17 @@ instead a delta directory: the rows changed since that export and the ids gone
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import shutil
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from downpour.checkpoints.layout import MODEL_PREFIX
 
 if TYPE_CHECKING:
     import keras
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("downpour.export")
 
-MODEL_PREFIX = "model/"
 # Outputs of the reloaded file must match the in-memory model's to this (relative) tolerance.
 RTOL = 1e-5
 
@@ -75,19 +74,15 @@ class ExportResult:
 
 def load_checkpoints(state_dirs: Sequence[str | Path]) -> list[Checkpoint]:
     """The newest loadable checkpoint of each state directory (one per shard)."""
-    from downpour.checkpoints.store import CheckpointStore
+    from downpour.checkpoints.dirs import newest_each
+    from downpour.checkpoints.store import CheckpointError
 
     if not state_dirs:
         raise ExportError("give at least one --state-dir")
-    found = []
-    for d in state_dirs:
-        if not Path(d).is_dir():
-            raise ExportError(f"--state-dir {d}: no such directory")
-        ckpt = CheckpointStore(d).latest()
-        if ckpt is None:
-            raise ExportError(f"--state-dir {d}: no checkpoint (ckpt-*.npz) that loads")
-        found.append(ckpt)
-    return found
+    try:
+        return newest_each(state_dirs)
+    except CheckpointError as exc:
+        raise ExportError(f"--state-dir {exc}") from None
 
 
 def check_shards(checkpoints: Sequence[Checkpoint]) -> None:
@@ -123,33 +118,18 @@ def _pieces(checkpoints: Sequence[Checkpoint], variables: Sequence[keras.Variabl
     """Every weights array of the set with the rows it covers: as each checkpoint's metadata
     records them, or, for a checkpoint without records, by the partition it names (which
     must be this model's over its number of shards)."""
-    from downpour.checkpoints.layout import WEIGHTS, pieces_from_parts, pieces_from_records
+    from downpour.checkpoints.layout import WEIGHTS, pieces_of_set
     from downpour.net.cluster import partition_of
 
-    out = []
-    for i, c in enumerate(checkpoints):
-        recs = c.meta.get("arrays")
-        if isinstance(recs, dict):
-            try:
-                out += [p for p in pieces_from_records(i, c.path, c.arrays, recs)
-                        if p.slot == WEIGHTS]  # fmt: skip
-            except ValueError as exc:
-                raise ExportError(str(exc)) from None
-            continue
-        n = int(c.meta.get("num_shards", 1))
-        part = partition_of(variables, n)
-        digest = c.meta.get("partition")
-        if digest is not None and digest != part.digest:
-            raise ExportError(
-                f"the checkpoints were written with partition {digest}; this model over {n} "
-                f"shard(s) partitions as {part.digest}: pass the server's --model"
-            )
-        pieces, unknown = pieces_from_parts(i, c.arrays, part.shards[int(c.meta.get("shard", 0))])
-        unknown = sorted(k[len(MODEL_PREFIX) :] for k in unknown if k.startswith(MODEL_PREFIX))
-        if unknown:
-            raise ExportError(f"{c.path} holds variables this model lacks: {unknown}")
-        out += [p for p in pieces if p.slot == WEIGHTS]
-    return out
+    try:
+        pieces, unknown = pieces_of_set(checkpoints, lambda n: partition_of(variables, n))
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    for path, keys in unknown.items():
+        lacking = sorted(k[len(MODEL_PREFIX) :] for k in keys if k.startswith(MODEL_PREFIX))
+        if lacking:
+            raise ExportError(f"{path} holds variables this model lacks: {lacking}")
+    return [p for p in pieces if p.slot == WEIGHTS]
 
 
 def gather_variables(
@@ -497,6 +477,7 @@ def _export_tables(
     held-out examples compared with the model holding the tables' rows."""
     import tensorflow as tf
 
+    from downpour.checkpoints.tables import tables_from_checkpoints
     from downpour.model.build import fingerprint
     from downpour.serving import saved_model as dyn
     from downpour.serving.delta import write_delta
@@ -506,13 +487,13 @@ def _export_tables(
     ordered = sorted(checkpoints, key=lambda c: int(c.meta.get("shard", 0)))
     versions = [c.version for c in ordered]
     try:
-        tables = {p: dyn.as_table(s) for p, s in dyn.tables_from_checkpoints(ordered).items()}
+        tables = {p: dyn.as_table(s) for p, s in tables_from_checkpoints(ordered).items()}
         if delta_from is not None:
             dense = {v.path: np.asarray(v.numpy()) for v in fixed}
             write_delta(delta_from, out, tables, dense, versions, fp)
         else:
             dyn.write_export(model, tables, out, versions, fp, spec.name)
-    except dyn.ServingError as exc:
+    except ValueError as exc:  # a ServingError, or a CheckpointError of the tables
         raise ExportError(str(exc)) from None
     result = ExportResult(
         path=out,
@@ -526,82 +507,3 @@ def _export_tables(
         got = np.asarray(loaded.serve(tf.nest.map_structure(tf.convert_to_tensor, sample)))
         compare(result, dyn.reference_outputs(model, tables, sample), got)
     return result
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``downpour export`` options."""
-    p.add_argument(
-        "--state-dir",
-        action="append",
-        required=True,
-        metavar="DIR",
-        help="the server's --state-dir (its newest checkpoint is exported); "
-        "a sharded server: once per shard",
-    )
-    p.add_argument(
-        "--out",
-        required=True,
-        metavar="PATH",
-        help="PATH.keras: a Keras archive; any other PATH: a SavedModel directory",
-    )
-    p.add_argument(
-        "--model",
-        metavar="MODULE:FUNCTION",
-        help="the server's --model (default: the model the checkpoint names, if it resolves, "
-        "else downpour.models:deep_mnist)",
-    )
-    p.add_argument("--data-dir", help="the model's --data-dir, for the check after writing")
-    p.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="do not load the written file back and score it on the held-out set",
-    )
-    p.add_argument(
-        "--delta-from",
-        metavar="EXPORT_DIR",
-        help="a model with dynamic tables: write to --out not a full export but the delta "
-        "from this full export of the same model (rows changed since, ids evicted since, "
-        "dense variables); apply it with downpour.serving.delta.apply_delta",
-    )
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``downpour export``; 0 on success, 2 when refused."""
-    from downpour.runtime.logs import setup_logging
-
-    if not logging.getLogger().handlers:  # leave an embedding program's logging alone
-        setup_logging("export", "INFO", "text")
-    try:
-        r = export(
-            args.state_dir,
-            args.out,
-            args.model,
-            args.data_dir,
-            not args.no_verify,
-            args.delta_from,
-        )
-    except ExportError as exc:
-        print(f"downpour export: {exc}", file=sys.stderr)
-        return 2
-    for path, version in r.checkpoints:
-        print(f"checkpoint {path} (version {version})")
-    kinds = {"keras": "Keras archive", "delta": "delta export directory"}
-    kind = kinds.get(r.format, "SavedModel directory")
-    print(f"model {r.model_ref}: wrote {kind} {r.path}")
-    if r.custom_objects and r.format == "keras":
-        print(f"note: loading {r.path} needs these classes importable: {r.custom_objects}")
-    if r.batchnorm_recalibrated:
-        print(
-            f"BatchNorm statistics of {r.batchnorm_recalibrated} layer(s) recomputed for the "
-            "exported weights from the training data (docs: models.md, BatchNorm)"
-        )
-    elif r.non_trainable:
-        print(
-            "note: non-trainable variables are exported as the model's build() made them "
-            f"(downpour trains and checkpoints trainable variables only): {r.non_trainable}"
-        )
-    if r.max_abs_diff is not None:
-        print(f"reloaded: outputs match (max abs diff {r.max_abs_diff:.2g})")
-    if r.accuracy is not None:
-        print(f"held-out {r.metric}: {r.accuracy:.4f}")
-    return 0

@@ -9,11 +9,11 @@ training it would read its initial value, a random draw, which a serving model s
 invent. A layer fed strings hashes them with ``downpour.layers.string_ids`` (FarmHash
 Fingerprint64), traced into the graph, so the served model needs no downpour import. A model
 without dynamic tables is served as it is (not cloned), in the same export layout, so that
-delta exports (``serving_delta``) follow it too.
+delta exports (``downpour.serving.delta``) follow it too.
 
 The hash table is a ``tf.lookup.experimental.MutableHashTable`` that serving only reads: its
 contents are saved in the SavedModel's variables (not as constants in the graph, which caps a
-graph at 2 GB), and ``serving_delta.apply_delta`` can load an export, change its ids and rows
+graph at 2 GB), and ``delta.apply_delta`` can load an export, change its ids and rows
 in place and save it again without the model's Python code.
 
 A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)`` or the
@@ -24,7 +24,7 @@ A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)
 - ``dense``: the model's other variables, in the order ``assets.extra`` records their paths
   (a fixed ``keras.layers.Embedding`` table among them, listed in ``fixed_tables``);
 
-and, for a delta export (``serving_delta``) computed from it later, ``assets.extra/``:
+and, for a delta export (``downpour.serving.delta``) computed from it later, ``assets.extra/``:
 ``downpour_export.json`` (``EXPORT_META``: format, model fingerprint, per-shard versions,
 per-table key/layer/dim/dtype, dense paths, ``fixed_tables``) and ``downpour_ids.npz`` (each
 table's ids, ascending, under its key).
@@ -43,6 +43,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from downpour.checkpoints.tables import SERVED_FIELDS
 from downpour.layers import DynamicEmbedding, string_ids
 
 FORMAT = "downpour-export"
@@ -285,34 +286,6 @@ def remove_export(out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
 
 
-DYNAMIC_PREFIX = "dynamic/"
-TABLE_FIELDS = ("ids", "rows", "versions")
-
-
-def tables_from_checkpoints(checkpoints: Sequence[Any]) -> dict[str, dict[str, np.ndarray]]:
-    """Each dynamic table's live ``ids``, ``rows`` and ``versions``, every shard's joined,
-    from checkpoints holding ``dynamic/<path>/<field>`` (a ``DynamicTable.export_state``
-    per table and shard). ServingError for a field missing or an id on two shards."""
-    parts: dict[str, list[dict[str, np.ndarray]]] = {}
-    for c in checkpoints:
-        found: dict[str, dict[str, np.ndarray]] = {}
-        for key, array in c.arrays.items():
-            if key.startswith(DYNAMIC_PREFIX):
-                path, _, name = key[len(DYNAMIC_PREFIX) :].rpartition("/")
-                found.setdefault(path, {})[name] = np.asarray(array)
-        for path, state in found.items():
-            lacking = [f for f in TABLE_FIELDS if f not in state]
-            if lacking:
-                raise ServingError(f"{c.path}: dynamic table {path} lacks {lacking}")
-            parts.setdefault(path, []).append(state)
-    out = {}
-    for path, states in parts.items():
-        out[path] = {f: np.concatenate([s[f] for s in states]) for f in TABLE_FIELDS}
-        if np.unique(out[path]["ids"]).size != out[path]["ids"].size:
-            raise ServingError(f"dynamic table {path}: an id is held by two checkpoints")
-    return out
-
-
 def as_table(state: Mapping[str, np.ndarray]) -> Table:
     """A ``Table`` of a ``DynamicTable.export_state`` (or ``tables_from_checkpoints``) dict."""
-    return Table(*(np.asarray(state[f]) for f in TABLE_FIELDS))
+    return Table(*(np.asarray(state[f]) for f in SERVED_FIELDS))

@@ -162,7 +162,7 @@ def export_versions(
     ``[version]``: one shard). The delta from the newest version already in ``base`` is
     written first (a warning, and no delta, when that version is not an export of this
     model). ValueError for a version not above the newest there, a weight the model lacks or
-    lacks a weight; ``serving.ServingError`` for a model that cannot be served."""
+    lacks a weight; ``saved_model.ServingError`` for a model that cannot be served."""
     from downpour.serving.delta import write_delta
     from downpour.serving.saved_model import ServingError, dense_variables, write_export
 

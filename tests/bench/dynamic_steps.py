@@ -76,8 +76,8 @@ def build_main(rows: int, state_dir: str) -> None:
     from bench_dynamic import BATCH, fill
 
     from downpour.checkpoints.store import CheckpointStore
+    from downpour.server.checkpointing.capture import capture_state
     from downpour.server.state import ParameterState
-    from downpour.server.tables.checkpoint import capture_state
     from downpour.spec import load_spec
 
     spec = load_spec(MODELS[rows])

@@ -12,7 +12,7 @@ The chief coordinates the end of a job whose servers run with ``--job-workers`` 
 4. it acknowledges the end to every ps (a status request with ``ack="done"``), which lets
    them exit 0 at once instead of after ``--linger-after-done``;
 5. with ``--state-dir ROOT`` (the volume the ps tasks keep ROOT/shard-i on) it exports the
-   final checkpoints (``downpour.serving.export.export``) to ``EXPORT_DIR/<version>``, a
+   final checkpoints (``downpour.cli.export.export``) to ``EXPORT_DIR/<version>``, a
    SavedModel directory numbered as TF Serving watches them (the highest of the shards'
    final versions; ``--export-dir``, default ROOT/export). An export already there (a chief
    restarted after exporting) is kept. Exit 0.
@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from downpour.checkpoints.dirs import shard_dirs
 from downpour.config.settings import (
     DATA_DIR,
     DEVICE,
@@ -51,7 +52,7 @@ from downpour.config.settings import (
 )
 from downpour.net.client import fetch_status
 from downpour.net.security import ClientKeys
-from downpour.net.transport import RemoteError, ServerUnavailable, tcp
+from downpour.net.transport import RemoteError, ServerUnavailable
 from downpour.wire import ProtocolError
 
 if TYPE_CHECKING:
@@ -64,7 +65,6 @@ __all__ = ["CHIEF_OPTIONS", "EVALUATOR_OPTIONS", "run_chief", "run_evaluator"]
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_FAILED = 3  # the job failed, or the servers could not be reached
-STATUS_PORT_OFFSET = 2  # ps "host:port": status on port + 2 (downpour job's convention)
 TERMINAL = ("done", "failed")
 
 _JOB = "job"
@@ -155,21 +155,19 @@ def parse(options: Sequence[Option], argv: list[str], prog: str) -> argparse.Nam
 
 
 def endpoints(tf: TFConfig, status_endpoints: str | None) -> tuple[list[str], list[str]]:
-    """(the ps tasks' REP endpoints, their status endpoints), in ps order. ValueError when
-    TF_CONFIG has no ps or ``status_endpoints`` names another number of them."""
-    ps = tf.cluster.get("ps") or []
-    if not ps:
+    """(the ps tasks' REP endpoints, their status endpoints), in ps order, by ``TF_CONFIG``'s
+    port convention (``downpour.config.tf_config``) unless ``status_endpoints`` names them.
+    ValueError when TF_CONFIG has no ps or ``status_endpoints`` names another number."""
+    from downpour.config.tf_config import ps_endpoints
+
+    reps, statuses = ps_endpoints(tf)
+    if not reps:
         raise ValueError("TF_CONFIG has no ps tasks: a downpour job needs parameter servers")
-    reps, statuses = [], []
-    for address in ps:
-        host, _, port = address.rpartition(":")
-        reps.append(tcp(host.strip("[]"), int(port)))
-        statuses.append(tcp(host.strip("[]"), int(port) + STATUS_PORT_OFFSET))
     if status_endpoints:
         given = [e.strip() for e in status_endpoints.split(",") if e.strip()]
         statuses = [e if e.startswith("tcp://") else f"tcp://{e}" for e in given]
-        if len(statuses) != len(ps):
-            raise ValueError(f"--status-endpoints names {len(statuses)} servers for {len(ps)} ps")
+        if len(statuses) != len(reps):
+            raise ValueError(f"--status-endpoints names {len(statuses)} servers for {len(reps)} ps")
     return reps, statuses
 
 
@@ -291,7 +289,7 @@ def _score(evaluator: Any, watch: JobWatch) -> str | None:
 
 def _evaluator(args: argparse.Namespace) -> Any:
     """The held-out scorer of ``--model``, or None (said at warning level) without one."""
-    from downpour.cli.local import Evaluator
+    from downpour.serving.scoring import Evaluator
 
     try:
         return Evaluator(args.model, args.data_dir, args.device)
@@ -353,7 +351,7 @@ class CheckpointExports:
         if not args.state_dir:
             raise ValueError("--export-every exports the checkpoints of --state-dir ROOT")
         self.args = args
-        self.dirs = [Path(args.state_dir) / f"shard-{i}" for i in range(num_shards)]
+        self.dirs = shard_dirs(args.state_dir, num_shards)
         self.base = Path(args.export_dir or Path(args.state_dir) / "export")
         self.base.mkdir(parents=True, exist_ok=True)
         held = versions.versions(self.base)
@@ -379,10 +377,10 @@ class CheckpointExports:
 
     def write(self) -> int | None:
         """Export the newest checkpoints if newer than the last export; their version."""
+        from downpour.checkpoints.tables import tables_from_checkpoints as tables_of
         from downpour.model.build import fingerprint
         from downpour.serving.export import ExportError, load_checkpoints, load_model
         from downpour.serving.saved_model import ServingError, as_table, dense_variables
-        from downpour.serving.saved_model import tables_from_checkpoints as tables_of
         from downpour.serving.versions import export_versions
 
         try:
@@ -420,7 +418,7 @@ def export_final(args: argparse.Namespace, watch: JobWatch, num_shards: int) -> 
         log.info("%s exists already (exported by an earlier run of this chief): kept", out)
         return EXIT_OK
     out.parent.mkdir(parents=True, exist_ok=True)
-    dirs = [root / f"shard-{i}" for i in range(num_shards)]
+    dirs = shard_dirs(root, num_shards)
     try:
         result = export(dirs, out, args.model, args.data_dir)
     except ExportError as exc:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from downpour.cli.local.options import (
     LOCAL_OPTIONS,
@@ -50,9 +50,12 @@ from downpour.net.transport import Deadline, tcp
 from downpour.server.settings import SERVER_OPTIONS
 from downpour.worker.settings import WORKER_OPTIONS
 
+if TYPE_CHECKING:
+    from downpour.serving.scoring import Evaluator
+
 log = logging.getLogger("downpour.run_local")
 
-__all__ = ["LOCAL_OPTIONS", "Evaluator", "add_arguments", "run", "spawn", "wait_ready"]
+__all__ = ["LOCAL_OPTIONS", "add_arguments", "run", "spawn", "wait_ready"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,73 +109,19 @@ def wait_ready(
     raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
 
 
-class Evaluator:
-    """Holds a local copy of the model to score the server's weights on the held-out set
-    (the spec's ``held_out_fn``, or its Dataset's)."""
+def steps_per_worker(evaluator: Evaluator, workers: int, epochs: float) -> int | None:
+    """Batches each of ``workers`` statically sharded workers computes in ``epochs``
+    (the largest share), or None when tf.data cannot tell without reading."""
+    from downpour.inputs.pipeline import build_dataset, context, known_batches
 
-    def __init__(self, model_ref: str, data_dir: str | None, device: str = "auto") -> None:
-        from downpour.inputs.pipeline import (
-            build_dataset,
-            context,
-            resolve_inputs,
-            training_features,
-        )
-        from downpour.model.build import batchnorm_layers, build_model
-        from downpour.runtime.device import configure_device
-        from downpour.spec import load_spec
-
-        configure_device(device)  # before any op: memory growth, so the GPU is shared
-        self.spec = load_spec(model_ref)
-        self.inputs = resolve_inputs(self.spec, data_dir)
-        if self.inputs.held_out is None:
-            raise ValueError(f"model {model_ref} has no held-out set (give it a held_out_fn)")
-        self.data_dir = data_dir
-        ctx = context(self.spec, data_dir)
-        self.held_out = build_dataset(self.inputs.held_out, ctx, "held_out_fn")
-        self.model = build_model(self.spec)
-        # BatchNorm statistics are recomputed from the first training batches
-        self.bn_batches = (
-            training_features(self.inputs.train, ctx, 20) if batchnorm_layers(self.model) else []
-        )
-        self.names = [v.path for v in self.model.trainable_variables]
-
-    def steps_per_worker(self, workers: int, epochs: float) -> int | None:
-        """Batches each of ``workers`` statically sharded workers computes in ``epochs``
-        (the largest share), or None when tf.data cannot tell without reading."""
-        from downpour.inputs.pipeline import build_dataset, context, known_batches
-
-        counts = []
-        for i in range(workers):
-            ctx = context(self.spec, self.data_dir, worker_index=i, num_workers=workers)
-            n = known_batches(build_dataset(self.inputs.train, ctx))
-            if n is None:
-                return None
-            counts.append(n)
-        return max(1, int(round(epochs * max(counts))))
-
-    def score(
-        self, host: str, port: int | list[int], keys: security.ClientKeys | None = None
-    ) -> tuple[int, float]:
-        """(server version, held-out metric) with the server's current weights; ``port`` is
-        a list of the shards' ports in shard order for a sharded server (version: shard 0's)."""
-        ports = port if isinstance(port, list) else [port]
-        endpoints = [tcp(host, p) for p in ports]
-        versions, metric = self.score_at(endpoints, keys, "run-local-eval")
-        return versions[0], metric
-
-    def score_at(
-        self, endpoints: list[str], keys: security.ClientKeys | None, sender: str
-    ) -> tuple[list[int], float]:
-        """(each shard's version, held-out metric) with the weights of the shards whose REP
-        ``endpoints`` (tcp://host:port) are given in shard order."""
-        from downpour.model.build import evaluate, recalibrate_batchnorm
-        from downpour.serving.scoring import load_and_score
-
-        def score(batches: Any) -> float:
-            recalibrate_batchnorm(self.model, self.bn_batches)  # no-op without BatchNorm
-            return evaluate(self.spec, self.model, batches)
-
-        return load_and_score(endpoints, self.model, score, self.held_out, keys, sender)
+    counts = []
+    for i in range(workers):
+        ctx = context(evaluator.spec, evaluator.data_dir, worker_index=i, num_workers=workers)
+        n = known_batches(build_dataset(evaluator.inputs.train, ctx))
+        if n is None:
+            return None
+        counts.append(n)
+    return max(1, int(round(epochs * max(counts))))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,12 +268,13 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     servers, server_logs, ready_files = _spawn_servers(children, run_dir, procs)
     print(f"run directory: {run_dir}", flush=True)
     evaluator_box: dict[str, Any] = {}
-    loader = threading.Thread(
-        target=lambda: evaluator_box.setdefault(
-            "e", Evaluator(args.model, args.data_dir, args.device)
-        ),
-        daemon=True,
-    )
+
+    def load_evaluator() -> None:
+        from downpour.serving.scoring import Evaluator
+
+        evaluator_box.setdefault("e", Evaluator(args.model, args.data_dir, args.device))
+
+    loader = threading.Thread(target=load_evaluator, daemon=True)
     loader.start()  # import TensorFlow and load data while the servers start
     eps = [
         wait_ready(p, f, 180.0, lg)
@@ -348,7 +298,7 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
     metric = evaluator.spec.metric_name
     # a dispatched worker's share is whatever splits it gets: no per-worker total then
     per_worker = args.steps or (
-        None if dispatched else evaluator.steps_per_worker(args.workers, args.epochs)
+        None if dispatched else steps_per_worker(evaluator, args.workers, args.epochs)
     )
     bars = _progress_bars(args.workers, per_worker, args.no_progress)
     history: list[dict[str, Any]] = []

@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from downpour.checkpoints.dirs import run_local_dir, run_local_layout
 from downpour.config.settings import ConfigError, Option, at_least, refuse, to_argv
 from downpour.net import security
-from downpour.server.checkpointing.restore import run_local_layout
 from downpour.server.settings import SERVER_OPTIONS, ServerConfig, validate_server
 from downpour.worker.settings import WORKER_OPTIONS, WorkerConfig, validate_worker
 
@@ -204,7 +204,7 @@ def server_settings(args: argparse.Namespace, run_dir: Path, shard: int) -> Chil
     if shards > 1:  # each shard its own checkpoints; only shard 0 dispatches and serves metrics
         values.update(shard=shard, num_shards=shards, eval_every=0)
         if values["state_dir"]:
-            values["state_dir"] = str(Path(values["state_dir"]) / f"shard-{shard}")
+            values["state_dir"] = str(run_local_dir(values["state_dir"], shard, shards))
     if args.state_dir and (old := run_local_layout(Path(args.state_dir))) and old[0] != shards:
         values["restore_from"] = ",".join(str(d) for d in old[1])
     if shard != 0:

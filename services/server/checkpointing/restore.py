@@ -5,7 +5,8 @@ Which checkpoints a shard restores from (``find_sources``):
 1. the newest checkpoint of its own ``--state-dir`` that loads, when it is of this shard of
    this partition (a restart);
 2. otherwise, with ``--restore-from``, the checkpoint set of the old layout: the newest
-   checkpoint that loads in each of the old shards' state directories (``old_state_dirs``);
+   checkpoint that loads in each of the old shards' state directories
+   (``downpour.checkpoints.dirs.old_state_dirs``);
    the set must hold each old shard exactly once, all of one partition of this model;
 3. otherwise nothing (fresh weights), or an error when the own directory holds a checkpoint
    of another layout and no ``--restore-from`` says where the rest of that layout is.
@@ -36,26 +37,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from downpour.checkpoints.dirs import newest_each, old_state_dirs
 from downpour.checkpoints.layout import (
     WEIGHTS,
     Piece,
     assemble,
     optimizer_slots,
     partition_over,
-    pieces_from_parts,
-    pieces_from_records,
+    pieces_of_set,
     plan_rows,
 )
 from downpour.checkpoints.store import Checkpoint, CheckpointStore
+from downpour.server.dispatch import Dispatcher, LeasePolicy
 
 log = logging.getLogger("downpour.server")
 
-SHARD_DIR = "shard-"  # run-local's per-shard state directories: DIR/shard-I
 NOT_RESTORED = frozenset({"learning_rate"})  # the configured one wins
 
 
@@ -67,47 +67,6 @@ class Restored:
     workers: dict[str, int]
     dispatch: Checkpoint | None  # old shard 0's checkpoint, which holds the dispatcher
     sources: list[Checkpoint] = field(default_factory=list)
-
-
-def old_state_dirs(text: str) -> list[Path]:
-    """The state directories ``--restore-from`` names: comma-separated directories, each a
-    shard's state dir, or a parent whose ``shard-I`` subdirectories are (run-local's)."""
-    dirs: list[Path] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        d = Path(item)
-        if not d.is_dir():
-            raise ValueError(f"--restore-from {item}: no such directory")
-        subs = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith(SHARD_DIR))
-        dirs += subs if subs and not any(d.glob("ckpt-*.npz")) else [d]
-    if not dirs:
-        raise ValueError("--restore-from names no directory")
-    return dirs
-
-
-def run_local_layout(state_dir: Path) -> tuple[int, list[Path]] | None:
-    """(shard count, the shards' state dirs) of the newest checkpoint under a run-local
-    ``--state-dir`` (``DIR`` for one shard, ``DIR/shard-I`` for several); None if none loads."""
-    if not state_dir.is_dir():
-        return None
-    subs = [p for p in state_dir.iterdir() if p.is_dir() and p.name.startswith(SHARD_DIR)]
-    newest = [c for d in [state_dir, *subs] if (c := CheckpointStore(d).latest()) is not None]
-    if not newest:
-        return None
-    n = int(max(newest, key=lambda c: c.version).meta.get("num_shards", 1))
-    return n, [state_dir] if n == 1 else [state_dir / f"{SHARD_DIR}{i}" for i in range(n)]
-
-
-def load_set(dirs: Sequence[Path]) -> list[Checkpoint]:
-    """The newest checkpoint that loads in each directory (one per old shard)."""
-    found = []
-    for d in dirs:
-        ckpt = CheckpointStore(d).latest()
-        if ckpt is None:
-            raise ValueError(f"{d}: no checkpoint (ckpt-*.npz) that loads")
-        found.append(ckpt)
-    return found
 
 
 def _check_model(ckpt: Checkpoint, state: Any) -> None:
@@ -144,7 +103,7 @@ def find_sources(state: Any, store: CheckpointStore, restore_from: str | None) -
             return [own]
     if restore_from:
         dirs = old_state_dirs(restore_from)
-        found = load_set(dirs)
+        found = newest_each(dirs)
         log.info(
             "resharding: shard %d of %d restores from %d checkpoint(s) of %d shard(s): %s",
             state.shard,
@@ -186,25 +145,12 @@ def _check_set(ckpts: Sequence[Checkpoint], state: Any) -> None:
 
 
 def source_pieces(ckpts: Sequence[Checkpoint], state: Any) -> list[Piece]:
-    """Every array of the set, as its records (or the partition its metadata names) say."""
-    out: list[Piece] = []
-    for i, c in enumerate(ckpts):
-        recs = c.meta.get("arrays")
-        if isinstance(recs, dict):
-            out += pieces_from_records(i, c.path, c.arrays, recs)
-            continue
-        old = partition_over(state.partition, int(c.meta.get("num_shards", 1)))
-        if c.meta.get("partition", old.digest) != old.digest:
-            raise ValueError(
-                f"{c.path}: written with partition {c.meta.get('partition')}, which is not "
-                f"this model's over {old.num_shards} shard(s) ({old.digest}), and it does not "
-                "record its arrays' rows"
-            )
-        pieces, unknown = pieces_from_parts(i, c.arrays, old.shards[int(c.meta.get("shard", 0))])
-        if unknown:
-            raise ValueError(f"{c.path}: holds arrays this model lacks: {sorted(unknown)}")
-        out += pieces
-    return out
+    """Every array of the set, as its records (or the partition its metadata names) say;
+    ValueError for an array this model lacks."""
+    pieces, unknown = pieces_of_set(ckpts, lambda n: partition_over(state.partition, n))
+    for path, keys in unknown.items():
+        raise ValueError(f"{path}: holds arrays this model lacks: {keys}")
+    return pieces
 
 
 def _plan(state: Any, pieces: Sequence[Piece]) -> tuple[list, dict[str, Any]]:
@@ -272,3 +218,17 @@ def restore(state: Any, ckpt: Checkpoint) -> None:
             "--state-dir (restore_set reshards a whole old set)"
         )
     restore_set(state, [ckpt])
+
+
+def restore_dispatcher(
+    ckpt: Checkpoint | None, seed: int, lease: LeasePolicy | None = None
+) -> Dispatcher:
+    """The split dispatcher saved in ``ckpt`` (its splits in flight back in the queue), or
+    a fresh one when there is none. ValueError when the saved state is damaged."""
+    doc = None if ckpt is None else ckpt.meta.get("dispatch")
+    if doc is None:
+        return Dispatcher(seed=seed, lease=lease or LeasePolicy())
+    try:
+        return Dispatcher.from_state(doc, lease)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{ckpt.path}: dispatcher state: {exc}") from None

@@ -67,7 +67,7 @@ class ServingExporter:
         self, spec: ModelSpec, directory: str, every: int, keep: int, fingerprint: str
     ) -> None:
         """Prepare exports of ``spec`` (its model built now, so a model that cannot be served
-        is refused at start: ``serving.ServingError``) into ``directory``."""
+        is refused at start: ``downpour.serving.saved_model.ServingError``) into ``directory``."""
         from downpour.model.build import batchnorm_layers, build_model
         from downpour.serving.saved_model import Table, dynamic_layers, serving_module
 

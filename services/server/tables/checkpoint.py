@@ -1,12 +1,9 @@
 """Dynamic tables in checkpoints: saved by id, restored onto any number of shards.
 
-Saving (``capture_tables``, on the loop thread next to ``checkpoint.capture``, so the tables
-are of the same version as the fixed variables): every array of each table's
-``DynamicTable.export_state()`` (copies of the live rows only) goes under
-``dynamic/<variable path>/<field>`` (``layout.DYNAMIC_PREFIX``; no fixed variable's key starts
-so), and the metadata's ``tables`` holds a record per variable path: ``name`` (the layer's,
-which keys initial values), ``dim``, ``dtype``, ``optimizer``, ``slots``, ``rows`` (live ids),
-``shard`` and ``num_shards`` of the writer, and ``fields`` (the arrays saved).
+Saving (``capture_tables``, on the loop thread next to the fixed variables' capture, so the
+tables are of the same version): every array of each table's ``DynamicTable.export_state()``
+(copies of the live rows only) under its key, with its record, as ``downpour.checkpoints.tables``
+lays them out.
 
 Restoring (``load_tables``, then ``restore_tables`` installs them): the set is this shard's own
 checkpoint or one checkpoint of each old shard. Each of the shard's tables keeps the saved ids
@@ -22,7 +19,7 @@ versions and counts. An id of old shard ``k`` (of S') is on new shard ``s`` only
   merged sketch is at least its old one: no id needs more touches than on its old layout (until
   the next halving, which comes once the summed mass reaches the window, as on any shard). The
   other old shards' touches share the buckets, so the merge over-estimates: an id short of
-  ``admit_after`` is admitted early at the rate ``dynamic_sketch.false_admit_rate`` gives for
+  ``admit_after`` is admitted early at the rate ``sketch.false_admit_rate`` gives for
   the summed load (up to S' / gcd(S, S') times one shard's). Sketches of different shapes
   cannot be added: the table then starts a fresh sketch, with a warning.
 - Refused, naming the checkpoint and table, before any table is replaced: a set that is not
@@ -44,27 +41,20 @@ from typing import Any
 
 import numpy as np
 
-from downpour.checkpoints.layout import DYNAMIC_PREFIX
-from downpour.checkpoints.store import Checkpoint, capture, records
+from downpour.checkpoints.store import Checkpoint
+from downpour.checkpoints.tables import TABLES_META, table_key
 from downpour.model.hashing import id_shard
 from downpour.server.tables.sketch import SATURATE
 from downpour.server.tables.table import COUNTERS, EVICT_TO, DynamicTable
 
 log = logging.getLogger("downpour.server")
 
-TABLES_META = "tables"  # the metadata key of the table records
-SKETCH_FIELDS = ("sketch", "sketch_mass", "sketch_window")
-
-
-def table_key(path: str, field: str) -> str:
-    """The checkpoint key of one exported array of the table at variable ``path``."""
-    return f"{DYNAMIC_PREFIX}{path}/{field}"
-
 
 def capture_tables(state: Any) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
     """(arrays by key, records by variable path) of ``state.tables``, for one checkpoint:
-    the arrays go with ``checkpoint.capture``'s, the records under the metadata's ``tables``.
-    Called where ``capture`` is (between applies), so both are of one version."""
+    the arrays go with the fixed variables' (``checkpointing.capture``), the records under the
+    metadata's ``tables``. Called between applies, with the fixed variables' capture, so both
+    are of one version."""
     arrays: dict[str, np.ndarray] = {}
     records: dict[str, dict[str, Any]] = {}
     for path, table in state.tables.items():
@@ -82,24 +72,6 @@ def capture_tables(state: Any) -> tuple[dict[str, np.ndarray], dict[str, dict[st
             "fields": sorted(exported),
         }
     return arrays, records
-
-
-def capture_state(state: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(arrays, metadata) of one checkpoint of ``state``: its fixed variables and slots
-    (``checkpoint.capture``) and its tables by id (``capture_tables``), of one version, and
-    what a restore checks them by: the model fingerprint, the shard layout and the ``arrays``
-    and ``tables`` records. Called between applies (the server's loop thread); the caller adds
-    the metadata that is not the state's (model name, workers' sequence numbers, ...)."""
-    tables, table_records = capture_tables(state)
-    meta = {
-        "fingerprint": state.fingerprint,
-        "shard": state.shard,
-        "num_shards": state.partition.num_shards,
-        "partition": state.partition.digest,
-        "arrays": records(state),
-        TABLES_META: table_records,
-    }
-    return capture(state) | tables, meta
 
 
 @dataclass(frozen=True)

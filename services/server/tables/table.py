@@ -1,8 +1,8 @@
 """The server-side store of a dynamic embedding table: ids of any int64 value, rows on demand.
 
 A ``DynamicTable`` holds, for the ids a shard owns, one row and its optimizer slots per live
-id, in chunked storage (``dynamic_store``) addressed through an id index
-(``dynamic_index``):
+id, in chunked storage (``store``) addressed through an id index
+(``index``):
 
 - ``gather(ids)`` reads rows; a missing id reads its initial value (``initial_rows``: a
   function of (seed, table, id) only) and is not stored unless ``create=True``;
@@ -10,7 +10,7 @@ id, in chunked storage (``dynamic_store``) addressed through an id index
   the rows as rows.py's ``sgd`` / ``adagrad`` / ``lazy_adam`` do, creating missing rows at
   their initial value (slots at their optimizer's initial value) first;
 - admission (``admit_after=n``): a missing id's touches (each occurrence in an apply counts
-  one) are counted in a count-min sketch (``dynamic_sketch``); below ``n`` its gradient rows
+  one) are counted in a count-min sketch (``sketch``); below ``n`` its gradient rows
   are dropped and counted as ``refused``; the touch that brings it to ``n`` creates its row
   and applies that gradient (``admitted``). An evicted id is still in the sketch (until it
   ages out), so it is usually admitted again at its next touch;

@@ -125,7 +125,7 @@ class RowPlan:
         staleness: int,
         caches: dict[str, RowCache] | None = None,
     ) -> None:
-        """``caches``: the row caches of the model (``row_cache.caches_of``) by variable
+        """``caches``: the row caches of the model (``cache.caches_of``) by variable
         path; each must be one of ``tables``."""
         variables = model.trainable_variables
         by_path = embedding_tables(model)
