@@ -16,7 +16,8 @@ from inproc import InprocServer, WorkerThread, make_worker
 
 from downpour import wire
 from downpour.checkpoints.store import CheckpointStore
-from downpour.cli.job.chief import run_chief, run_evaluator
+from downpour.cli.job.chief import run_chief
+from downpour.cli.job.evaluator import run_evaluator
 from downpour.net.client import ShardClient, fetch_status
 from downpour.net.transport import make_context
 from downpour.server.job import DONE, EXIT_FAILED, FAILED, RUNNING, JobTracker
@@ -198,6 +199,71 @@ def test_the_chief_waits_scores_exports_and_the_servers_exit_0(
     finally:
         for s in servers:
             s.stop()
+
+
+def test_the_evaluator_ends_when_a_server_has_gone_after_the_job_ended(tmp_path: Path) -> None:
+    """The servers exit once the chief acknowledges the end, which can come between two of
+    the evaluator's reads: a server that stops answering after one reported ``done`` has
+    ended with the job, and the evaluator exits 0 (not 3 after --wait-servers)."""
+    servers = _start(tmp_path, shards=2, job_workers=2, linger_after_done_s=300.0)
+    tf = TFConfig({"ps": [f"127.0.0.1:{s.port}" for s in servers], "worker": ["w0:1"]},
+                  "evaluator", 0)  # fmt: skip
+    try:
+        for w in _workers(servers, 2):
+            w.result(WAIT_S)
+        for s in servers:
+            wait_until(lambda s=s: fetch_status(s.status)["job"]["state"] == DONE, WAIT_S, "done")
+        fetch_status(servers[1].status, ack="done")  # shard 1 acknowledged: it exits
+        assert servers[1].wait(WAIT_S) == 0
+        argv = ["--model", "tiny_models:tiny", "--poll-secs", "0.05", "--wait-servers", "60"]
+        argv += ["--status-endpoints", ",".join(s.status for s in servers)]
+        assert run_evaluator(tf, [*argv, "--eval-every-secs", "600"]) == 0
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.parametrize(("recorded", "code"), [("done", 0), ("failed", 3), (None, 3)])
+def test_the_evaluator_ends_on_the_chiefs_record_when_no_server_answers(
+    tmp_path: Path, recorded: str | None, code: int
+) -> None:
+    """An evaluator that starts (or looks) after the servers have exited reads the chief's
+    job-end record in the state root: done -> 0, failed -> 3; without one the silence is a
+    failure (3)."""
+    from downpour.checkpoints.dirs import write_job_end
+
+    if recorded is not None:
+        write_job_end(tmp_path, recorded, 12, None)
+    (gone,) = _start(tmp_path / "gone")
+    endpoint, status = gone.port, gone.status
+    gone.stop()  # nothing answers there any more
+    tf = TFConfig({"ps": [f"127.0.0.1:{endpoint}"], "worker": ["w0:1"]}, "evaluator", 0)
+    argv = ["--model", "tiny_models:tiny", "--poll-secs", "0.05", "--wait-servers", "0.5"]
+    argv += ["--status-endpoints", status, "--state-dir", str(tmp_path)]
+    assert run_evaluator(tf, argv) == code
+
+
+def test_a_job_end_record_counts_when_fresh_or_when_the_servers_are_silent(
+    tmp_path: Path,
+) -> None:
+    """An old record (an earlier run of a job with the same state root) does not end an
+    evaluator whose servers still answer."""
+    from types import SimpleNamespace
+
+    from downpour.checkpoints.dirs import read_job_end, write_job_end
+    from downpour.cli.job.evaluator import _recorded_end
+
+    args = SimpleNamespace(state_dir=str(tmp_path))
+    watch = SimpleNamespace(statuses=["a"], heard={"a": 10.0}, started=5.0)  # "a" answered
+    assert _recorded_end(args, watch, since=0.0) is None  # no record
+    write_job_end(tmp_path, "done", 7, "/x/7")
+    assert read_job_end(tmp_path)["version"] == 7
+    written = read_job_end(tmp_path)["written_at"]
+    assert _recorded_end(args, watch, since=written - 1) == "done"  # written after we started
+    assert _recorded_end(args, watch, since=written + 1) is None  # an old record, servers up
+    silent = SimpleNamespace(statuses=["a"], heard={}, started=5.0)
+    assert _recorded_end(args, silent, since=written + 1) == "done"
+    assert _recorded_end(SimpleNamespace(state_dir=None), silent, since=0.0) is None
 
 
 def test_the_chief_exports_a_series_of_versions_whose_deltas_give_the_final_model(

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +17,9 @@ from conftest import isolated_json
 import downpour.cli
 import downpour.cli.job
 from downpour.cli import job, local
+from downpour.cli.job import chief, evaluator, watch
 from downpour.config import loading
-from downpour.config.settings import ConfigError, Option, at_least
+from downpour.config.settings import MODEL, ConfigError
 from downpour.config.tf_config import (
     TFConfig,
     from_environ,
@@ -313,21 +312,58 @@ def test_parse_and_mapping_do_not_import_tensorflow() -> None:
 
 # ------------------------------------------------------------------------------ downpour job
 
-JOB_WORKERS = Option("job_workers", 0, "workers of the job", "job", type=at_least(0))
+
+def parsed_role(tf_text: str, argv: list[str]) -> dict[str, Any]:
+    """The settings the role of ``tf_text`` starts with from ``argv``, read by that role's
+    own parser: the services through their layered loading (with the same TF_CONFIG), the
+    chief and the evaluator through theirs (argparse exits 2 on a flag it does not know)."""
+    tf = parse_tf_config(tf_text)
+    options = job.role_options(tf.service)
+    if tf.service in ("server", "worker"):
+        return loading.load(tf.service, options, argv, {"TF_CONFIG": tf_text}).values()
+    return vars(watch.parse(options, argv, f"downpour job ({tf.service})"))
 
 
-def test_job_ps_argv_gets_its_shards_state_dir_and_the_number_of_workers() -> None:
-    tf = parse_tf_config(tf_config("ps", 1))
-    options = (*SERVER_OPTIONS, JOB_WORKERS)
-    assert job.role_argv(tf, "m:f", "/vol/run", ["--lr", "0.1"], options) == (
-        "server",
-        ["--model", "m:f", "--state-dir", "/vol/run/shard-1", "--job-workers", "3", "--lr", "0.1"],
-    )
-    # a --job-workers given wins; without --state-dir the server keeps its own
-    assert job.role_argv(tf, "m:f", None, ["--job-workers=1"], options) == (
-        "server",
-        ["--model", "m:f", "--job-workers=1"],
-    )
+@pytest.mark.parametrize("task", ["ps", "worker", "chief", "evaluator", "master"])
+def test_every_roles_argv_parses_with_that_roles_own_options(task: str) -> None:
+    """The documented command, the same in every replica, starts every role: each gets the
+    flags its own option table declares, and nothing else."""
+    text = tf_config(task, 0)
+    if task == "master":  # TensorFlow's older name for the chief
+        text = tf_config(task, 0, master=["m-0:2222"], ps=PS, worker=WORKERS)
+    service, argv = job.role_argv(parse_tf_config(text), "m:f", "/vol/run", [])
+    values = parsed_role(text, argv)
+    assert values["model"] == "m:f"
+    want_state = {"server": "/vol/run/shard-0", "worker": None}.get(service, "/vol/run")
+    assert values.get("state_dir") == want_state, (service, argv)
+    if service == "server":  # from TF_CONFIG's worker list: it ends with the job
+        assert values["job_workers"] == len(WORKERS)
+
+
+def test_a_flag_given_to_the_job_wins_over_what_the_job_decides() -> None:
+    text = tf_config("ps", 1)
+    _, argv = job.role_argv(parse_tf_config(text), "m:f", "/vol/run", ["--state-dir=/mine"])
+    assert parsed_role(text, argv)["state_dir"] == "/mine"
+    _, argv = job.role_argv(parse_tf_config(text), "m:f", "/vol/run", ["--job-workers", "1"])
+    assert parsed_role(text, argv)["job_workers"] == 1
+
+
+def test_the_model_is_passed_even_when_it_is_the_default(environ: pytest.MonkeyPatch) -> None:
+    """A DOWNPOUR_MODEL in the task's environment cannot override the job's --model."""
+    text = tf_config("worker", 0)
+    _, argv = job.role_argv(parse_tf_config(text), MODEL.default, None, [])
+    values = loading.load(
+        "worker", WORKER_OPTIONS, argv, {"TF_CONFIG": text, "DOWNPOUR_MODEL": "x:y"}
+    ).values()
+    assert values["model"] == MODEL.default
+
+
+def test_a_ps_under_tf_config_ends_with_its_workers_as_downpour_server_too() -> None:
+    """``downpour server`` under a ps task's TF_CONFIG ends its job like ``downpour job``."""
+    values = load("server", [], {"TF_CONFIG": tf_config("ps", 1)}).values()
+    assert values["job_workers"] == len(WORKERS)
+    alone = tf_config("ps", 0, ps=PS, chief=["c:1"])  # no worker listed: nothing to end on
+    assert load("server", [], {"TF_CONFIG": alone}).values()["job_workers"] == 0
 
 
 def test_job_ps_argv_without_a_job_workers_setting_says_the_job_will_not_end(
@@ -337,27 +373,8 @@ def test_job_ps_argv_without_a_job_workers_setting_says_the_job_will_not_end(
     without = tuple(o for o in SERVER_OPTIONS if o.name != "job_workers")
     with caplog.at_level(logging.WARNING, logger="downpour.job"):
         service, argv = job.role_argv(tf, "m:f", None, [], without)
-    assert (service, argv) == ("server", ["--model", "m:f"])
+    assert (service, argv) == ("server", ["--model=m:f"])
     assert "the job does not complete by itself" in caplog.text
-
-
-@pytest.mark.parametrize(
-    ("text", "want"),
-    [
-        (tf_config("worker", 1), ("worker", ["--model", "m:f", "--n-push", "2"])),
-        (
-            tf_config("chief", 0),
-            ("chief", ["--model", "m:f", "--state-dir", "/vol/run", "--n-push", "2"]),
-        ),
-        (
-            tf_config("evaluator", 0),
-            ("evaluator", ["--model", "m:f", "--state-dir", "/vol/run", "--n-push", "2"]),
-        ),
-    ],
-)
-def test_job_argv_of_the_other_roles(text: str, want: tuple[str, list[str]]) -> None:
-    tf = parse_tf_config(text)
-    assert job.role_argv(tf, "m:f", "/vol/run", ["--n-push", "2"]) == want
 
 
 def test_job_runs_a_ps_task_as_its_shard(
@@ -399,15 +416,12 @@ def test_job_hands_chief_and_evaluator_to_their_functions(
 
         return run
 
-    fake = types.ModuleType("downpour.cli.job.chief")
-    fake.run_chief = runner("run_chief")  # type: ignore[attr-defined]
-    fake.run_evaluator = runner("run_evaluator")  # type: ignore[attr-defined]
-    environ.setitem(sys.modules, "downpour.cli.job.chief", fake)
-    environ.setattr(downpour.cli.job, "chief", fake, raising=False)
+    module = chief if task_type == "chief" else evaluator
+    environ.setattr(module, function, runner(function))
     environ.setenv("TF_CONFIG", tf_config(task_type, 0))
     assert downpour.cli.main(["job", "--model", "m:f", "--poll", "3"]) == 7
     assert calls == [
-        (function, parse_tf_config(tf_config(task_type, 0)), ["--model", "m:f", "--poll", "3"])
+        (function, parse_tf_config(tf_config(task_type, 0)), ["--model=m:f", "--poll", "3"])
     ]
 
 

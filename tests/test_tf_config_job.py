@@ -1,10 +1,12 @@
 """Slow tier: a job launched the way Kubeflow's TFJob launches it, from TF_CONFIG alone.
 
-A chief, two parameter servers and two workers, each a real ``downpour job`` process in its
-own network namespace with its own address, each given the TF_CONFIG a TFJob would inject
-(the cluster's "host:port" lists and its task), the model, the job's state volume and the
-CURVE keys its Secret would mount. The job trains, every process exits 0 on its own, the
-chief prints the held-out score and exports the final model. A second run kills a worker
+A chief, an evaluator, two parameter servers and two workers, each a real ``downpour job``
+process in its own network namespace with its own address, each given the TF_CONFIG a TFJob
+would inject (the cluster's "host:port" lists and its task; the evaluator, as TensorFlow
+does, outside the cluster), the same command (``--model M --state-dir ROOT``), the CURVE keys
+its Secret would mount and its role's own flags. The job trains, every process exits 0 on its
+own and none more than ``AFTER_CHIEF_S`` after the chief, the chief prints the held-out score
+and exports the final model. A second run kills a worker
 mid-job and restarts it with the same TF_CONFIG: the job still completes, every process
 exits 0.
 """
@@ -16,6 +18,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,9 @@ pytestmark = [
 PORT = 2222  # TFJob's default port; a ps serves gradients on PORT+1 and status on PORT+2
 MODEL = "tiny_models:tiny"
 EXIT_S = 300.0
+# The evaluator reads the servers' job state every second and the chief's job-end record:
+# it ends with the job (without it, it retried for --wait-servers, 600 s, then failed).
+AFTER_CHIEF_S = 10.0
 ACCURACY_BAR = 0.8  # the tiny MLP on its blobs (chance 0.25)
 
 
@@ -45,7 +52,8 @@ class Job:
         self.tmp = tmp
         self.keys = tmp / "keys"
         security.generate_keys(self.keys, ["pool"], ["status"])
-        self.hosts = {name: network.add(name) for name in ("chief", "ps0", "ps1", "w0", "w1")}
+        names = ("chief", "ev", "ps0", "ps1", "w0", "w1")
+        self.hosts = {name: network.add(name) for name in names}
         self.cluster = {
             "chief": [f"{self.hosts['chief'].addr}:{PORT}"],
             "ps": [f"{self.hosts[f'ps{i}'].addr}:{PORT}" for i in range(2)],
@@ -55,6 +63,7 @@ class Job:
         self.state = tmp / "state"
 
     def tf_config(self, task_type: str, index: int) -> str:
+        """The TF_CONFIG a TFJob injects (an evaluator is not in the cluster it lists)."""
         return json.dumps({"cluster": self.cluster, "task": {"type": task_type, "index": index}})
 
     def start(self, name: str, task_type: str, index: int, *flags: str) -> subprocess.Popen:
@@ -70,7 +79,7 @@ class Job:
         self.procs[name] = proc
         return proc
 
-    def start_all(self, epochs: int) -> None:
+    def start_all(self, epochs: int, evaluator: bool = False) -> None:
         server_key = str(self.keys / security.SERVER_PUBLIC)
         worker_key = str(self.keys / "clients" / "pool.key_secret")
         for i in range(2):
@@ -80,6 +89,10 @@ class Job:
             self.worker(i, epochs)
         self.start("chief", "chief", 0, "--state-dir", str(self.state), "--key", worker_key,
                    "--server-key", server_key)  # fmt: skip
+        if evaluator:
+            self.start("ev", "evaluator", 0, "--state-dir", str(self.state), "--key",
+                       worker_key, "--server-key", server_key,
+                       "--eval-every-secs", "5")  # fmt: skip
 
     def worker(self, i: int, epochs: int) -> subprocess.Popen:
         server_key = str(self.keys / security.SERVER_PUBLIC)
@@ -100,7 +113,19 @@ class Job:
         return json.loads(out.stdout) if out.returncode == 0 else {}
 
     def wait_all(self) -> dict[str, int]:
-        return {name: p.wait(timeout=EXIT_S) for name, p in self.procs.items()}
+        """Each process's exit code; ``exited`` gets the moment each one exited."""
+        self.exited: dict[str, float] = {}
+
+        def wait(name: str, proc: subprocess.Popen) -> None:
+            proc.wait(timeout=EXIT_S)
+            self.exited[name] = time.monotonic()
+
+        threads = [threading.Thread(target=wait, args=item) for item in self.procs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(EXIT_S + 10)
+        return {name: p.wait(timeout=1) for name, p in self.procs.items()}
 
     def logs(self) -> str:
         return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
@@ -140,8 +165,11 @@ def _check_completed(job: Job) -> float:
 
 
 def test_a_job_from_tf_config_alone_completes_with_every_process_exiting_0(job: Job) -> None:
-    job.start_all(epochs=3)
+    job.start_all(epochs=3, evaluator=True)
     assert _check_completed(job) >= ACCURACY_BAR
+    late = {n: round(t - job.exited["chief"], 1) for n, t in job.exited.items()}
+    assert all(s <= AFTER_CHIEF_S for s in late.values()), (late, job.logs())
+    print(f"seconds after the chief: {late}")
 
 
 def test_a_worker_killed_mid_job_and_restarted_with_its_tf_config_lets_the_job_complete(

@@ -5,13 +5,18 @@ A job's state root ``ROOT`` holds one directory per shard, ``ROOT/shard-I`` (``s
 ``downpour export`` reads them. ``run-local`` keeps one shard's checkpoints in ``DIR`` itself
 and several shards' in ``DIR/shard-I`` (``run_local_dir``), so a run's layout can be read back
 from what is on disk (``run_local_layout``). ``--restore-from`` names either kind of directory
-(``old_state_dirs``).
+(``old_state_dirs``). When a job ends, its chief writes ``ROOT/job-end.json``
+(``write_job_end``), which the job's evaluator reads.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from downpour.checkpoints.store import Checkpoint, CheckpointError, CheckpointStore
 
@@ -77,3 +82,30 @@ def newest_each(dirs: Sequence[str | Path]) -> list[Checkpoint]:
             raise CheckpointError(f"{d}: no checkpoint (ckpt-*.npz) that loads")
         found.append(ckpt)
     return found
+
+
+JOB_END = "job-end.json"  # the chief's record of a job's end, in the state root
+
+
+def write_job_end(root: str | Path, state: str, version: int, export: str | None) -> Path:
+    """Record in the state root that the job ended (``state``: ``done`` or ``failed``) at
+    ``version``, and where its final export is: written aside and renamed into place, so a
+    reader sees the whole record or none. The evaluator ends on it."""
+    path = Path(root) / JOB_END
+    doc = {"state": state, "version": version, "export": export, "written_at": time.time()}
+    tmp = path.with_name(f"{JOB_END}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_job_end(root: str | Path) -> dict[str, Any] | None:
+    """The job-end record of the state root ``root``, or None when there is none (or it does
+    not parse as one)."""
+    try:
+        doc = json.loads((Path(root) / JOB_END).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("state") not in ("done", "failed"):
+        return None
+    return doc

@@ -241,7 +241,9 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
         option.add_to(groups[option.section])
 
 
-def to_argv(options: Iterable[Option], values: Mapping[str, Any]) -> list[str]:
+def to_argv(
+    options: Iterable[Option], values: Mapping[str, Any], always: Iterable[str] = ()
+) -> list[str]:
     """The command line that gives a service the settings ``values`` (name -> value).
 
     ``values`` are settings' values as the service's parser makes them (argparse, or
@@ -250,21 +252,25 @@ def to_argv(options: Iterable[Option], values: Mapping[str, Any]) -> list[str]:
     keeps a value starting with ``-`` a value), a switch its bare flag (``--name``, or
     ``--no-name`` when on by default). Raises ValueError for a name no option has, and for a
     value the parser would not read back as the same value (None where the default is not,
-    a list, a choice not allowed).
+    a list, a choice not allowed). The settings named in ``always`` are written even at
+    their default, so that no lower layer (a ``DOWNPOUR_*`` variable, a config file) can
+    change what the command line says.
     """
     by_name = {o.name: o for o in options}
+    always = frozenset(always)
     unknown = sorted(set(values) - set(by_name))
     if unknown:
         raise ValueError(f"not settings of these options: {', '.join(unknown)}")
     argv: list[str] = []
     for name, option in by_name.items():
-        if name not in values or values[name] == option.default_value():
+        if name not in values or (values[name] == option.default_value() and name not in always):
             continue
         value = values[name]
         if option.is_switch:
             if not isinstance(value, bool):
                 raise ValueError(f"{option.flag}: {value!r} is not true or false")
-            argv.append(option.flag)  # the flag that turns the default over
+            if value != option.default_value():
+                argv.append(option.flag)  # the flag that turns the default over
             continue
         argv.append(f"--{name.replace('_', '-')}={_flag_text(option, value)}")
     return argv

@@ -13,13 +13,16 @@ The mapping to downpour (``role_settings``):
   port, P+2 the status port, so a ps entry needs P <= 65533 and the three ports open. The
   bind host is HOST when it is an IP literal (an IPv6 one kept in brackets), 127.0.0.1 for
   ``localhost``, and 0.0.0.0 for any other name: a platform's name for a pod (a headless
-  Service's DNS name) resolves to the pod but is not an address ZeroMQ can bind.
+  Service's DNS name) resolves to the pod but is not an address ZeroMQ can bind. When the
+  cluster lists workers, ``job_workers`` = len(worker): the server ends its job once every
+  worker has finished (``downpour.server.job``), whether it was started as ``downpour job``
+  or as ``downpour server`` under the ps task's ``TF_CONFIG``.
 - ``worker`` task i -> ``downpour worker``: ``worker_index`` i of ``num_workers`` =
   len(worker) (static sharding of the data), ``server`` = the ps list in order.
 - ``chief`` (``master`` is TensorFlow's older name for it) -> the job's coordinator,
-  ``evaluator`` -> the side-car (``downpour.cli.job.chief``); both get the ps list as ``server``
-  and len(worker) as ``num_workers``. An evaluator need not be in the cluster (TensorFlow
-  leaves it out); when it is, its index must be in range.
+  ``evaluator`` -> the side-car (``downpour.cli.job.chief``, ``downpour.cli.job.evaluator``);
+  both get the ps list as ``server`` and len(worker) as ``num_workers``. An evaluator need
+  not be in the cluster (TensorFlow leaves it out); when it is, its index must be in range.
 
 Every malformed or inconsistent ``TF_CONFIG`` raises ``ConfigError`` naming the field
 (``TF_CONFIG: task.index 3 is out of range for 2 "worker" tasks``). Keys TensorFlow reads
@@ -223,7 +226,7 @@ def _server_settings(tf: TFConfig) -> dict[str, Any]:
             f"{field} port {port}: a ps task serves on ports P, P+1 and P+2, so P must be "
             "at most 65533"
         )
-    return {
+    implied = {
         "shard": tf.task_index,
         "num_shards": len(tf.cluster["ps"]),
         "host": _bind_host(host),
@@ -231,6 +234,9 @@ def _server_settings(tf: TFConfig) -> dict[str, Any]:
         "push_port": port + PUSH_PORT_OFFSET,
         "status_port": port + STATUS_PORT_OFFSET,
     }
+    if workers := len(tf.cluster.get("worker", ())):
+        implied["job_workers"] = workers  # the job ends when every listed worker finished
+    return implied
 
 
 def role_settings(tf: TFConfig, service: str, data_dispatch: str = "none") -> dict[str, Any]:

@@ -4,15 +4,18 @@ Volcano), the same command in every replica.
 ``TF_CONFIG``'s task picks the role (``downpour.config.tf_config``): a ``ps`` task runs
 ``downpour server``, a ``worker`` task ``downpour worker``, both taking shard, ports, worker
 index and the ps list from ``TF_CONFIG``; a ``chief`` (or ``master``) task runs the job's
-coordinator and an ``evaluator`` the side-car (``downpour.cli.job.chief``). Besides ``--model``
-and ``--state-dir``, the flags are the role's service's own, and as with the service they
-override ``TF_CONFIG`` (as ``DOWNPOUR_*`` variables and ``--config`` file settings do).
+coordinator (``downpour.cli.job.chief``) and an ``evaluator`` the side-car
+(``downpour.cli.job.evaluator``). Besides ``--model`` and ``--state-dir``, the flags are the
+role's service's own, and as with the service they override ``TF_CONFIG`` (as ``DOWNPOUR_*``
+variables and ``--config`` file settings do).
 
-What ``downpour job`` adds on a ps task: ``--job-workers len(worker)``, so the server ends
-when every worker has finished, and ``--state-dir ROOT/shard-I`` for ``--state-dir ROOT``
-(a volume every ps task mounts; ``downpour export --state-dir ROOT/shard-0 --state-dir
-ROOT/shard-1 ...`` reads it). A ``--job-workers`` flag given wins. Workers do not use
-``--state-dir``; the chief and the evaluator get ``--state-dir ROOT`` as given.
+Each role's command line is built from that role's own option table (``role_argv``), so no
+role is handed a flag it does not declare: a ps task gets ``--state-dir ROOT/shard-I`` for
+``--state-dir ROOT`` (a volume every ps task mounts; ``downpour export --state-dir
+ROOT/shard-0 --state-dir ROOT/shard-1 ...`` reads it, ``downpour.checkpoints.dirs``), the
+chief and the evaluator get ``--state-dir ROOT``, and workers, which keep no state, get none.
+A ps task ends with the job because ``TF_CONFIG``'s worker list gives it ``--job-workers
+len(worker)`` (``downpour.config.tf_config``), as it does under ``downpour server``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
-from downpour.config.settings import MODEL, ConfigError, Option
+from downpour.checkpoints.dirs import shard_dir
+from downpour.config.settings import MODEL, ConfigError, Option, to_argv
 from downpour.config.tf_config import TF_CONFIG_ENV, TFConfig, from_environ
-from downpour.server.settings import SERVER_OPTIONS
 
 log = logging.getLogger("downpour.job")
 JOB_WORKERS = "job_workers"  # the server setting that ends it once that many workers finished
@@ -36,7 +39,7 @@ DESCRIPTION = (
     "len(ps), ports P, P+1, P+2 of ps[I]'s HOST:P), worker task I -> downpour worker (worker "
     "I of len(worker), --server = the ps list), chief/master -> the job's coordinator, "
     "evaluator -> the side-car. Flags other than --model and --state-dir go to the role's "
-    "service and override TF_CONFIG; a ps task also gets --job-workers len(worker). "
+    "service and override TF_CONFIG. "
     "Exit 2 when TF_CONFIG is unset, malformed or inconsistent (see docs: configuration.md)."
 )
 
@@ -69,32 +72,66 @@ def _given(flag: str, argv: Sequence[str]) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def role_options(service: str) -> tuple[Option, ...]:
+    """The option table of the role that runs ``service`` (``server``, ``worker``, ``chief``,
+    ``evaluator``): what its command line may hold."""
+    if service == "server":
+        from downpour.server.settings import SERVER_OPTIONS
+
+        return SERVER_OPTIONS
+    if service == "worker":
+        from downpour.worker.settings import WORKER_OPTIONS
+
+        return WORKER_OPTIONS
+    if service == "chief":
+        from downpour.cli.job.chief import CHIEF_OPTIONS
+
+        return CHIEF_OPTIONS
+    from downpour.cli.job.evaluator import EVALUATOR_OPTIONS
+
+    return EVALUATOR_OPTIONS
+
+
+def job_settings(tf: TFConfig, model: str, state_dir: str | None) -> dict[str, Any]:
+    """What ``downpour job``'s own options mean for this task, by setting name: the model for
+    every role; a ps task its shard's directory of the state root; the chief and the
+    evaluator the state root itself."""
+    values: dict[str, Any] = {"model": model}
+    if state_dir is not None:
+        if tf.service == "server":
+            values["state_dir"] = str(shard_dir(state_dir, tf.task_index))
+        else:
+            values["state_dir"] = state_dir
+    return values
+
+
 def role_argv(
     tf: TFConfig,
     model: str,
     state_dir: str | None,
     rest: Sequence[str],
-    server_options: Sequence[Option] = SERVER_OPTIONS,
+    options: Sequence[Option] | None = None,
 ) -> tuple[str, list[str]]:
     """What runs this task: (``server``/``worker``/``chief``/``evaluator``, its arguments).
 
-    ``rest`` are the flags for the role's service; ``server_options`` are the server's, which
-    tell whether it can end with the job (``--job-workers``).
+    The job's settings (``job_settings``) become flags through the role's own option table
+    (``options``, default ``role_options``), as run-local builds its children's: a setting
+    the role does not declare is not passed (a worker keeps no state), and one given in
+    ``rest`` (the flags for the role's service) wins.
     """
-    argv = ["--model", model]
-    if tf.service == "server":
-        if state_dir is not None:
-            argv += ["--state-dir", str(Path(state_dir) / f"shard-{tf.task_index}")]
-        if not any(o.name == JOB_WORKERS for o in server_options):
-            log.warning(
-                "this server has no --job-workers setting: it keeps serving after the "
-                "workers finish, so the job does not complete by itself"
-            )
-        elif not _given("--job-workers", rest):
-            argv += ["--job-workers", str(len(tf.cluster.get("worker", ())))]
-    elif tf.service in ("chief", "evaluator") and state_dir is not None:
-        argv += ["--state-dir", state_dir]
-    return tf.service, [*argv, *rest]
+    options = role_options(tf.service) if options is None else tuple(options)
+    declared = {o.name: o for o in options}
+    if tf.service == "server" and JOB_WORKERS not in declared:
+        log.warning(
+            "this server has no --job-workers setting: it keeps serving after the "
+            "workers finish, so the job does not complete by itself"
+        )
+    values = {
+        name: value
+        for name, value in job_settings(tf, model, state_dir).items()
+        if name in declared and not _given(declared[name].flag, rest)
+    }
+    return tf.service, [*to_argv(options, values, always=("model",)), *rest]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -117,7 +154,10 @@ def main(argv: Sequence[str]) -> int:
         from downpour.cli import run_service
 
         return run_service(service, service_argv)
-    from downpour.cli.job import chief  # the coordinator and the side-car
+    if service == "chief":
+        from downpour.cli.job import chief  # the coordinator
 
-    run = chief.run_chief if service == "chief" else chief.run_evaluator
-    return run(tf, service_argv)
+        return chief.run_chief(tf, service_argv)
+    from downpour.cli.job import evaluator  # the side-car
+
+    return evaluator.run_evaluator(tf, service_argv)
