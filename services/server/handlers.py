@@ -452,9 +452,10 @@ def row_reply(
             else:
                 numbers = wire.row_numbers(ids, state.shapes[i][0])
                 t = wire.Sparse(numbers, state.gather(i, ids), state.shapes[i])
-            tensors[name] = wire.as_bf16(t) if bf16 else t
+            sent = t.as_bf16() if bf16 else t
+            tensors[name] = sent
             counters["rows_served"] += len(ids)
-            if isinstance(tensors[name], wire.SparseBF16):
+            if sent.bf16:
                 counters["rows_bf16"] += len(ids)
         elif not (unchanged or req.rows_only):
             a = dense[i] if dense[i] is not None else state.array(i)
@@ -741,17 +742,18 @@ def check_gradients(
         got_dtype = wire.logical_dtype(t)
         if got_dtype != dtype:
             raise ProtocolError(wire.R_DTYPE, f"{name!r}: dtype {got_dtype} != {dtype}")
+        keyed = wire.is_keyed(t)
         if dynamic:
-            if not isinstance(t, wire.Keyed):
+            if not keyed:
                 raise ProtocolError(
                     wire.R_SHAPE, f"{name!r} is a dynamic table: its rows travel keyed by id"
                 )
             grads.append(t)
-        elif isinstance(t, wire.Keyed):
+        elif keyed:
             raise ProtocolError(
                 wire.R_SHAPE, f"{name!r} is not a dynamic table: its rows travel by row number"
             )
-        elif sparse and keep_sparse and isinstance(t, wire.Sparse):
+        elif sparse and keep_sparse and wire.is_rows(t):
             grads.append(t)  # applied to the rows it touches only
         else:
             grads.append(wire.densify(t))

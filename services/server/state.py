@@ -51,7 +51,19 @@ from downpour.server.tables.rows import ROW_WISE, make_optimizer, row_update
 from downpour.server.tables.store import RowOptimizer
 from downpour.server.tables.table import DynamicTable
 from downpour.spec import ModelSpec
-from downpour.wire import BFloat16, Keyed, Sparse, WireTensor, all_finite, as_bf16, dedupe_rows
+from downpour.wire import (
+    BFloat16,
+    Keyed,
+    Sparse,
+    WireTensor,
+    all_finite,
+    as_bf16,
+    is_keyed,
+    is_rows,
+    logical_shape,
+    unique_rows,
+    values_of,
+)
 
 log = logging.getLogger("downpour.server")
 
@@ -467,9 +479,8 @@ class ParameterState:
         out: list[np.ndarray | Sparse] = []
         bad: str | None = None
         for name, buf, g, sparse in zip(self.names, self._staging, grads, self.sparse, strict=True):
-            if sparse or isinstance(g, Sparse) or np.shape(g) != buf.shape:
-                values = g.values if isinstance(g, Sparse) else np.asarray(g)
-                if check and bad is None and not all_finite(values):
+            if sparse or is_rows(g) or np.shape(g) != buf.shape:
+                if check and bad is None and not all_finite(values_of(g)):
                     bad = name
                 out.append(g)
                 continue
@@ -494,15 +505,12 @@ class ParameterState:
         for i in fixed:
             name, buf, g, sparse = self.names[i], self._staging[i], grads[i], self.sparse[i]
             assert g is not None, name
-            if sparse:
-                if isinstance(g, Sparse):
-                    assert tuple(g.dense_shape) == buf.shape, (name, g.dense_shape)
-                    rows, values = dedupe_rows(np.asarray(g.indices), np.asarray(g.values))
-                else:  # dense (e.g. after top-k or a sync average): every row
-                    rows, values = np.arange(buf.shape[0], dtype=np.int64), np.asarray(g)
+            if sparse:  # rows summed; a dense gradient (after top-k, a sync average): every row
+                assert logical_shape(g) == buf.shape, (name, logical_shape(g))
+                rows, values = unique_rows(g)
                 tensors += [tf.constant(rows), tf.constant(values.astype(buf.dtype, copy=False))]
                 continue
-            assert not isinstance(g, Sparse), name
+            assert not is_rows(g), name
             if g is not buf:  # not staged (``stage``): copied in
                 if np.shape(g) != buf.shape:
                     raise ValueError(f"{name}: gradient shape {np.shape(g)} != {buf.shape}")
@@ -558,7 +566,7 @@ class ParameterState:
         gradient handler), at this version; then the rows idle too long are evicted."""
         for i in keyed:
             g = grads[i]
-            assert isinstance(g, Keyed), self.names[i]
+            assert is_keyed(g), self.names[i]
             table = self.tables[self._table_path[i]]
             ids, values, counts = np.asarray(g.indices), np.asarray(g.values), g.lookups()
             table.apply(ids, values, lr, self.version, step, counts)

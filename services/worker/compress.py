@@ -58,35 +58,22 @@ import numpy as np
 
 from downpour import wire
 from downpour.config.forms import Form, Forms, literal, pattern
-from downpour.wire import BFloat16, FlatSparse, Sparse, SparseBF16, Tensor, WireTensor
+from downpour.wire import BFloat16, FlatSparse, Payload, Sparse, Tensor, WireTensor
 
 
 def raw_bytes(t: WireTensor) -> int:
     """Bytes a gradient's payload takes uncompressed: a ``BFloat16`` (rounded in the step)
-    or ``SparseBF16`` at its logical dtype's width, anything else as ``payload_bytes``."""
-    if isinstance(t, BFloat16):
-        return t.values.size * t.dtype.itemsize
-    if isinstance(t, SparseBF16):
-        return payload_bytes(t) + t.values.size * (t.dtype.itemsize - 2)
+    or ``SparseBF16`` at its logical dtype's width (``Payload.logical_nbytes``), anything
+    else as ``payload_bytes``."""
+    if isinstance(t, Payload):
+        return int(t.logical_nbytes)
     return payload_bytes(t)
 
 
 def payload_bytes(t: WireTensor) -> int:
     """Bytes a tensor's frames take on the wire (indices, values and a keyed row's counts;
-    header not included)."""
-    if isinstance(t, Sparse | FlatSparse | SparseBF16):
-        idx = np.asarray(t.indices)
-        isz = idx.dtype.itemsize if idx.dtype.name in wire.INDEX_DTYPES else 8
-        values = np.asarray(t.values)
-        counts = getattr(t, "counts", None)
-        return (
-            idx.size * isz
-            + (values.size * 2 if isinstance(t, SparseBF16) else values.nbytes)
-            + (0 if counts is None else 4 * np.size(counts))
-        )
-    if isinstance(t, BFloat16):
-        return t.values.size * 2
-    return np.asarray(t).nbytes
+    header not included): ``Payload.nbytes``, an array's ``nbytes``."""
+    return int(t.nbytes if isinstance(t, Payload) else np.asarray(t).nbytes)
 
 
 class Compressor(ABC):
@@ -124,12 +111,12 @@ class Compressor(ABC):
         A ``BFloat16`` gradient (rounded in the worker's step) is taken only by ``bf16``."""
         out: list[WireTensor] = []
         for i, g in enumerate(grads):
-            if isinstance(g, BFloat16):
+            if wire.is_rows(g):
+                t: WireTensor = self._rows(g)
+            elif isinstance(g, Payload):  # values rounded to bfloat16 in the step
                 if wire.BF16 not in self.encodings:
                     raise ValueError(f"{self.spec}: gradient {i} is already rounded to bf16")
-                t: WireTensor = g  # rounded as bf16 would round it
-            elif isinstance(g, Sparse):
-                t = self._rows(g)
+                t = g  # rounded as bf16 would round it
             else:
                 a = np.asarray(g)
                 t = self._compress(i, a) if a.dtype.name in wire.BF16_DTYPES else a

@@ -9,7 +9,6 @@ a smaller last batch does not trace again.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import keras
@@ -19,7 +18,7 @@ import tensorflow as tf
 
 from downpour.memory.tensors import as_array, to_tensor
 from downpour.spec import ModelSpec
-from downpour.wire import BFloat16, Keyed, Sparse, Tensor, WireTensor, pushed_rows
+from downpour.wire import BFloat16, Payload, Sparse, Tensor, WireTensor, pushed_rows
 from downpour.worker.rows.cache import RowCache
 
 
@@ -209,39 +208,22 @@ class Accumulator:
 
 
 def _add(a: Tensor, b: Tensor) -> Tensor:
-    if isinstance(a, BFloat16) or isinstance(b, BFloat16):
-        raise TypeError("gradients rounded to bfloat16 in the step cannot be accumulated")
-    if isinstance(a, Sparse) or isinstance(b, Sparse):
-        a = a if isinstance(a, Sparse) else _as_sparse(a)
-        b = b if isinstance(b, Sparse) else _as_sparse(b)
-        if isinstance(a, Keyed) and isinstance(b, Keyed):  # with the lookups of each row
-            return Keyed(
-                np.concatenate([a.indices, b.indices]),
-                np.concatenate([a.values, b.values]),
-                a.dense_shape,
-                np.concatenate([a.lookups(), b.lookups()]),
-            )
-        return Sparse(
-            np.concatenate([a.indices, b.indices]),
-            np.concatenate([a.values, b.values]),
-            a.dense_shape,
-        )
+    """``a + b`` (``Payload.plus``): rows concatenated when either is rows (a dense one as
+    every row), a dynamic table's with the lookups of each; a ``BFloat16`` refuses."""
+    if isinstance(a, Payload):
+        return a.plus(b)
+    if isinstance(b, Payload):
+        return Sparse.every_row(a).plus(b)
     return a + b  # a fresh array: never mutates one that may still be queued for sending
-
-
-def _as_sparse(a: np.ndarray) -> Sparse:
-    return Sparse(np.arange(a.shape[0], dtype=np.int64), a, a.shape)
 
 
 def _merged(g: Tensor) -> Tensor:
     """Accumulated rows with each id once, their rows summed: a push carries each id of its
-    batches once (a dynamic table's with the lookups each sums)."""
-    if isinstance(g, Sparse):
-        return pushed_rows(g)
-    return g
+    batches once (``Payload.pushed``: a dynamic table's with the lookups each sums)."""
+    return g.pushed() if isinstance(g, Payload) else g
 
 
 def _scale(g: Tensor, s: float) -> Tensor:
-    if isinstance(g, Sparse):  # a dynamic table's rows keep their counts
-        return replace(g, values=(g.values * s).astype(g.values.dtype))
+    if isinstance(g, Payload):  # a dynamic table's rows keep their counts
+        return g.scaled(s)
     return (g * s).astype(g.dtype)

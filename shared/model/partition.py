@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from downpour.model.hashing import id_shard
-from downpour.wire import BFloat16, Keyed, Sparse, Tensor
+from downpour.wire import BFloat16, Tensor, is_keyed, row_range
 
 
 @dataclass(frozen=True)
@@ -94,28 +94,17 @@ class Part:
         return ids if self.whole or self.dynamic else ids + self.start
 
     def take(self, a: Tensor | BFloat16) -> Tensor | BFloat16:
-        """This piece of a full-variable gradient: a row view (no copy) or the sparse rows;
-        a gradient rounded to bfloat16 in the worker's step gives a row view of its bits."""
+        """This piece of a full-variable gradient (``wire.row_range``): a row view (no copy)
+        or the sparse rows, renumbered; a gradient rounded to bfloat16 in the worker's step
+        gives a row view of its bits. A dynamic table's: the rows of its ids here."""
         if self.dynamic:
-            if not isinstance(a, Keyed):
+            if not is_keyed(a):
                 raise ValueError(f"{self.name}: a dynamic table's gradient must be Keyed rows")
             keep = self.mine(a.indices)
-            if keep.all():
-                return a
-            counts = None if a.counts is None else a.counts[keep]
-            return Keyed(a.indices[keep], a.values[keep], a.dense_shape, counts)
+            return a if keep.all() else a.select(keep)
         if self.whole:
             return a
-        if isinstance(a, Sparse):
-            keep = (a.indices >= self.start) & (a.indices < self.stop)
-            return Sparse(
-                (a.indices[keep] - self.start).astype(a.indices.dtype, copy=False),
-                a.values[keep],
-                self.part_shape,
-            )
-        if isinstance(a, BFloat16):
-            return BFloat16(a.values[self.start : self.stop], a.dtype)
-        return a[self.start : self.stop]
+        return row_range(a, self.start, self.stop)
 
 
 def message_bytes(shape: Sequence[int], dtype: str | np.dtype, dynamic: bool = False) -> int:

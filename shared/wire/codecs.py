@@ -308,6 +308,11 @@ class IndexedCodec(Codec):
         return Checked(slot, values, nnz * index_dtype.itemsize + widened)
 
     def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
+        return self.decodes_to(*self.entries(slot, bufs), slot.shape)
+
+    def entries(self, slot: Slot, bufs: list[memoryview]) -> tuple[np.ndarray, np.ndarray]:
+        """The indices (bounds checked) and values of the indices and values frames ``bufs``
+        (their lengths checked first)."""
         assert slot.index_dtype is not None
         ibuf, vbuf = bufs
         entry = self.entry_shape(slot.shape)
@@ -322,7 +327,7 @@ class IndexedCodec(Codec):
             and (int(indices.min()) < 0 or int(indices.max()) >= bound)
         ):
             raise ProtocolError(R_SHAPE, f"{slot.name!r}: {self.name} index out of range")
-        return self.decodes_to(indices, self.values(slot, vbuf, (slot.nnz, *entry)), slot.shape)
+        return indices, self.values(slot, vbuf, (slot.nnz, *entry))
 
 
 class SparseCodec(IndexedCodec):
@@ -454,13 +459,12 @@ class _Counted(IndexedCodec):
         return replace(checked, extra_bytes=checked.extra_bytes + checked.slot.nnz * 4)
 
     def decode(self, slot: Slot, bufs: list[memoryview]) -> WireTensor:
-        rows = super().decode(slot, bufs[:2])
+        indices, values = self.entries(slot, bufs[:2])
         check_frame(slot, bufs[2], slot.nnz * _COUNT_WIRE.itemsize, "count ")
         counts = view(bufs[2], _COUNT_WIRE, (slot.nnz,))
         if slot.nnz and int(counts.min()) < 1:
             raise ProtocolError(R_COUNTS, f"{slot.name!r}: a row counted {int(counts.min())} times")
-        assert isinstance(rows, Keyed)
-        return replace(rows, counts=counts)
+        return self.decodes_to(indices, values, slot.shape, counts)
 
 
 class KeyedCountedCodec(_Counted, KeyedCodec):

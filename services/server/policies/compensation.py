@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from downpour.server.policies.base import Decision, Policy
-from downpour.wire import Sparse, dedupe_rows
+from downpour.wire import Sparse, dedupe_rows, densify, is_rows
 
 DEFAULT_RING = 32  # versions of weights kept for dc / gap-aware / lookahead
 MOMENTUM_WINDOW = 100  # gradients in the running mean of staleness (momentum-aware)
@@ -188,7 +188,7 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
         """Per variable: the factor multiplying ``g * g * (w_now - w_base)``."""
         if not self.adaptive:
             return [self.lam] * len(grads)
-        dense = [g.to_dense() if isinstance(g, Sparse) else np.asarray(g) for g in grads]
+        dense = [densify(g) for g in grads]
         if self._meansq is None:
             self._meansq = [np.square(g, dtype=np.float32) for g in dense]
         else:
@@ -205,7 +205,7 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
         now, base = pair
         out: list[Any] = []
         for g, lam, a, b in zip(grads, lams, now, base, strict=True):
-            if isinstance(g, Sparse):
+            if is_rows(g):
                 rows, vals = dedupe_rows(  # fresh arrays: compensated in place below
                     np.asarray(g.indices), np.asarray(g.values, dtype=np.float32)
                 )

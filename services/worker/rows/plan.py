@@ -273,7 +273,7 @@ class RowPlan:
         about to be computed, else of the batches up to ``pending_until``.
         Returns (rows written, bytes received)."""
         table, part = self.by_wire[wire_name]
-        by_row = isinstance(tensor, wire.Sparse)
+        by_row = wire.is_rows(tensor)
         if table.cache is not None:
             if not by_row:
                 raise WorkerError(
@@ -281,14 +281,9 @@ class RowPlan:
                     "needs servers that serve it by row"
                 )
             return self._install_cached(table, part, tensor, version, scatter, current)
-        if isinstance(tensor, wire.Sparse):
-            rows = part.global_rows(np.asarray(tensor.indices, np.int64))
-            values = np.asarray(tensor.values)
-            nbytes = tensor.indices.nbytes + values.nbytes
-        else:
-            values = wire.densify(tensor)
-            rows = np.arange(part.start, part.start + values.shape[0], dtype=np.int64)
-            nbytes = values.nbytes
+        ids, values = wire.rows_of(tensor)  # a whole piece: every row
+        rows = part.global_rows(np.asarray(ids, np.int64))
+        values, nbytes = np.asarray(values), tensor.nbytes
         assert table.fetched is not None
         keep = table.fetched[rows] <= version
         if not keep.all():

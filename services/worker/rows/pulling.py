@@ -132,7 +132,7 @@ class RowPuller:
                     name, t, weights.version, self.step_fn.scatter_rows, current=rows_only
                 )
                 shard.arrays[j] = None
-                if isinstance(t, wire.Sparse):
+                if wire.is_rows(t):
                     self.stats["rows_pulled"] += int(t.indices.shape[0])
                     self.stats["row_bytes_pulled"] += nbytes
                 self.stats["bytes_pulled"] += nbytes
