@@ -69,7 +69,7 @@ from downpour.server.handlers import (
 from downpour.server.job import DONE, FAILED, JobTracker
 from downpour.server.observers import Observers
 from downpour.server.observers.exports import ServingExporter
-from downpour.server.policies.base import Policy, SyncPolicy, parse_policy
+from downpour.server.policies.base import Policy, parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.settings import ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
@@ -96,14 +96,14 @@ def check_dynamic(state: ParameterState, policy: Policy, config: ServerConfig) -
     if not state.tables:
         return
     names = ", ".join(sorted(state.tables))
-    if isinstance(policy, SyncPolicy) or policy.wants_weights or policy.extrapolates:
+    if policy.caps.dense_only:
         raise ValueError(
             f"--policy {policy.spec} cannot apply the dynamic tables {names}: it sums "
             "gradients densely or reads whole weights; use async, ssp:K, bounded:K, "
             "staleness-aware, or a hybrid whose dense half may be sync "
             "(dense=sync:K/N,rows=async)"
         )
-    if policy.sets_momentum:
+    if policy.caps.sets_beta_1:
         raise ValueError(
             f"--policy {policy.spec} changes Adam's beta_1, which the dynamic tables {names} "
             "do not follow; use async, ssp:K, bounded:K or staleness-aware"
@@ -164,7 +164,7 @@ class Server:
             ),
         )
         check_dynamic(self.state, self.policy, config)
-        if self.policy.sets_momentum and self.state.momentum is None:
+        if self.policy.caps.sets_beta_1 and self.state.momentum is None:
             raise ValueError(
                 f"--policy {self.policy.spec} sets the optimizer's beta_1: it needs "
                 f"--optimizer adam, not {config.optimizer}"

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 
 from downpour import wire
+from downpour.config.policy import POLICY_HELP
 from downpour.config.settings import (
     DATA_DIR,
     DEVICE,
@@ -33,7 +34,6 @@ from downpour.net import security
 from downpour.net.transport import is_loopback
 from downpour.server.job import JOB_TIMEOUT_S, LINGER_AFTER_DONE_S
 from downpour.server.policies.base import parse_policy
-from downpour.server.policies.forms import POLICY_HELP
 from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 
 OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
