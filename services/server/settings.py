@@ -43,6 +43,7 @@ from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 
 OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
 BETA_1_OPTIMIZERS = ("adam", "lazy_adam")  # those with a beta_1 (a Keras Adam) to set
+EVICT_POLICIES = ("lru", "lfu")  # --evict-policy; downpour.server.tables.table
 MAX_PULL_ROWS = 1 << 20
 ADMIT_MAX = 255  # a count-min sketch counter saturates there (downpour.server.tables.sketch)
 
@@ -162,7 +163,7 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         "which rows a full dynamic table evicts first: least recently updated (lru) or least "
         "often touched (lfu)",
         _DYN,
-        choices=("lru", "lfu"),
+        choices=EVICT_POLICIES,
     ),
     Option(
         "evict_idle_versions",
