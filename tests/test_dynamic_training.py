@@ -15,6 +15,7 @@ from inproc import WorkerThread, make_worker, serving, settle, train
 from tiny_models import FORMS, _form_data, embedding_form, hashed
 
 from downpour.cli.status import fetch_status
+from downpour.config.settings import ConfigError
 from downpour.layers import DynamicEmbedding
 from downpour.model.build import build_model
 from downpour.model.hashing import id_shard
@@ -106,7 +107,7 @@ def test_a_server_refuses_what_dynamic_tables_cannot_go_with(
     setting: dict[str, object], message: str
 ) -> None:
     with (
-        pytest.raises(ValueError, match=message),
+        pytest.raises(ConfigError, match=message),
         serving(embedding_form("tensor", dynamic=True), **setting),
     ):
         pass

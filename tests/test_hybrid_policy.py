@@ -56,7 +56,7 @@ def test_parse_hybrid(text: str, dense: type | None, rows: type | None, spec: st
     assert isinstance(p, HybridPolicy) and p.spec == spec and parse_policy(p.spec).spec == spec
     if dense is not None:
         assert type(p.dense) is dense and type(p.rows) is rows
-    assert p.gates_pulls == (p.dense.kind == "ssp")  # ssp's pull gate is the dense half's
+    assert p.caps.holds_pulls == (p.dense.kind == "ssp")  # ssp's pull gate is the dense half's
 
 
 @pytest.mark.parametrize(

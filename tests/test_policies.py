@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from downpour.config.policy import POLICIES, POLICY_FORMS
 from downpour.server.policies.base import (
     APPLY,
     DROP,
@@ -27,7 +28,6 @@ from downpour.server.policies.base import (
     SyncPolicy,
     parse_policy,
 )
-from downpour.server.policies.forms import POLICIES, POLICY_FORMS
 
 SHAPES = [(2, 3), (3,)]
 

@@ -116,15 +116,27 @@ def test_momentum_is_refused_by_an_optimizer_without_one() -> None:
 )
 def test_momentum_aware_refuses_an_optimizer_without_beta_1(optimizer: str, policy: str) -> None:
     """momentum-aware steers Adam's beta_1; with SGD or Adagrad it could do nothing, so the
-    server refuses to start (the CLI turns the ValueError into exit 2) instead of training
+    server refuses to start (the CLI turns the ConfigError into exit 2) instead of training
     silently without its policy."""
+    from downpour.config.settings import ConfigError
     from downpour.server.service import Server
     from downpour.server.settings import ServerConfig
 
     config = ServerConfig(port=0, push_port=0, status_port=0, optimizer=optimizer, policy=policy)
-    with pytest.raises(ValueError, match="needs --optimizer adam"):
+    with pytest.raises(ConfigError, match="needs --optimizer adam"):
         Server(load_spec("tiny_models:tiny"), config)
     assert ParameterState(load_spec("tiny_models:tiny"), optimizer, 0.1).momentum is None
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", "sgd", "lazy_adam"])
+def test_the_settings_know_which_optimizers_have_a_beta_1(optimizer: str) -> None:
+    """``validate_server`` refuses a policy that sets beta_1 by the optimizer's name: the
+    names it accepts are exactly the optimizers whose state has a beta_1 to set."""
+    from downpour.server.settings import BETA_1_OPTIMIZERS, OPTIMIZERS
+
+    assert optimizer in OPTIMIZERS
+    state = ParameterState(load_spec("tiny_models:tiny"), optimizer, 0.1)
+    assert (state.momentum is not None) == (optimizer in BETA_1_OPTIMIZERS)
 
 
 def test_stage_copies_and_checks_in_one_pass_and_the_apply_reads_the_staged_buffers(

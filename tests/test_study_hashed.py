@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from downpour import wire
+from downpour.config.settings import ConfigError
 from downpour.model.build import build_model, evaluate
 from downpour.server.handlers import check_gradients
 from downpour.server.policies.base import parse_policy
@@ -94,7 +95,7 @@ def test_a_policy_a_dynamic_server_refuses_is_refused_by_the_simulation(
     ctx: study._Context,
 ) -> None:
     state = ParameterState(ctx.spec, OPTIMIZERS[MODEL], 0.01, seed=0)
-    with pytest.raises(ValueError, match="cannot apply the dynamic tables"):
+    with pytest.raises(ConfigError, match="cannot apply the dynamic tables"):
         ctx.begin(state, parse_policy("sync:2/2"))
     with pytest.raises(ValueError, match="fetch setting"):
         ctx.begin(state, parse_policy("async"), "n-fetch:0")

@@ -340,11 +340,11 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     if bf16:
         ctx.stats.counters["pulls_bf16"] += 1
     tensors: Sequence[wire.WireTensor]
-    if bf16 and not ctx.policy.extrapolates:
+    if bf16 and not ctx.policy.caps.extrapolates:
         version, tensors = ctx.state.weights_bf16()  # rounded from the variables
     else:
         version, arrays = ctx.state.weights()
-        if ctx.policy.extrapolates:  # lookahead: this version's extrapolated weights (cached)
+        if ctx.policy.caps.extrapolates:  # lookahead: this version's extrapolated weights (cached)
             skip = [i for i, sparse in enumerate(ctx.state.sparse) if sparse]
             arrays = ctx.policy.pull_weights(version, arrays, skip)
         # bf16: the extrapolated arrays, which no variable holds, rounded in NumPy
@@ -361,7 +361,7 @@ def within_bound(ctx: HandlerContext, req: wire.PullRequest, version: int) -> fl
     most the bound (the pull is answered "unchanged"); None: serve the weights (no bound,
     another incarnation's version, weights a policy extrapolates, or moved further). A
     bounded pull that is served has the sample of the version it gets kept."""
-    if req.bound is None or ctx.policy.extrapolates:  # extrapolated: no version's weights
+    if req.bound is None or ctx.policy.caps.extrapolates:  # extrapolated: no version's weights
         return None
     if req.have is None or req.incarnation != ctx.incarnation:
         ctx.movement.note(version)  # served: the version its worker holds next
@@ -380,7 +380,7 @@ def pull_wait_ms(ctx: HandlerContext, worker: str, last_seq: int, req: wire.Pull
     """How long an enrolled worker's pull is held (0: serve it) under a policy that gates
     pulls (``ssp:K``), given the workers the registry calls alive and the pushes the worker
     sent (``req.pushed``) beyond the last one taken (``last_seq``)."""
-    if not ctx.policy.gates_pulls:
+    if not ctx.policy.caps.holds_pulls:
         return 0
     now, reg = ctx.clock(), ctx.registry
     live = {w for w in reg if (r := reg.get(w)) is not None and reg.liveness(r, now) == ALIVE}
@@ -684,7 +684,7 @@ def handle_gradients(
         return GradientOutcome(rejection=_refuse(ctx, exc, sender or exc.sender))
     # Valid, new and enrolled: the policy decides. A drop or a hold is accepted, not an error.
     assert rec is not None
-    if ctx.policy.wants_weights:  # dc, gap-aware: the weights this version has (a snapshot)
+    if ctx.policy.caps.needs_weights:  # dc, gap-aware: the weights this version has (a snapshot)
         ctx.policy.observe(version, ctx.state.weights()[1])
     decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
     rec.last_seq = msg.seq

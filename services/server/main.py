@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from downpour.config.settings import passes
+from downpour.config.settings import ConfigError, passes
 from downpour.memory.malloc import limit_arenas
 from downpour.net.transport import is_loopback
 from downpour.runtime.logs import setup_logging
@@ -90,6 +90,10 @@ def run(cfg: ServerConfig) -> int:
         server = Server(load_spec(cfg.model_ref), cfg)
     except SecurityError as exc:  # e.g. the ZAP authenticator did not start
         log.error("refusing to start: %s", exc)
+        return 2
+    except ConfigError as exc:  # settings the model contradicts (validate_server's model checks)
+        for problem in exc.problems:
+            log.error("cannot start: %s", problem)
         return 2
     except (OSError, ValueError) as exc:  # e.g. --metrics-port in use, too many shards
         log.error("cannot start: %s", exc)

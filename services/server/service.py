@@ -69,9 +69,9 @@ from downpour.server.handlers import (
 from downpour.server.job import DONE, FAILED, JobTracker
 from downpour.server.observers import Observers
 from downpour.server.observers.exports import ServingExporter
-from downpour.server.policies.base import Policy, SyncPolicy, parse_policy
+from downpour.server.policies.base import parse_policy
 from downpour.server.registry import WorkerRegistry
-from downpour.server.settings import ServerConfig, validate_server
+from downpour.server.settings import ModelFacts, ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
 from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
 from downpour.server.stats import ServerStats
@@ -88,40 +88,17 @@ __all__ = ["Server", "ServerConfig"]
 log = logging.getLogger("downpour.server")
 
 
-def check_dynamic(state: ParameterState, policy: Policy, config: ServerConfig) -> None:
-    """Refuse, naming the setting, what a model with dynamic tables cannot run with; say at
-    warning level when their rows are updated by another optimizer than ``--optimizer``.
-    A hybrid policy passes whatever its dense half (sync included): its rows half, which the
-    dynamic rows follow, is row-safe by construction (``downpour.server.policies.hybrid``)."""
-    if not state.tables:
-        return
-    names = ", ".join(sorted(state.tables))
-    if isinstance(policy, SyncPolicy) or policy.wants_weights or policy.extrapolates:
-        raise ValueError(
-            f"--policy {policy.spec} cannot apply the dynamic tables {names}: it sums "
-            "gradients densely or reads whole weights; use async, ssp:K, bounded:K, "
-            "staleness-aware, or a hybrid whose dense half may be sync "
-            "(dense=sync:K/N,rows=async)"
-        )
-    if policy.sets_momentum:
-        raise ValueError(
-            f"--policy {policy.spec} changes Adam's beta_1, which the dynamic tables {names} "
-            "do not follow; use async, ssp:K, bounded:K or staleness-aware"
-        )
-    if config.eval_every:
-        raise ValueError(
-            f"--eval-every evaluates the model in the server, whose dynamic tables ({names}) "
-            "it does not hold as variables; workers report their held-out score, and "
-            "`downpour export` writes the model to evaluate"
-        )
-    kind = DYNAMIC_OPTIMIZER[config.optimizer]
-    if kind != config.optimizer:
+def note_dynamic_optimizer(state: ParameterState, optimizer: str) -> None:
+    """Say at warning level when the dynamic tables' rows are updated by another optimizer
+    than ``--optimizer`` (adam's rows go lazily: ``DYNAMIC_OPTIMIZER``)."""
+    kind = DYNAMIC_OPTIMIZER[optimizer]
+    if state.tables and kind != optimizer:
         log.warning(
             "dynamic tables %s are updated by %s (--optimizer %s): rows and moments change "
             "only where a gradient touches them",
-            names,
+            ", ".join(sorted(state.tables)),
             kind,
-            config.optimizer,
+            optimizer,
         )
 
 
@@ -143,7 +120,8 @@ class Server:
 
     def __init__(self, spec: ModelSpec, config: ServerConfig) -> None:
         """Build the server for ``spec`` from ``config``: ConfigError (``validate_server``)
-        for settings that contradict each other, ValueError for a policy it cannot parse."""
+        for settings that contradict each other or the model, ValueError for a policy it
+        cannot parse."""
         validate_server(config)  # the cross-field checks live there, and only there
         log.info("computing on %s", configure_device(config.device))  # before any TF op
         self.spec = spec
@@ -163,12 +141,8 @@ class Server:
                 config.evict_idle_versions,
             ),
         )
-        check_dynamic(self.state, self.policy, config)
-        if self.policy.sets_momentum and self.state.momentum is None:
-            raise ValueError(
-                f"--policy {self.policy.spec} sets the optimizer's beta_1: it needs "
-                f"--optimizer adam, not {config.optimizer}"
-            )
+        validate_server(config, ModelFacts(tuple(self.state.tables)))  # and with the model
+        note_dynamic_optimizer(self.state, config.optimizer)
         self.partition = self.state.partition
         self.incarnation = secrets.token_hex(8)
         self.restored_seqs: dict[str, int] = {}

@@ -3,6 +3,11 @@
 ``SERVER_OPTIONS`` is the one declaration (see ``downpour.config.settings`` for the naming rule);
 ``ServerConfig`` is derived from it plus a few attributes that are not settings. Importing this
 module does not import TensorFlow, so ``downpour server`` refuses bad settings at once.
+
+``validate_server`` holds every check across settings, the policy's among them: what a policy
+may go with is read from its capabilities (``downpour.config.policy``). The checks that need
+the model (what dynamic tables cannot go with) run when it is given ``ModelFacts``: the
+server calls it once more with them, once its state is built.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import dataclasses
 
 from downpour import wire
+from downpour.config.policy import POLICY_HELP
 from downpour.config.settings import (
     DATA_DIR,
     DEVICE,
@@ -32,11 +38,12 @@ from downpour.config.settings import (
 from downpour.net import security
 from downpour.net.transport import is_loopback
 from downpour.server.job import JOB_TIMEOUT_S, LINGER_AFTER_DONE_S
-from downpour.server.policies.base import parse_policy
-from downpour.server.policies.forms import POLICY_HELP
+from downpour.server.policies.base import Policy, parse_policy
 from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
 
 OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
+BETA_1_OPTIMIZERS = ("adam", "lazy_adam")  # those with a beta_1 (a Keras Adam) to set
+EVICT_POLICIES = ("lru", "lfu")  # --evict-policy; downpour.server.tables.table
 MAX_PULL_ROWS = 1 << 20
 ADMIT_MAX = 255  # a count-min sketch counter saturates there (downpour.server.tables.sketch)
 
@@ -156,7 +163,7 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         "which rows a full dynamic table evicts first: least recently updated (lru) or least "
         "often touched (lfu)",
         _DYN,
-        choices=("lru", "lfu"),
+        choices=EVICT_POLICIES,
     ),
     Option(
         "evict_idle_versions",
@@ -368,11 +375,21 @@ ServerConfig = config_class(
 )
 
 
-def validate_server(cfg: ServerConfig) -> None:
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the checks across settings need to know of the model, known once the server's
+    state is built: the names of the dynamic tables this shard holds."""
+
+    dynamic_tables: tuple[str, ...] = ()
+
+
+def validate_server(cfg: ServerConfig, model: ModelFacts | None = None) -> None:
     """Refuse settings that contradict each other (ConfigError listing every problem).
 
     Ranges of single settings are their options' types; this holds the checks across
     settings. With ``show_partition`` only the shard check applies: nothing is served.
+    With ``model`` (the server's second call, its state built) the settings are also
+    checked against the model: what dynamic tables cannot go with.
     """
     problems: list[str] = []
     if cfg.shard >= cfg.num_shards:
@@ -420,4 +437,50 @@ def validate_server(cfg: ServerConfig) -> None:
         )
     if cfg.forget_after_s and not cfg.gone_after_s < cfg.forget_after_s:
         problems.append("--forget-after must be 0 (never) or > --gone-after")
+    policy = _policy(cfg.policy)
+    if policy is not None and policy.caps.sets_beta_1 and cfg.optimizer not in BETA_1_OPTIMIZERS:
+        problems.append(
+            f"--policy {policy.spec} sets the optimizer's beta_1: it needs --optimizer adam, "
+            f"not {cfg.optimizer}"
+        )
+    if model is not None and model.dynamic_tables:
+        problems += _dynamic_problems(cfg, policy, ", ".join(sorted(model.dynamic_tables)))
     refuse(problems)
+
+
+def _policy(text: str) -> Policy | None:
+    """The policy ``text`` says, for its capabilities and canonical text; None for a text
+    that is none (``--policy``'s type refuses those; the server's ``parse_policy`` raises
+    for one in a config built in code)."""
+    try:
+        return parse_policy(text)
+    except ValueError:
+        return None
+
+
+def _dynamic_problems(cfg: ServerConfig, policy: Policy | None, names: str) -> list[str]:
+    """What the dynamic tables ``names`` cannot go with. A policy that is ``dense_only``
+    (sums gradients or reads whole weights) cannot update rows that exist only where
+    touched, and one that sets ``beta_1`` is not followed by the tables' row-wise
+    optimizer. A hybrid passes whatever its dense half: the tables' rows follow its rows
+    half, which is ``row_safe``."""
+    problems = []
+    if policy is not None and policy.caps.dense_only:
+        problems.append(
+            f"--policy {policy.spec} cannot apply the dynamic tables {names}: it sums "
+            "gradients densely or reads whole weights; use async, ssp:K, bounded:K, "
+            "staleness-aware, or a hybrid whose dense half may be sync "
+            "(dense=sync:K/N,rows=async)"
+        )
+    elif policy is not None and policy.caps.sets_beta_1:
+        problems.append(
+            f"--policy {policy.spec} changes Adam's beta_1, which the dynamic tables {names} "
+            "do not follow; use async, ssp:K, bounded:K or staleness-aware"
+        )
+    if cfg.eval_every:
+        problems.append(
+            f"--eval-every evaluates the model in the server, whose dynamic tables ({names}) "
+            "it does not hold as variables; workers report their held-out score, and "
+            "`downpour export` writes the model to evaluate"
+        )
+    return problems

@@ -36,6 +36,7 @@ import numpy as np
 import zmq
 
 from downpour import wire
+from downpour.config.policy import PolicyDescription, describe_policy
 from downpour.model.partition import Partition, make_partition
 from downpour.net import security
 from downpour.net.client import Hello, ShardClient, Weights
@@ -192,30 +193,48 @@ class ShardSet:
         return [s.dense_version for s in self.shards]
 
     @property
+    def policy(self) -> str:
+        """The staleness policy the last hello named (``sync:2/4``, ``async``; "" before
+        any). Setting it reads it once (``describe_policy``) into ``policy_description``,
+        which the properties below ask."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, text: str) -> None:
+        self._policy = text
+        try:
+            self.policy_description = describe_policy(text)
+        except ValueError:  # none yet, or a form this client does not know: nothing to wait on
+            self.policy_description = PolicyDescription(text)
+
+    @property
     def hybrid(self) -> bool:
         """The hello's policy is a hybrid (``dense=SPEC,rows=SPEC``)."""
-        return "=" in self.policy
+        return self.policy_description.hybrid
 
     @property
     def dense_policy(self) -> str:
         """The policy the dense variables follow: the hello's, or a hybrid's dense half."""
-        for item in self.policy.split(","):
-            key, sep, spec = (s.strip() for s in item.partition("="))
-            if sep and key == "dense":
-                return spec
-        return self.policy
+        if self.policy_description.dense is None:
+            return self.policy
+        return self.policy_description.dense.text
 
     @property
     def sync(self) -> bool:
         """The servers aggregate the dense gradients synchronously (hello: policy
-        ``sync:K/N``, or a hybrid's ``dense=sync:K/N``)."""
-        return self.dense_policy.startswith("sync:")
+        ``sync:K/N``, or a hybrid's ``dense=sync:K/N``): the dense half aggregates."""
+        return self.policy_description.dense_policy.caps.aggregates
 
     @property
     def ssp(self) -> bool:
         """The servers hold pulls of workers too far ahead (hello: policy ``ssp:K``, or a
         hybrid's ``dense=ssp:K``)."""
-        return self.dense_policy.startswith("ssp:")
+        return self.policy_description.caps.holds_pulls
+
+    @property
+    def extrapolates(self) -> bool:
+        """The servers serve whole pulls extrapolated weights (hello: ``lookahead``)."""
+        return self.policy_description.caps.extrapolates
 
     def note_dense_version(self, shard: Shard, reply: wire.PullReply) -> None:
         """Keep the dense version of a served pull (whole weights or ``unchanged``; a reply

@@ -488,7 +488,7 @@ def simulate(job: Job) -> dict[str, Any]:
         """Worker i pulls the current weights at clock t and computes its next gradient."""
         nonlocal order, gradients, raw_bytes, sent_bytes
         version, weights = state.weights()
-        if policy.extrapolates:  # as the server's pull handler: lookahead
+        if policy.caps.extrapolates:  # as the server's pull handler: lookahead
             served[i] = (weights, policy.pull_weights(version, weights))
             weights = served[i][1]
         asked = pulls.requests
@@ -532,7 +532,7 @@ def simulate(job: Job) -> dict[str, Any]:
 
     def pull(i: int, t: float) -> None:
         """Worker i's pull at clock t: served (it starts its next gradient) or held."""
-        if policy.gates_pulls and policy.pull_wait_ms(f"w{i}", 0, everyone) > 0:
+        if policy.caps.holds_pulls and policy.pull_wait_ms(f"w{i}", 0, everyone) > 0:
             ssp_held.append(i)
         else:
             start(i, t)
@@ -558,9 +558,9 @@ def simulate(job: Job) -> dict[str, Any]:
         t, _, i, frames = heapq.heappop(heap)
         msg = wire.decode(frames, limits)
         grads = check_gradients(msg, state, keep_sparse)  # row gradients stay rows
-        if policy.wants_weights:  # as the server's handler: dc, gap-aware
+        if policy.caps.needs_weights:  # as the server's handler: dc, gap-aware
             policy.observe(state.version, state.weights()[1])
-        if policy.extrapolates:  # how far from the weights it lands on, pulled vs served
+        if policy.caps.extrapolates:  # how far from the weights it lands on, pulled vs served
             now = state.weights()[1]
             pulled, extrapolated = served[i]
             gaps.append((_distance(pulled, now), _distance(extrapolated, now)))

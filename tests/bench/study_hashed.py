@@ -90,15 +90,15 @@ class HashedWorker:
 
     def begin(self, state: Any, policy: Any, fetch: str) -> None:
         """A run (or reference) on ``state`` starts: refuse what a server with dynamic tables
-        refuses (``check_dynamic``); every cached row counts as never fetched (the versions
-        count anew) and no batch is drawn ahead."""
+        refuses (``validate_server`` given the model's facts); every cached row counts as
+        never fetched (the versions count anew) and no batch is drawn ahead."""
         from fetch_sim import parse_fetch
 
-        from downpour.server.service import check_dynamic
-        from downpour.server.settings import ServerConfig
+        from downpour.server.settings import ModelFacts, ServerConfig, validate_server
         from downpour.worker.rows.plan import RowPlan
 
-        check_dynamic(state, policy, ServerConfig(optimizer=state.optimizer_name))
+        config = ServerConfig(optimizer=state.optimizer_name, policy=policy.spec)
+        validate_server(config, ModelFacts(tuple(state.tables)))
         self.mode = parse_fetch(fetch)
         if self.plan is None:
             served = [n for n, sparse in zip(state.names, state.sparse, strict=True) if sparse]

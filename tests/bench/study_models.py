@@ -49,7 +49,7 @@ ALL_KINDS = (  # every policy kind the grid knows (study.policy_for)
     "momentum-aware",
     "lookahead",
 )
-# The kinds a model with dynamic tables may run (downpour.server.service.check_dynamic
+# The kinds a model with dynamic tables may run (downpour.server.settings.validate_server
 # refuses sync, dc-a, gap-aware, lookahead and momentum-aware).
 DYNAMIC_KINDS = ("async", "staleness-aware", "bounded", "ssp")
 
@@ -58,14 +58,14 @@ POLICY_KINDS: dict[str, tuple[str, ...]] = {  # model -> the policy kinds its gr
     # hybrid (dense=sync:K/N,rows=async): only a model with tables has two halves
     "clicks": (*ALL_KINDS, "hybrid"),
     "clicks-tower": (*ALL_KINDS, "hybrid"),
-    # dynamic tables: check_dynamic passes a hybrid whatever its dense half (its rows go async)
+    # dynamic tables: validate_server passes a hybrid whatever its dense half (its rows go async)
     "clicks-hashed": (*DYNAMIC_KINDS, "hybrid"),
 }
 # The server's --optimizer per model. A recommendation server runs lazy_adam: rows and their
 # moments change only where a batch touches them, so an apply costs O(rows touched); adam
 # decays every row's moments on every apply, O(table), which caps the speed-up a server queue
 # allows at (1 + apply) / apply gradient-times. Dynamic tables are always updated lazily
-# (check_dynamic: --optimizer adam runs them as lazy_adam), so clicks-hashed names it.
+# (--optimizer adam runs them as lazy_adam: downpour.server.state), so clicks-hashed names it.
 OPTIMIZERS = {
     "mnist": "adam",
     "clicks": "lazy_adam",

@@ -10,8 +10,8 @@ gradient handler (``downpour.server.handlers``) hands every valid, deduplicated 
     drop    the push was well-formed but is not applied (reason: why); not an error
     hold    the policy kept a copy of the gradient (sync aggregation); nothing to apply yet
 
-Policies (``parse_policy`` text, ``downpour server --policy``; the forms and their parameters
-are ``downpour.server.policies.forms``'s table), each rule exactly:
+Policies (``parse_policy`` text, ``downpour server --policy``; the forms, their parameters and
+their capabilities are ``downpour.config.policy``'s table), each rule exactly:
 
 - ``async`` (the default): apply every gradient as it arrives with learning rate ``lr``.
   Downpour SGD: Dean et al., "Large Scale Distributed Deep Networks", NIPS 2012.
@@ -42,10 +42,12 @@ are ``downpour.server.policies.forms``'s table), each rule exactly:
   two): their rules, sources and memory cost are ``downpour.server.policies.compensation``'s
   docstring.
 
-A policy that gates pulls (``gates_pulls``: ``ssp``) also answers ``pull_wait_ms`` for each
-pull from an enrolled worker: 0 to serve the weights, otherwise how long the worker should
-wait before asking again. A policy that ``extrapolates`` (``lookahead``) chooses the weights
-a whole pull is served (``pull_weights``).
+What the server does around a policy follows its ``caps`` (``downpour.config.policy``'s
+``Capabilities``, the table's for its form). A policy that holds pulls (``holds_pulls``:
+``ssp``) also answers ``pull_wait_ms`` for each pull from an enrolled worker: 0 to serve the
+weights, otherwise how long the worker should wait before asking again. A policy that
+``extrapolates`` (``lookahead``) chooses the weights a whole pull is served
+(``pull_weights``); one that ``needs_weights`` is shown each version's weights (``observe``).
 
 Pure Python and NumPy: no sockets, no TensorFlow. Not thread-safe (the loop is the caller).
 
@@ -78,6 +80,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from downpour.config.policy import PLAIN, Capabilities, capabilities
 
 APPLY = "apply"
 DROP = "drop"
@@ -147,10 +151,11 @@ class Policy(ABC):
     policy's own rule, ``decide``."""
 
     kind: str = ""
-    gates_pulls = False  # True: the server asks pull_wait_ms before serving a worker's pull
-    wants_weights = False  # True: the server calls observe(version, weights) before each offer
-    extrapolates = False  # True: a dense pull is served pull_weights(version, snapshot)
-    sets_momentum = False  # True: decisions carry the optimizer's beta_1 (needs adam)
+    # what the server does around it (downpour.config.policy's table, for the policy's form):
+    # holds_pulls: asks pull_wait_ms before serving a worker's pull; needs_weights: calls
+    # observe(version, weights) before each offer; extrapolates: a whole pull is served
+    # pull_weights(version, snapshot); sets_beta_1: decisions carry the optimizer's beta_1
+    caps: Capabilities = PLAIN
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_KEYS, 0)
@@ -183,7 +188,8 @@ class Policy(ABC):
 
     def observe(self, version: int, weights: Sequence[np.ndarray]) -> None:
         """The server's current weights (an immutable snapshot) before an offer; only
-        policies with ``wants_weights`` are told (``downpour.server.policies.compensation``)."""
+        policies whose ``caps`` say ``needs_weights`` are told
+        (``downpour.server.policies.compensation``)."""
         return None
 
     def pull_weights(
@@ -194,8 +200,9 @@ class Policy(ABC):
     ) -> list[np.ndarray]:
         """The weights a pull of ``version`` is served (``weights``: its snapshot; the
         arrays at indices ``skip``, e.g. row-sparse tables, are served as they are). Only
-        policies with ``extrapolates`` are asked (``lookahead``: where the server is expected
-        to be when the puller's gradient lands); the others serve the snapshot itself."""
+        policies whose ``caps`` say ``extrapolates`` are asked (``lookahead``: where the server
+        is expected to be when the puller's gradient lands); the others serve the snapshot
+        itself."""
         return list(weights)
 
     def flush(self, version: int) -> Decision | None:
@@ -205,7 +212,7 @@ class Policy(ABC):
     def pull_wait_ms(self, worker: str, in_flight: int, live: Collection[str]) -> int:
         """Before serving ``worker``'s pull: 0 to serve it, else milliseconds to wait before
         asking again. ``in_flight``: pushes it sent that were not yet taken; ``live``: the
-        workers the registry calls alive. Only policies with ``gates_pulls`` hold pulls."""
+        workers the registry calls alive. Only policies that ``holds_pulls`` hold pulls."""
         return 0
 
     @property
@@ -249,6 +256,7 @@ class AsyncPolicy(Policy):
     """
 
     kind = "async"
+    caps = capabilities("async")
 
     @property
     def spec(self) -> str:
@@ -269,6 +277,7 @@ class StalenessAwarePolicy(Policy):
     """
 
     kind = "staleness-aware"
+    caps = capabilities("staleness-aware")
 
     @property
     def spec(self) -> str:
@@ -298,6 +307,7 @@ class BoundedPolicy(Policy):
     """
 
     kind = "bounded"
+    caps = capabilities("bounded:K")
 
     def __init__(self, max_staleness: int) -> None:
         super().__init__()
@@ -340,7 +350,7 @@ class SSPPolicy(Policy):
     """
 
     kind = "ssp"
-    gates_pulls = True
+    caps = capabilities("ssp:K")
 
     def __init__(self, max_lead: int, retry_ms: int = SSP_RETRY_MS) -> None:
         super().__init__()
@@ -414,6 +424,7 @@ class SyncPolicy(Policy):
     """
 
     kind = "sync"
+    caps = capabilities("sync:K/N")
 
     def __init__(self, aggregate: int, workers: int) -> None:
         super().__init__()
@@ -510,9 +521,11 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def parse_policy(text: str) -> Policy:
-    """A fresh Policy from its text, one of ``downpour.server.policies.forms.POLICIES``'s forms
+    """A fresh Policy from its text, one of ``downpour.config.policy.POLICIES``'s forms
     (``async``, ``bounded:K``, ``sync:K/N``, ``lookahead[:A]`` ...; case and surrounding
-    spaces ignored). Raises ValueError saying what was expected for anything else."""
-    from downpour.server.policies.forms import POLICIES  # the table imports this module
+    spaces ignored). Raises ValueError saying what was expected for anything else: a text
+    that is no form, a parameter out of its range (the constructor's message), a hybrid's
+    half that cannot be that half; each prefixed with the text."""
+    from downpour.server.policies.forms import build_policy  # it imports this module
 
-    return POLICIES.parse(text)
+    return build_policy(text)

@@ -41,7 +41,7 @@ here correct or damp a stale gradient, or tune the optimizer to the staleness me
   tables) is served the weights as they are.
 
 ``dc`` and ``gap-aware`` need ``w_base``, the weights a gradient was computed from, and
-``lookahead`` needs ``w_{v-k}``: the server hands each policy with ``wants_weights`` the
+``lookahead`` needs ``w_{v-k}``: the server hands each policy that ``needs_weights`` the
 current snapshot (``observe(version, weights)``) before each offer (``lookahead`` also
 records the version it extrapolates), and the policy keeps the last ``R`` versions in a
 ``WeightRing`` (default R = 32: ``--policy dc:L`` with 8 workers sees staleness up to about
@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from downpour.config.policy import capabilities
 from downpour.server.policies.base import Decision, Policy
 from downpour.wire import Sparse, dedupe_rows, densify, is_rows
 
@@ -127,8 +128,6 @@ class WeightAwarePolicy(Policy):
 
     Keeps the ring and the running mean of one update's step ``||w_v - w_{v-1}||``."""
 
-    wants_weights = True
-
     def __init__(self, ring: int = DEFAULT_RING) -> None:
         super().__init__()
         self.ring = WeightRing(ring)
@@ -169,6 +168,7 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
     (tau 0) is applied unchanged; see the module docstring for the ring and sparse rows."""
 
     kind = "dc"
+    caps = capabilities("dc:L")
 
     def __init__(self, lam: float, adaptive: bool = False, ring: int = DEFAULT_RING) -> None:
         super().__init__(ring)
@@ -177,6 +177,8 @@ class DelayCompensatedPolicy(WeightAwarePolicy):
             raise ValueError(f"{form}:L needs a finite number L >= 0 (lambda), got L={lam:g}")
         self.lam = float(lam)
         self.adaptive = adaptive
+        if adaptive:
+            self.caps = capabilities("dc-a:L")
         self.counters["compensated"] = 0
         self._meansq: list[np.ndarray] | None = None  # dc-a: running mean of g*g (dense)
 
@@ -228,6 +230,7 @@ class GapAwarePolicy(WeightAwarePolicy):
     running mean of one update's size. Barkai, Hakimi, Schuster, ICLR 2020."""
 
     kind = "gap-aware"
+    caps = capabilities("gap-aware")
 
     def __init__(self, ring: int = DEFAULT_RING) -> None:
         super().__init__(ring)
@@ -272,7 +275,7 @@ class MomentumAwarePolicy(Policy):
     ``s``. Mitliagkas et al., 2016. Every gradient is applied with ``lr``."""
 
     kind = "momentum-aware"
-    sets_momentum = True
+    caps = capabilities("momentum-aware[:B]")
 
     def __init__(self, beta_1: float = DEFAULT_BETA_1, window: int = MOMENTUM_WINDOW) -> None:
         super().__init__()
@@ -316,7 +319,7 @@ class LookaheadPolicy(WeightAwarePolicy):
     also with momentum-aware's ``beta_1`` (``momentum-aware+lookahead``)."""
 
     kind = "lookahead"
-    extrapolates = True
+    caps = capabilities("lookahead[:A]")
 
     def __init__(
         self,
@@ -334,15 +337,12 @@ class LookaheadPolicy(WeightAwarePolicy):
             )
         self.scale = float(scale)
         self.momentum_policy = None if beta_1 is None else MomentumAwarePolicy(beta_1, window)
+        if beta_1 is not None:
+            self.caps = capabilities("momentum-aware[:B]+lookahead[:A]")
         self.staleness = StalenessMean(window)
         self._cache: tuple[int, list[np.ndarray]] | None = None
         self.counters["extrapolated"] = 0  # versions served extrapolated
         self.counters["not_extrapolated"] = 0  # ... served as they are (no w_{v-k} kept yet)
-
-    @property
-    def sets_momentum(self) -> bool:  # type: ignore[override]
-        """True for ``momentum-aware+lookahead`` (needs adam)."""
-        return self.momentum_policy is not None
 
     @property
     def spec(self) -> str:

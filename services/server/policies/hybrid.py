@@ -5,17 +5,19 @@
 halves by the shard's layout (``Policy.layout``): the row-sparse variables (Embedding tables'
 row parts and dynamic tables' ``Keyed`` rows) and the dense ones.
 
-- The rows half is offered to the rows policy, one of ``async``, ``staleness-aware`` and
-  ``bounded:K``: they decide each push on its own, so rows are applied as they come (or
-  dropped). A policy that sums gradients (``sync``) would sum the tables densely, one that
-  reads or extrapolates whole weights would copy them, and ``ssp`` gates whole pulls: none of
-  them is a rows policy.
-- The dense half is offered to the dense policy, one of ``async``, ``staleness-aware``,
-  ``bounded:K``, ``ssp:K`` and ``sync:K/N``. A sync round waits for K *dense* pushes: a push
-  without a dense half (a shard holding only table rows) is not offered to it. The
-  compensation policies (``dc``, ``gap-aware``, ``momentum-aware``, ``lookahead``) read or
-  change the whole model's optimizer and weights, which the rows policy shares: they are
-  refused as a dense half.
+- The rows half is offered to the rows policy, one whose capabilities are ``row_safe``
+  (``downpour.config.policy.Capabilities``: ``async``, ``staleness-aware``, ``bounded:K``):
+  it decides each push on its own, so rows are applied as they come (or dropped). A policy
+  that sums gradients (``sync``) would sum the tables densely, one that reads or
+  extrapolates whole weights would copy them, ``ssp`` gates whole pulls and
+  ``momentum-aware`` changes the optimizer the dense half shares: none of them is a rows
+  policy.
+- The dense half is offered to the dense policy, one whose capabilities are ``dense_safe``
+  (``async``, ``staleness-aware``, ``bounded:K``, ``ssp:K``, ``sync:K/N``). A sync round
+  waits for K *dense* pushes: a push without a dense half (a shard holding only table rows)
+  is not offered to it. The compensation policies (``dc``, ``gap-aware``, ``momentum-aware``,
+  ``lookahead``) read or change the whole model's optimizer and weights, which the rows
+  policy shares: they are refused as a dense half.
 
 Versions. Every apply is one version step, whichever half it updates: a push whose two
 halves are applied moves the version by two (rows first, then dense). A row apply must move
@@ -48,35 +50,16 @@ from typing import Any
 
 import numpy as np
 
-from downpour.server.policies.base import (
-    APPLY,
-    DENSE,
-    DROP,
-    ROWS,
-    AsyncPolicy,
-    BoundedPolicy,
-    Decision,
-    Policy,
-    SSPPolicy,
-    StalenessAwarePolicy,
-    SyncPolicy,
+from downpour.config.policy import (
+    DENSE_HALF_FORMS,
+    ROWS_HALF_FORMS,
+    capabilities,
+    hybrid_capabilities,
 )
+from downpour.server.policies.base import APPLY, DENSE, DROP, ROWS, Decision, Policy
 
-ROW_POLICIES = (AsyncPolicy, StalenessAwarePolicy, BoundedPolicy)  # decide each push alone
-DENSE_POLICIES = (*ROW_POLICIES, SSPPolicy, SyncPolicy)
 DENSE_MARKS = 4096  # dense updates whose global versions are kept (dense staleness)
 REASON_NOTHING = "nothing"  # a push with neither half on this shard (nothing to apply)
-
-
-def _names(kinds: Sequence[type[Policy]]) -> str:
-    forms = {
-        AsyncPolicy: "async",
-        StalenessAwarePolicy: "staleness-aware",
-        BoundedPolicy: "bounded:K",
-        SSPPolicy: "ssp:K",
-        SyncPolicy: "sync:K/N",
-    }
-    return ", ".join(forms[k] for k in kinds)
 
 
 class HybridPolicy(Policy):
@@ -84,23 +67,27 @@ class HybridPolicy(Policy):
     module docstring has the rules)."""
 
     kind = "hybrid"
+    caps = capabilities("dense=SPEC,rows=SPEC")
 
     def __init__(self, dense: Policy, rows: Policy) -> None:
+        """The two halves' policies; ValueError for a dense half whose capabilities are not
+        ``dense_safe`` or a rows half whose are not ``row_safe``, naming the forms that are."""
         super().__init__()
-        if not isinstance(dense, DENSE_POLICIES):
+        if not dense.caps.dense_safe:
             raise ValueError(
-                f"a hybrid's dense half must be one of {_names(DENSE_POLICIES)}, got "
+                f"a hybrid's dense half must be one of {', '.join(DENSE_HALF_FORMS)}, got "
                 f"{dense.spec}: it reads or changes the weights and optimizer the rows share"
             )
-        if not isinstance(rows, ROW_POLICIES):
+        if not rows.caps.row_safe:
             raise ValueError(
-                f"a hybrid's rows half must be one of {_names(ROW_POLICIES)}, got {rows.spec}: "
-                "rows are decided push by push (a policy that sums gradients sums tables "
-                "densely; one that reads, extrapolates or gates whole weights copies them)"
+                f"a hybrid's rows half must be one of {', '.join(ROWS_HALF_FORMS)}, got "
+                f"{rows.spec}: rows are decided push by push (a policy that sums gradients "
+                "sums tables densely; one that reads, extrapolates or gates whole weights "
+                "copies them)"
             )
         self.dense = dense
         self.rows = rows
-        self.gates_pulls = dense.gates_pulls
+        self.caps = hybrid_capabilities(dense.caps)  # it holds pulls as its dense half does
         self.counters = {"offered": 0, "updates": 0, "no_dense": 0}
         self.dense_updates = 0  # dense updates applied
         # the global version each of the last dense updates made; the first is the version
@@ -109,33 +96,6 @@ class HybridPolicy(Policy):
         self._marks: list[int] = []
         self._row_idx: tuple[int, ...] | None = None
         self._dense_idx: tuple[int, ...] = ()
-
-    @classmethod
-    def from_text(cls, text: str) -> HybridPolicy:
-        """``dense=SPEC,rows=SPEC`` (either order; each SPEC a policy text) -> the policy;
-        ValueError naming what is wrong: an unknown or repeated key, a missing half, a half
-        that is itself hybrid or that cannot be that half."""
-        from downpour.server.policies.base import parse_policy
-
-        halves: dict[str, str] = {}
-        for item in text.split(","):
-            key, sep, spec = (s.strip() for s in item.partition("="))
-            if not sep or key not in (DENSE, ROWS):
-                raise ValueError(
-                    f"a hybrid policy is dense=SPEC,rows=SPEC; {item.strip()!r} is not "
-                    "dense=SPEC nor rows=SPEC"
-                )
-            if key in halves:
-                raise ValueError(f"a hybrid policy names its {key} half once, got it twice")
-            if "=" in spec:
-                raise ValueError(f"a hybrid's {key} half is one policy, not {spec!r}")
-            halves[key] = spec
-        missing = [k for k in (DENSE, ROWS) if k not in halves]
-        if missing:
-            raise ValueError(
-                f"a hybrid policy is dense=SPEC,rows=SPEC; the {missing[0]} half is missing"
-            )
-        return cls(parse_policy(halves[DENSE]), parse_policy(halves[ROWS]))
 
     @property
     def spec(self) -> str:

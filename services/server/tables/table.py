@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from downpour.model.initial import Rule, as_ids, initial_rows
+from downpour.server.settings import EVICT_POLICIES  # --evict-policy's choices
 from downpour.server.tables.index import IdIndex
 from downpour.server.tables.sketch import SATURATE, CountMinSketch
 from downpour.server.tables.store import (
@@ -44,7 +45,6 @@ from downpour.server.tables.store import (
     update_rows,
 )
 
-POLICIES = ("lru", "lfu")
 EVICT_TO = 0.9  # a table over its capacity evicts down to this fraction of it
 KERAS_EMBEDDING = Rule("uniform", -0.05, 0.05)  # Keras Embedding's default initialiser
 COUNTERS = (
@@ -106,8 +106,8 @@ class DynamicTable:
         self.opt = optimizer if isinstance(optimizer, RowOptimizer) else RowOptimizer(optimizer)
         if not 1 <= admit_after <= SATURATE:
             raise ValueError(f"admit_after must be in [1, {SATURATE}], got {admit_after}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy not in EVICT_POLICIES:
+            raise ValueError(f"policy must be one of {EVICT_POLICIES}, got {policy!r}")
         if dim < 1:
             raise ValueError(f"dim must be positive, got {dim}")
         if rule.kind == "whole":

@@ -151,11 +151,15 @@ class Puller:
         b = self.config.pull_bound
         if not b:
             return None
-        policy = self.shards.policy
-        if self.shards.sync or self.shards.ssp or "lookahead" in policy:
-            why = "serves extrapolated weights" if "lookahead" in policy else "counts versions"
-            self.shards.notices.warn(
-                log, "--pull-bound %g is off: %s %s; every new version is taken", b, policy, why
+        shards = self.shards
+        if shards.sync or shards.ssp or shards.extrapolates:
+            why = "serves extrapolated weights" if shards.extrapolates else "counts versions"
+            shards.notices.warn(
+                log,
+                "--pull-bound %g is off: %s %s; every new version is taken",
+                b,
+                shards.policy,
+                why,
             )
             return None
         return b
