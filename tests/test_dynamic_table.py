@@ -1,5 +1,5 @@
 """The server-side store of a dynamic table: per-id initial values, the id index, admission,
-eviction, the row-wise optimizers of rows.py, and its state for checkpoints."""
+eviction, the row-wise optimizers (optim.py), and its state for checkpoints."""
 
 from __future__ import annotations
 

@@ -47,8 +47,7 @@ from downpour.model.build import (
 )
 from downpour.model.partition import Part, Partition, make_partition, message_bytes
 from downpour.server.policies.base import ALL, DENSE, ROWS, ApplyPart
-from downpour.server.tables.rows import ROW_WISE, make_optimizer, row_update
-from downpour.server.tables.store import RowOptimizer
+from downpour.server.tables.rows import ROW_WISE, make_optimizer, row_optimizer, row_update
 from downpour.server.tables.table import DynamicTable
 from downpour.spec import ModelSpec
 from downpour.wire import (
@@ -101,7 +100,7 @@ class TableOptions:
     idle_versions: int | None = None
 
 
-DYNAMIC_OPTIMIZER = {
+DYNAMIC_OPTIMIZER = {  # --optimizer -> its dynamic tables' row-wise kind (Adam's: lazy)
     "adam": "lazy_adam",
     "lazy_adam": "lazy_adam",
     "adagrad": "adagrad",
@@ -290,6 +289,9 @@ class ParameterState:
         self.learning_rate = float(learning_rate)
         self.optimizer_name = optimizer
         self.table_options = table_options or TableOptions()
+        self.optimizer = make_optimizer(optimizer, learning_rate)
+        # the dynamic tables' row-wise optimizer, with this Keras optimizer's hyperparameters
+        self.table_optimizer = row_optimizer(DYNAMIC_OPTIMIZER[optimizer], self.optimizer)
         parts, row_sparse = self._build(spec, seed, shard, num_shards, sparse_apply)
         self.names = [p.wire_name for p in parts]
         self.dynamic = [p.dynamic for p in parts]
@@ -311,7 +313,6 @@ class ParameterState:
             message_bytes(s, d, dyn)
             for s, d, dyn in zip(self.shapes, self.dtypes, self.dynamic, strict=True)
         )
-        self.optimizer = make_optimizer(optimizer, learning_rate)
         # row-sparse tables updated row-wise here (downpour.server.tables.rows), the rest by Keras
         self.row_wise = [self.sparse[i] and optimizer in ROW_WISE for i in self._fixed]
         self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
@@ -408,8 +409,7 @@ class ParameterState:
 
     def _new_table(self, layer: DynamicEmbedding) -> DynamicTable:
         """This shard's empty store of ``layer``'s rows."""
-        optimizer = RowOptimizer(DYNAMIC_OPTIMIZER[self.optimizer_name])
-        config = {"optimizer": optimizer, "rule": layer.rule, "seed": layer.seed}
+        config = {"optimizer": self.table_optimizer, "rule": layer.rule, "seed": layer.seed}
         return DynamicTable(layer.name, layer.dim, **config, **self._kept_by())
 
     def _kept_by(self) -> dict[str, object]:

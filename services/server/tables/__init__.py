@@ -1,4 +1,5 @@
 """Embedding tables on the server: the dynamic table (ids of any value, rows created on first
 touch, admission and eviction) with its index, sketch, storage and checkpoint part, and the
-row-wise optimizer updates of every table.
+row-wise optimizers of every table: one update rule per kind (``optim``), run on NumPy rows by
+the dynamic table and on a fixed table's Keras variables by ``rows``.
 """

@@ -1,29 +1,41 @@
-"""Row-wise optimizer updates for row-sparse tables: only the rows a gradient touches change.
+"""The Keras side of the row-wise optimizers: the server's Keras optimizers, and the adapter
+that runs ``optim``'s rules on a fixed table's rows inside the server's compiled apply.
 
 A row-sparse table's gradient arrives as (unique rows, their values). Keras's optimizers
 take it as ``tf.IndexedSlices`` and write only those rows of the variable and its slots
 (``scatter_*``), but Adagrad and Adam still compute over the whole table on every apply
 (Adagrad takes the square root of the whole accumulator; Adam's step reads every row of its
-moments), so an apply costs O(table). Here the touched rows of the variable and its slots
-are gathered, updated and scattered back: O(rows) work.
-
-- ``sgd`` (no momentum): Keras's own update is already a row scatter; it is kept.
-- ``adagrad``: the same arithmetic as Keras's, on the touched rows.
-- ``lazy_adam``: Adam whose moments and rows change only where touched (TF1's
-  ``LazyAdamOptimizer``, TensorFlow Addons' ``LazyAdam``): a row that no batch touches keeps
-  its moments and stops moving. Keras's ``adam`` decays every row's moments each step and
-  keeps moving a row as long as its first moment is not zero, at O(table) per apply.
+moments), so an apply costs O(table). ``row_update`` instead gathers the touched rows of the
+slots (and of the variable, for a rule that reads them), runs the kind's rule
+(``downpour.server.tables.optim``) with TensorFlow's math and scatters the results back:
+O(rows) work. ``sgd`` (no momentum) is left to Keras: its own update is already one row
+scatter.
 
 The slots are the Keras optimizer's own (built on every variable, checkpointed as usual):
 ``lazy_adam`` runs a Keras ``Adam`` for the dense variables and uses its ``m`` and ``v``.
+The hyperparameters are the Keras optimizer's attributes, read where the step is traced (a
+variable, such as the ``beta_1`` the momentum-aware policy sets, is read on every apply);
+``row_optimizer`` takes their values for a dynamic table, so both kinds of table train with
+the one optimizer the server built. ``KERAS_SLOTS`` and ``keras_slot`` are the only code
+that knows how Keras keeps its slots.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
-ROW_WISE = frozenset({"adagrad", "lazy_adam"})  # optimizers whose tables update here
+from downpour.server.tables.optim import KINDS, Math, RowOptimizer
+
+ROW_WISE = frozenset({"adagrad", "lazy_adam"})  # optimizers whose fixed tables update here
+TENSORFLOW = Math(tf.sqrt, tf.square, tf.pow, tf.clip_by_value)  # optim's rules on tensors
+KERAS_SLOTS = {  # optim's slot name -> the Keras optimizer's list of that slot, by variable
+    "accumulator": "_accumulators",
+    "m": "_momentums",
+    "v": "_velocities",
+}
 
 
 class _Fill(keras.initializers.Initializer):
@@ -68,8 +80,25 @@ def make_optimizer(name: str, learning_rate: float) -> keras.optimizers.Optimize
     return cls(learning_rate=learning_rate)
 
 
+def _hyper(kind: str, optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """Row-wise optimizer ``kind``'s hyperparameters as ``optimizer``'s attributes (floats,
+    or variables)."""
+    return {name: getattr(optimizer, name) for name in KINDS[kind].hyper}
+
+
+def row_optimizer(kind: str, optimizer: keras.optimizers.Optimizer) -> RowOptimizer:
+    """Row-wise optimizer ``kind`` with ``optimizer``'s hyperparameter values now (what a
+    dynamic table applies)."""
+    return RowOptimizer(kind, {k: float(v) for k, v in _hyper(kind, optimizer).items()})
+
+
 def _rows(var: keras.Variable) -> tf.Variable:
     return var.value if isinstance(var, keras.Variable) else var
+
+
+def keras_slot(optimizer: keras.optimizers.Optimizer, slot: str, var: keras.Variable) -> Any:
+    """``optimizer``'s slot ``slot`` (optim's name) of ``var``, as a ``tf.Variable``."""
+    return _rows(getattr(optimizer, KERAS_SLOTS[slot])[optimizer._get_variable_index(var)])
 
 
 def row_update(
@@ -81,31 +110,22 @@ def row_update(
     lr: tf.Tensor,
 ) -> None:
     """Update rows ``rows`` (unique int64) of ``var`` and of its slots in ``optimizer`` by
-    the gradient rows ``grad``, at learning rate ``lr``, as optimizer ``kind`` (one of
-    ROW_WISE). Call it in the apply step before the optimizer's ``apply_gradients`` for the
-    other variables (that increments ``iterations``, which Adam's step number reads)."""
-    i = optimizer._get_variable_index(var)  # Keras's slot lists are indexed this way
+    the gradient rows ``grad``, at learning rate ``lr``, as row-wise optimizer ``kind`` with
+    ``optimizer``'s hyperparameters. Call it in the apply step before the optimizer's
+    ``apply_gradients`` for the other variables (that increments ``iterations``, which Adam's
+    step number reads)."""
+    entry = KINDS[kind]
     v = _rows(var)
-    grad = tf.cast(grad, v.dtype)
-    lr = tf.cast(lr, v.dtype)
-    if kind == "adagrad":
-        acc = _rows(optimizer._accumulators[i])
-        acc_rows = tf.gather(acc, rows) + tf.square(grad)
-        acc.scatter_update(tf.IndexedSlices(acc_rows, rows))
-        step = lr * grad / tf.sqrt(acc_rows + tf.cast(optimizer.epsilon, v.dtype))
-        v.scatter_sub(tf.IndexedSlices(step, rows))
-        return
-    if kind == "lazy_adam":
-        m, s = _rows(optimizer._momentums[i]), _rows(optimizer._velocities[i])
-        b1 = tf.cast(optimizer.beta_1, v.dtype)
-        b2 = tf.cast(optimizer.beta_2, v.dtype)
-        t = tf.cast(optimizer.iterations + 1, v.dtype)
-        alpha = lr * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
-        m_rows = b1 * tf.gather(m, rows) + (1 - b1) * grad
-        s_rows = b2 * tf.gather(s, rows) + (1 - b2) * tf.square(grad)
-        m.scatter_update(tf.IndexedSlices(m_rows, rows))
-        s.scatter_update(tf.IndexedSlices(s_rows, rows))
-        eps = tf.cast(optimizer.epsilon, v.dtype)
-        v.scatter_sub(tf.IndexedSlices(alpha * m_rows / (tf.sqrt(s_rows) + eps), rows))
-        return
-    raise ValueError(f"no row-wise update for optimizer {kind!r}")
+    dtype = v.dtype
+    slots = {s: keras_slot(optimizer, s, var) for s in entry.slots}
+    h = {k: tf.cast(x, dtype) for k, x in _hyper(kind, optimizer).items()}
+    t = tf.cast(optimizer.iterations + 1, dtype) if entry.reads_step else None
+    old = tf.gather(v, rows) if entry.reads_rows else None
+    gathered = {s: tf.gather(x, rows) for s, x in slots.items()}
+    out = entry.rule(TENSORFLOW, h, old, gathered, tf.cast(grad, dtype), tf.cast(lr, dtype), t)
+    for s, x in slots.items():
+        x.scatter_update(tf.IndexedSlices(out.slots[s], rows))
+    if out.new is None:
+        v.scatter_sub(tf.IndexedSlices(out.sub, rows))
+    else:
+        v.scatter_update(tf.IndexedSlices(out.new, rows))

@@ -1,13 +1,9 @@
-"""Chunked row storage for a dynamic table, and the row-wise optimizer arithmetic on its rows.
+"""Chunked row storage for a dynamic table.
 
 ``ChunkedStore`` keeps named per-slot fields (rows, optimizer slots, metadata) as lists of
 fixed-size NumPy chunks: growing adds a chunk and copies nothing; a freed slot is reused by
 the next allocation. Reads and writes group the slots by chunk once (``plan``), so a call
 costs O(slots + chunks touched).
-
-``update_rows`` is the arithmetic of services/server/tables/rows.py (``sgd``, ``adagrad``,
-``lazy_adam``) on gathered rows, in the table's dtype, operation for operation, so a dynamic
-table trains as a fixed one does.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import numpy as np
 
 CHUNK_BYTES = 4 << 20  # bytes of a chunk of rows (the widest field), at most
 CHUNK_ROWS = 1 << 14  # rows of a chunk, at most: a small table holds little unused space
-SLOTS = {"sgd": (), "adagrad": ("accumulator",), "lazy_adam": ("m", "v")}
 
 
 @dataclass(frozen=True)
@@ -124,59 +119,3 @@ class ChunkedStore:
         chunks = self._chunks[name]
         for c, pos, off in plan.parts:
             chunks[c][off] = values[pos]
-
-
-@dataclass(frozen=True)
-class RowOptimizer:
-    """A row-wise optimizer and its hyperparameters (Keras's defaults)."""
-
-    kind: str = "sgd"
-    epsilon: float = 1e-7
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    initial_accumulator: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.kind not in SLOTS:
-            raise ValueError(f"optimizer must be one of {sorted(SLOTS)}, got {self.kind!r}")
-
-    @property
-    def slots(self) -> tuple[str, ...]:
-        return SLOTS[self.kind]
-
-    def initial_slot(self, name: str) -> float:
-        """A new row's value of slot ``name``: Adagrad's accumulator starts at
-        ``initial_accumulator``, Adam's moments at 0."""
-        return self.initial_accumulator if name == "accumulator" else 0.0
-
-
-def update_rows(
-    opt: RowOptimizer,
-    rows: np.ndarray,
-    slots: dict[str, np.ndarray],
-    grad: np.ndarray,
-    lr: float,
-    step: int,
-) -> None:
-    """Update ``rows`` and their ``slots`` in place by ``grad`` at learning rate ``lr``, as
-    rows.py's ``row_update`` does; ``step`` is Adam's step number t (the optimizer's
-    ``iterations + 1``)."""
-    dt = rows.dtype.type
-    grad = grad.astype(rows.dtype, copy=False)
-    lr_ = dt(lr)
-    if opt.kind == "sgd":
-        rows -= lr_ * grad
-    elif opt.kind == "adagrad":
-        acc = slots["accumulator"]
-        acc += np.square(grad)
-        rows -= lr_ * grad / np.sqrt(acc + dt(opt.epsilon))
-    else:
-        m, v = slots["m"], slots["v"]
-        b1, b2, one = dt(opt.beta_1), dt(opt.beta_2), dt(1)
-        t = dt(step)
-        alpha = lr_ * np.sqrt(one - np.power(b2, t)) / (one - np.power(b1, t))
-        m *= b1
-        m += (one - b1) * grad
-        v *= b2
-        v += (one - b2) * np.square(grad)
-        rows -= alpha * m / (np.sqrt(v) + dt(opt.epsilon))

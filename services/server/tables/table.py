@@ -7,8 +7,9 @@ id, in chunked storage (``store``) addressed through an id index
 - ``gather(ids)`` reads rows; a missing id reads its initial value (``initial_rows``: a
   function of (seed, table, id) only) and is not stored unless ``create=True``;
 - ``apply(ids, grads, lr, version, step)`` sums duplicate ids' gradient rows, then updates
-  the rows as rows.py's ``sgd`` / ``adagrad`` / ``lazy_adam`` do, creating missing rows at
-  their initial value (slots at their optimizer's initial value) first;
+  the rows by its row-wise optimizer's rule (``optim``: the rule a fixed table's rows take
+  too), creating missing rows at their initial value (slots at their optimizer's initial
+  value) first;
 - admission (``admit_after=n``): a missing id's touches (each occurrence in an apply counts
   one) are counted in a count-min sketch (``sketch``); below ``n`` its gradient rows
   are dropped and counted as ``refused``; the touch that brings it to ``n`` creates its row
@@ -36,14 +37,9 @@ import numpy as np
 from downpour.model.initial import Rule, as_ids, initial_rows
 from downpour.server.settings import EVICT_POLICIES  # --evict-policy's choices
 from downpour.server.tables.index import IdIndex
+from downpour.server.tables.optim import RowOptimizer, update_rows
 from downpour.server.tables.sketch import SATURATE, CountMinSketch
-from downpour.server.tables.store import (
-    CHUNK_BYTES,
-    CHUNK_ROWS,
-    ChunkedStore,
-    RowOptimizer,
-    update_rows,
-)
+from downpour.server.tables.store import CHUNK_BYTES, CHUNK_ROWS, ChunkedStore
 
 EVICT_TO = 0.9  # a table over its capacity evicts down to this fraction of it
 KERAS_EMBEDDING = Rule("uniform", -0.05, 0.05)  # Keras Embedding's default initialiser
@@ -86,7 +82,7 @@ def _sum_duplicates(
 
 class DynamicTable:
     """One shard's rows of dynamic table ``name``: ``dim`` wide, ``dtype``, trained by
-    ``optimizer`` (a ``RowOptimizer`` or its kind)."""
+    ``optimizer`` (a ``RowOptimizer``, or its kind with Keras's default hyperparameters)."""
 
     def __init__(
         self,
@@ -236,7 +232,7 @@ class DynamicTable:
         plan = self.store.plan(slots)
         rows = self.store.take("row", plan)
         slot_rows = {s: self.store.take(s, plan) for s in self.opt.slots}
-        update_rows(self.opt, rows, slot_rows, grad, lr, step)
+        slot_rows = update_rows(self.opt, rows, slot_rows, grad, lr, step)
         self.store.put("row", plan, rows)
         for s, values in slot_rows.items():
             self.store.put(s, plan, values)
