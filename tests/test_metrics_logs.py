@@ -159,6 +159,9 @@ def test_catalogue_names_follow_prometheus_conventions() -> None:
         metrics.REJECTED,
         metrics.AUTH_DENIED,
         metrics.POLICY,
+        *metrics.TABLE_METRICS,
+        metrics.TABLE_PART_BYTES,
+        metrics.TABLE_EVENTS,
     ]
     names = [m.name for m in catalogue]
     assert len(names) == len(set(names))

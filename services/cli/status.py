@@ -1,9 +1,10 @@
 """``downpour status``: ask servers' status sockets and print a table or JSON.
 
 One endpoint: that server's table. Several (the shards of one model): one cluster view, the
-servers' figures side by side and one row per worker merged over the shards. ``--watch``
-redraws it every few seconds; ``--json`` prints the documents unchanged (one endpoint: its
-document; several: ``{endpoint: document}``; with ``--watch``: one compact line per refresh).
+servers' figures side by side, each dynamic table with a line per shard and their totals, and
+one row per worker merged over the shards. ``--watch`` redraws it every few seconds;
+``--json`` prints the documents unchanged (one endpoint: its document; several:
+``{endpoint: document}``; with ``--watch``: one compact line per refresh).
 
 The documents come through the shard client's status call (``downpour.net.client.fetch_status``,
 re-exported here). Imports no TensorFlow, so it answers in a fraction of a second.
@@ -18,9 +19,12 @@ from typing import Any
 
 from downpour.net.client import fetch_status
 from downpour.net.security import ClientKeys
-from downpour.runtime.metrics import eval_score
+from downpour.runtime.metrics import TABLE_METRICS, TABLE_SIZES, eval_score, table_figures
 
-__all__ = ["fetch_status", "main", "render", "render_cluster"]
+__all__ = ["fetch_status", "main", "render", "render_cluster", "table_blocks"]
+
+WIDTH = 100  # the columns the dynamic tables' lines keep within
+TABLE_SETTINGS = {mi.key for mi in TABLE_METRICS} - set(TABLE_SIZES)
 
 
 def normalise_endpoint(target: str) -> str:
@@ -130,7 +134,7 @@ def render(doc: dict[str, Any]) -> str:
     if doc.get("apply_call", "flat") != "flat":
         lines.append(f"WARNING: {doc['apply_call']}: every apply binds its inputs again")
     for path, t in sorted((doc.get("dynamic_tables") or {}).items()):
-        lines.append(_table_line(path, t))
+        lines += _table_lines(path, t)
     if (ev := _eval_line(doc)) is not None:
         lines.append(ev)
     lines += _notice_lines(doc.get("workers", {}))
@@ -140,17 +144,124 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table_line(path: str, t: dict[str, Any]) -> str:
-    """One dynamic table: its rows, memory, admission and evictions."""
+def _count(v: float | None) -> str:
+    """A count with thousands separators ("-" for None; a fraction as ``_fmt`` gives it)."""
+    if v is None:
+        return "-"
+    return f"{int(v):,}" if float(v).is_integer() else _fmt(v)
+
+
+def _bytes(v: float | None) -> str:
+    """Bytes in the largest decimal unit that keeps a digit before the point."""
+    if v is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if v >= size:
+            return f"{v / size:,.1f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _table_settings(entries: list[dict[str, Any]]) -> list[str]:
+    """A table's settings over its shards' entries, as "key value" items: its text and its
+    catalogued settings, by key (the values joined with "|" where shards differ); what is
+    unset is left out."""
+    sizes = set(TABLE_SIZES)
+    keys = [
+        k
+        for k, v in {k: v for e in entries for k, v in e.items()}.items()
+        if k not in sizes and (isinstance(v, str) or k in TABLE_SETTINGS)
+    ]
+    out = []
+    for k in keys:
+        values = [_count(v) if isinstance(v, int | float) else str(v) for e in entries
+                  if (v := e.get(k)) is not None]  # fmt: skip
+        if values:
+            out.append(f"{k} {'|'.join(dict.fromkeys(values))}")
+    return out
+
+
+def _headed(head: str, sep: str, items: list[str]) -> list[str]:
+    """``head``, ``sep`` and ``items`` on one line when they fit in WIDTH, else the items
+    wrapped on lines of their own under ``head``."""
+    line = f"{head}{sep} {', '.join(items)}"
+    return [line] if len(line) <= WIDTH else [head, *_wrap(items, "  ")]
+
+
+def _wrap(items: list[str], indent: str, width: int = WIDTH) -> list[str]:
+    """``items`` joined by ", " on lines of at most ``width`` columns, each after ``indent``."""
+    lines, line = [], ""
+    for item in items:
+        if line and len(indent) + len(line) + 2 + len(item) + 1 > width:  # 1: a last ","
+            lines.append(indent + line + ",")
+            line = item
+        else:
+            line = f"{line}, {item}" if line else item
+    return [*lines, indent + line] if line else lines
+
+
+def _table_lines(path: str, t: dict[str, Any]) -> list[str]:
+    """One dynamic table of one server: its size and settings, then every count it reports."""
+    named, _, events = table_figures(t)
     cap = t.get("capacity")
-    return (
-        f"dynamic table {path}: {t.get('live_rows', 0):,} rows"
+    head = (
+        f"dynamic table {path}: {_count(named.get('live_rows', 0))} rows"
         + (f" of {cap:,}" if cap else "")
-        + f", {t.get('bytes', 0) / 1e6:,.1f} MB ({t.get('optimizer')}); "
-        f"admitted {t.get('admitted', 0):,} (after {t.get('admit_after', 1)} sightings), "
-        f"refused {t.get('refused', 0):,} gradient rows; evicted {t.get('evicted_idle', 0):,} "
-        f"idle, {t.get('evicted_capacity', 0):,} for capacity ({t.get('evict_policy')})"
+        + f", {_bytes(named.get('bytes', 0))}"
     )
+    counts = [f"{k} {_count(v)}" for k, v in events.items()]
+    return [*_headed(head, ";", _table_settings([t])), *_wrap(counts, "  ")]
+
+
+def _grid(
+    label_head: str, labels: list[str], columns: list[tuple[str, list[str]]], width: int = WIDTH
+) -> list[str]:
+    """A table, indented by two: a label column, then ``columns`` (heading, a cell per label)
+    right-aligned; columns past ``width`` go on to a further table with the labels again."""
+    lw = max(len(label_head), *map(len, labels))
+    groups: list[list[tuple[str, list[str], int]]] = [[]]
+    used = 2 + lw
+    for head, cells in columns:
+        w = max(len(head), *map(len, cells))
+        if groups[-1] and used + 2 + w > width:
+            groups.append([])
+            used = 2 + lw
+        groups[-1].append((head, cells, w))
+        used += 2 + w
+    lines = []
+    for group in groups:
+        lines.append(f"  {label_head:<{lw}}" + "".join(f"  {h:>{w}}" for h, _, w in group))
+        for i, label in enumerate(labels):
+            lines.append(f"  {label:<{lw}}" + "".join(f"  {c[i]:>{w}}" for _, c, w in group))
+    return lines
+
+
+def table_blocks(docs: dict[str, dict[str, Any]]) -> list[str]:
+    """Each dynamic table of several servers (the shards of one model): a heading with its
+    settings, a line per shard with its live rows, bytes and every count its entry holds (the
+    keys the entries have, in their order), and a line of totals over the shards."""
+    ok = {ep: d for ep, d in docs.items() if "error" not in d}
+    order = sorted(ok, key=lambda ep: (int(ok[ep].get("shard") or 0), ep))
+    labels = [f"{ok[ep].get('shard', 0)}/{ok[ep].get('num_shards', 1)}" for ep in order]
+    if len(set(labels)) < len(labels):  # not one model's shards: name the servers
+        labels = list(order)
+    paths = sorted({p for d in ok.values() for p in d.get("dynamic_tables") or {}})
+    lines: list[str] = []
+    for path in paths:
+        entries = [(ok[ep].get("dynamic_tables") or {}).get(path) for ep in order]
+        figures = [None if e is None else table_figures(e) for e in entries]
+        events = list(dict.fromkeys(k for f in figures if f for k in f[2]))
+        columns = [(k, "named") for k in TABLE_SIZES] + [(k, "events") for k in events]
+        cells = []
+        for key, kind in columns:
+            values = [None if f is None else (f[0] if kind == "named" else f[2]).get(key)
+                      for f in figures]  # fmt: skip
+            total = sum(v for v in values if v is not None)
+            show = _bytes if key == "bytes" else _count
+            cells.append((key, [*map(show, values), show(total)]))
+        present = [e for e in entries if e is not None]
+        lines += ["", *_headed(f"dynamic table {path}", ":", _table_settings(present))]
+        lines += _grid("shard", [*labels, "total"], cells)
+    return lines
 
 
 def merge_workers(docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -219,7 +330,8 @@ def shard_summary(docs: dict[str, dict[str, Any]]) -> str | None:
 
 
 def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
-    """Several servers as one cluster: totals, a line per server, a merged row per worker."""
+    """Several servers as one cluster: totals, a line per server, each dynamic table with a
+    line per shard (``table_blocks``), a merged row per worker."""
     ok = {ep: d for ep, d in docs.items() if "error" not in d}
     models = {(d.get("model"), d.get("fingerprint")) for d in ok.values()}
     updates = sum(int(d.get("updates_applied") or 0) for d in ok.values())
@@ -254,6 +366,7 @@ def render_cluster(docs: dict[str, dict[str, Any]]) -> str:
             f"{_fmt(d.get('loss')):>8} {_fmt((d.get('staleness') or {}).get('mean')):>10} "
             f"{d.get('rejected_total', 0):>8} {_fmt(eval_score(ev)[1]):>8}"
         )
+    lines += table_blocks(docs)
     workers = merge_workers(ok)
     lines += _notice_lines(workers)
     lines += ["", WORKER_HEADER + f" {'shards':>6}"]

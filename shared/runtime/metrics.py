@@ -340,6 +340,102 @@ def eval_score(ev: dict[str, Any] | None) -> tuple[str, float | None]:
     return name, float(value) if ok else None
 
 
+# The dynamic tables (``dynamic_tables.<path>`` in the server's status document, one entry per
+# table this shard holds a part of): every series is labelled ``table`` (the path); the shard is
+# the process, as for every other figure. An entry's numbers are read by what their key says
+# (``table_figures``), so a count a table adds shows up without a line here: a key of
+# TABLE_METRICS is that figure (sizes and settings, gauges); ``bytes_<part>`` is
+# TABLE_PART_BYTES{part}; every other number counts the table's events, TABLE_EVENTS{event}.
+# A figure a table adds that is not a count of events needs its line in TABLE_METRICS.
+TABLE_METRICS: tuple[MetricInfo, ...] = (
+    MetricInfo(
+        "live_rows", "downpour_dynamic_table_rows", GAUGE, "", "Live rows of a dynamic table."
+    ),
+    MetricInfo(
+        "bytes",
+        "downpour_dynamic_table_bytes",
+        GAUGE,
+        "bytes",
+        "Bytes of a dynamic table: rows, slots, id index, admission sketch, metadata.",
+    ),
+    MetricInfo(
+        "admit_after",
+        "downpour_dynamic_table_admit_after",
+        GAUGE,
+        "",
+        "Lookups of an id before its row is stored (--admit-after).",
+    ),
+    MetricInfo(
+        "capacity",
+        "downpour_dynamic_table_capacity_rows",
+        GAUGE,
+        "",
+        "Rows a shard keeps of a dynamic table at most (--table-capacity; absent: unbounded).",
+    ),
+    MetricInfo(
+        "evict_idle_versions",
+        "downpour_dynamic_table_evict_idle_versions",
+        GAUGE,
+        "",
+        "Versions a row may go without an update before it is evicted "
+        "(--evict-idle-versions; absent: never).",
+    ),
+)
+TABLE_PART_BYTES = MetricInfo(
+    "bytes_",
+    "downpour_dynamic_table_part_bytes",
+    GAUGE,
+    "bytes",
+    "Bytes of a dynamic table by part (rows, slots, index, sketch, meta): they add up to "
+    "downpour_dynamic_table_bytes.",
+)
+TABLE_EVENTS = MetricInfo(
+    "",
+    "downpour_dynamic_table_events_total",
+    COUNTER,
+    "",
+    "Dynamic table events, by kind: every count the table reports (inserted, admitted, "
+    "refused gradient rows of ids not yet admitted, evicted_idle, evicted_capacity, bad_input, "
+    "...); a count by reason as <count>.<reason>.",
+)
+TABLE_SIZES = ("live_rows", "bytes")  # of TABLE_METRICS, the sizes; the others are settings
+
+
+def table_figures(
+    entry: Mapping[str, Any],
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(named, parts, events) of one dynamic table's status entry: the numbers under the keys
+    of TABLE_METRICS, the bytes by part (``bytes_<part>`` as ``part``), and every other number
+    as a count of events by key, in the entry's order (a mapping of numbers, counts by reason,
+    as one event per item: ``<key>.<reason>``). Text, None and booleans are left out."""
+    named_keys = {mi.key for mi in TABLE_METRICS}
+    named: dict[str, float] = {}
+    parts: dict[str, float] = {}
+    events: dict[str, float] = {}
+    for key, value in entry.items():
+        if isinstance(value, Mapping):
+            for reason, n in value.items():
+                if (v := _plain_number(n)) is not None:
+                    events[f"{key}.{reason}"] = v
+            continue
+        if (v := _plain_number(value)) is None:
+            continue
+        if key in named_keys:
+            named[key] = v
+        elif key.startswith(TABLE_PART_BYTES.key):
+            parts[key.removeprefix(TABLE_PART_BYTES.key)] = v
+        else:
+            events[key] = v
+    return named, parts, events
+
+
+def _plain_number(value: Any) -> float | None:
+    """``value`` as a float when it is an int or float (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
 # What the server records per worker (``workers.<id>`` in the status document).
 WORKER_METRICS: tuple[MetricInfo, ...] = (
     MetricInfo(

@@ -4,10 +4,10 @@ The workers read static shards of the training data (worker i of N), or, with
 ``--data-dispatch server``, take splits from the server (shard 0) for exactly-once epochs.
 
 Shows progress bars while training, evaluates the held-out set with the server's weights,
-writes ``history.csv``, ``workers.csv``, ``status.json``, TensorBoard events and PNG plots
-(``downpour plot``) into a run directory, and prints
-``held-out accuracy: 0.xxxx`` as its last line (``held-out <name>: ...`` for a model whose
-``metric_name`` is another: ``auc``). Ctrl-C stops every process it started.
+writes ``history.csv``, ``workers.csv``, every shard's final status (``status-shard-I.json``;
+``status.json`` is shard 0's), TensorBoard events and PNG plots (``downpour plot``) into a run
+directory, and prints ``held-out accuracy: 0.xxxx`` as its last line (``held-out <name>: ...``
+for a model whose ``metric_name`` is another: ``auc``). Ctrl-C stops every process it started.
 
 Its options are the server's and the workers' (``downpour.cli.local.options``): each
 process's command line is built from them, checked first by the services' own checks. With
@@ -41,7 +41,7 @@ from downpour.cli.local.options import (
     keys_dir,
     plan_children,
 )
-from downpour.cli.status import fetch_status
+from downpour.cli.status import fetch_status, table_blocks
 from downpour.config.loading import CONFIG_ENV
 from downpour.config.settings import ConfigError, add_options
 from downpour.config.tf_config import TF_CONFIG_ENV
@@ -237,14 +237,18 @@ def _print_endpoints(args: argparse.Namespace, run_dir: Path, eps: list[dict[str
 
 def _write_run_files(
     run_dir: Path,
-    doc: dict[str, Any],
+    docs: list[dict[str, Any]],
     history: list[dict[str, Any]],
     worker_rows: list[dict[str, Any]],
 ) -> None:
-    """The run directory's status.json, history.csv, workers.csv and plots."""
+    """The run directory's status documents, history.csv, workers.csv and plots: every
+    shard's final status as ``status-shard-I.json`` (``docs`` in shard order), and shard 0's
+    again as ``status.json``, the one ``downpour plot`` reads."""
     from downpour.cli.plot import plot_run
 
-    (run_dir / "status.json").write_text(json.dumps(doc, indent=2))
+    for i, doc in enumerate(docs):
+        (run_dir / f"status-shard-{i}.json").write_text(json.dumps(doc, indent=2))
+    (run_dir / "status.json").write_text(json.dumps(docs[0], indent=2))
     _write_history(run_dir / "history.csv", history)
     if worker_rows:
         _write_history(run_dir / "workers.csv", worker_rows)
@@ -340,8 +344,8 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         _history_row(doc, round(time.monotonic() - t_start, 2), metric)
         | {"version": version, metric: acc}
     )
-    _write_run_files(run_dir, doc, history, worker_rows)
     docs = [doc] + [fetch_status(tcp(host, e["status_port"]), 10.0, status_keys) for e in eps[1:]]
+    _write_run_files(run_dir, docs, history, worker_rows)
     _print_server_lines(docs)
     if failed:
         print(
@@ -374,8 +378,9 @@ def _print_worker_summaries(workers: list[subprocess.Popen]) -> None:
 
 
 def _print_server_lines(docs: list[dict[str, Any]]) -> None:
-    """One line per server shard from its final status (shard order), and shard 0's
-    dispatcher's if it dispatched."""
+    """One line per server shard from its final status (shard order), shard 0's
+    dispatcher's if it dispatched, and each dynamic table per shard as ``downpour status``
+    shows a cluster's."""
     for i, d in enumerate(docs):
         st = d["staleness"]
         print(
@@ -389,6 +394,8 @@ def _print_server_lines(docs: list[dict[str, Any]]) -> None:
             f"{d['acked']} splits acknowledged ({d['splits_total']} per epoch), "
             f"{d['released']} released"
         )
+    for line in table_blocks({str(i): d for i, d in enumerate(docs)}):
+        print(line)
 
 
 def _report_checkpoints(

@@ -3,7 +3,9 @@
 A custom collector turns the *published* status document (the snapshot the loop swaps in a
 few times a second for the status thread) into metric families on each scrape, so a scrape
 never reads the loop's live state and never takes a lock the loop needs. Names and units come
-from the catalogue in ``downpour.runtime.metrics``; per-worker series carry the label ``worker``.
+from the catalogue in ``downpour.runtime.metrics``; per-worker series carry the label ``worker``,
+per-table series the label ``table``. A server is one shard: its scrape target tells the shards
+apart, as for every other figure.
 
 The endpoint is plain HTTP without authentication; it binds loopback unless told otherwise.
 """
@@ -26,7 +28,6 @@ from prometheus_client.utils import floatToGoString
 
 from downpour.runtime import metrics as m
 from downpour.server.dispatch import COUNTER_NAMES as DISPATCH_EVENTS
-from downpour.server.tables.table import COUNTERS as TABLE_EVENTS
 
 log = logging.getLogger("downpour.server")
 
@@ -107,31 +108,26 @@ class SnapshotCollector(Collector):
         yield from self._tables(doc.get("dynamic_tables") or {})
 
     def _tables(self, tables: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-        """The dynamic tables: live rows and bytes, and their events by kind."""
+        """The dynamic tables, labelled ``table``: every number of each table's entry, as the
+        catalogue reads it (``downpour.runtime.metrics.table_figures``)."""
         if not tables:
             return
-        rows = GaugeMetricFamily(
-            "downpour_dynamic_table_rows", "Live rows of a dynamic table.", labels=["table"]
-        )
-        nbytes = GaugeMetricFamily(
-            "downpour_dynamic_table_bytes",
-            "Bytes of a dynamic table: rows, slots, id index, admission sketch.",
-            labels=["table"],
-            unit="bytes",
-        )
-        events = CounterMetricFamily(
-            "downpour_dynamic_table_events",
-            "Dynamic table events: inserted, admitted, refused (gradient rows of ids not yet "
-            "admitted), evicted_idle, evicted_capacity, bad_input.",
-            labels=["table", "event"],
-        )
-        for path, t in sorted(tables.items()):
-            rows.add_metric([path], float(t.get("live_rows", 0)))
-            nbytes.add_metric([path], float(t.get("bytes", 0)))
-            for event in TABLE_EVENTS:
-                if (v := _number(t.get(event))) is not None:
-                    events.add_metric([path, event], v)
-        yield from (rows, nbytes, events)
+        figures = {path: m.table_figures(t) for path, t in sorted(tables.items())}
+        for mi in m.TABLE_METRICS:
+            fam = _family(mi, ["table"])
+            for path, (named, _, _) in figures.items():
+                if mi.key in named:
+                    fam.add_metric([path], named[mi.key] * mi.scale)
+            if fam.samples:
+                yield fam
+        parts = _family(m.TABLE_PART_BYTES, ["table", "part"])
+        events = _family(m.TABLE_EVENTS, ["table", "event"])
+        for path, (_, by_part, by_event) in figures.items():
+            for part, v in by_part.items():
+                parts.add_metric([path, part], v)
+            for event, v in by_event.items():
+                events.add_metric([path, event], v)
+        yield from (parts, events)
 
     def _staleness(self, st: dict[str, Any] | None) -> Iterator[Metric]:
         if not st:
