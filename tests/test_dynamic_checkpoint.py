@@ -23,11 +23,16 @@ from downpour.server.tables.checkpoint import (
     restore_tables,
     table_key,
 )
-from downpour.server.tables.sketch import CountMinSketch
 from downpour.server.tables.table import COUNTERS, DynamicTable
+from downpour.tables.policy import TablePolicy
+from downpour.tables.sketch import CountMinSketch
 
 CONFIG = {  # variable path -> (layer name, dim, constructor keywords)
-    "users/embeddings": ("users", 4, {"optimizer": "lazy_adam", "seed": 3, "admit_after": 2}),
+    "users/embeddings": (
+        "users",
+        4,
+        {"optimizer": "lazy_adam", "seed": 3, "policy": TablePolicy(None, admit_after=2)},
+    ),
     "items/embeddings": ("items", 3, {"optimizer": "adagrad", "seed": 3}),
 }
 SMALL = 1 << 10  # sketch width of these tests
@@ -46,8 +51,9 @@ class Shard:
         self.version = 0
 
     def table_config(self, path: str) -> dict[str, Any]:
-        kw = dict(self.config[path][2])
-        if kw.get("admit_after", 1) > 1:
+        kw = dict(self.config[path][2]) | {"num_shards": self.partition.num_shards}
+        kw["shard"] = self.shard
+        if kw.get("policy", TablePolicy(None)).admit_after > 1:
             kw["sketch"] = CountMinSketch(SMALL)
         return kw
 
@@ -200,7 +206,7 @@ def test_sketches_that_cannot_be_added_start_afresh_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     before = _layout(2)
-    before[1].tables["users/embeddings"].sketch = CountMinSketch(2 * SMALL)
+    before[1].tables["users/embeddings"].map.sketch = CountMinSketch(2 * SMALL)
     _train(before, range(3))
     ckpts = _write(before, tmp_path)
     target = Shard(0, 1)
@@ -294,12 +300,12 @@ def test_a_record_less_checkpoint_reads_past_the_tables_arrays() -> None:
 # ---------------------------------------------------------------- through ParameterState
 
 
-def _states(n: int, seed: int = 5) -> list[Any]:
+def _states(n: int, seed: int = 5, options: Any = None) -> list[Any]:
     from tiny_models import embedding_form
 
     from downpour.server.state import ParameterState, TableOptions
 
-    spec, options = embedding_form("dict", dynamic=True), TableOptions(admit_after=2)
+    spec, options = embedding_form("dict", dynamic=True), options or TableOptions(admit_after=2)
     return [ParameterState(spec, "adam", 0.05, seed=seed, jit=False, shard=k, num_shards=n,
                            table_options=options) for k in range(n)]  # fmt: skip
 
@@ -366,3 +372,52 @@ def test_a_parameter_state_checkpoint_restores_its_tables_onto_another_shard_cou
     assert np.array_equal(new_ids, old_ids)  # the same ids admitted since the restore
     for f, a in _by_id(olds).items():
         np.testing.assert_allclose(_by_id(news)[f], a, rtol=1e-6, atol=1e-7, err_msg=f)
+
+
+@pytest.mark.parametrize("shards", [1, 3, 4])
+def test_a_restore_onto_another_shard_count_gives_the_same_lookups(
+    tmp_path: Path, shards: int
+) -> None:
+    """Two shards with fallback rows (B = 120, which 1 to 4 shards all divide) trained with
+    admit_after 2, restored onto 1, 3 or 4 shards: every id, with a row of its own or
+    reading its fallback row, and ids never seen, reads the same values; each id's frequency
+    estimate is at least what it was (the sketches add)."""
+    from downpour.server.checkpointing.restore import restore_set
+    from downpour.server.state import TableOptions
+
+    options = TableOptions(admit_after=2, fallback_rows=120)
+    before = _states(2, options=options)
+    _push(before, range(5))
+    ckpts = []
+    for st in before:
+        arrays, meta = capture_state(st)
+        store = CheckpointStore(tmp_path / f"shard-{st.shard}")
+        store.write(st.version, arrays, meta)
+        ckpts.append(store.latest())
+    after = _states(shards, seed=99, options=options)
+    for st in after:
+        restore_set(st, ckpts)
+    (path,) = before[0].tables
+    seen = np.unique(np.concatenate([_batch(s, "users/embeddings")[0] for s in range(5)]))
+    ids = np.concatenate([seen, np.arange(10**6, 10**6 + 50)])
+
+    def lookups(states: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(states)
+        rows = np.empty((ids.size, 8), np.float32)
+        own = np.zeros(ids.size, bool)
+        est = np.zeros(ids.size, np.int64)
+        for k, st in enumerate(states):
+            mine = id_shard(ids, n) == k
+            table = st.tables[path]
+            rows[mine] = table.gather(ids[mine])
+            own[mine] = table.map.locate(ids[mine]) >= 0
+            est[mine] = table.sketch.estimate(ids[mine])
+        return rows, own, est
+
+    want, own_before, est_before = lookups(before)
+    got, own_after, est_after = lookups(after)
+    assert own_before.any() and not own_before.all()  # both kinds of id are looked up
+    np.testing.assert_array_equal(own_after, own_before)
+    np.testing.assert_array_equal(got, want)
+    assert (est_after >= est_before).all()
+    assert all(st.tables[path].map.fallback_total == 120 for st in before + after)

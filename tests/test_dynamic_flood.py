@@ -1,15 +1,16 @@
 """A flood of unique ids through one shard's dynamic table: admission refuses the ids seen
-once, capacity bounds the ids admitted, and the table's memory stays within a bound derived
-from its capacity whatever the number of ids."""
+once, the capacity bounds the ids admitted exactly, and the table's memory stays within a
+bound derived from its capacity whatever the number of ids."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from downpour.model.initial import mix64
-from downpour.server.tables.index import REHASH_IN_PLACE
-from downpour.server.tables.sketch import CountMinSketch, false_admit_rate
-from downpour.server.tables.table import EVICT_TO, DynamicTable
+from downpour.model.hashing import mix64
+from downpour.server.tables.table import DynamicTable
+from downpour.tables.index import REHASH_IN_PLACE
+from downpour.tables.policy import TablePolicy
+from downpour.tables.sketch import CountMinSketch, false_admit_rate
 
 FLOOD = 10_000_000  # unique ids, each seen once
 BATCH = 100_000  # rows per apply
@@ -28,30 +29,24 @@ def _ids(start: int, stop: int) -> np.ndarray:
 
 
 def bytes_bound(table: DynamicTable, capacity: int, batch: int) -> int:
-    """The most a table of ``capacity`` fed ``batch`` new ids per apply can hold, in bytes.
-
-    Live rows peak at ``capacity + batch`` (an apply creates its admitted ids, then evicts
-    down to 90 % of the capacity), so the store holds at most that many slots, rounded up to
-    whole chunks: per slot the row and the optimizer slots, the version and the count
-    (8 bytes each), and 16 bytes of free list (it grows to at most twice the slots). The
-    index doubles only while its ids fill more than 0.3 of the new size (it doubles past 0.6
-    of the old one), so it has fewer than ``peak / 0.3`` buckets of 13 bytes. The sketch is
-    fixed."""
-    peak = capacity + batch
-    chunk = table.store.chunk_rows
-    slots = -(-peak // chunk) * chunk
-    per_slot = table.dim * table.dtype.itemsize * (1 + len(table.opt.slots)) + 8 + 8 + 16
-    index = 13 * peak / (REHASH_IN_PLACE / 2)
+    """The most a table of ``capacity`` rows of its own can hold, in bytes, whatever it is
+    fed: live rows never pass the capacity, and the store's chunks stop at it, so per row of
+    the capacity the row and its optimizer slots, its version (8 bytes) and count (4), its id
+    in the index (8) and one byte of the Bloom filter of evicted ids; the index's buckets
+    (4 bytes each) are fewer than ``capacity / 0.3`` (it doubles only while its ids fill more
+    than 0.3 of the new size). The sketch is fixed. ``batch`` does not enter: an apply never
+    holds more than the capacity, even for a moment."""
+    per_row = table.dim * table.dtype.itemsize * (1 + len(table.opt.slots)) + 8 + 4 + 8 + 1
+    index = 4 * capacity / (REHASH_IN_PLACE / 2)
     sketch = table.sketch.nbytes if table.sketch is not None else 0
-    return int(slots * per_slot + index + sketch)
+    return int(capacity * per_row + index + sketch + table.map._bloom.nbytes)
 
 
 def test_a_flood_of_unique_ids_is_refused_and_the_table_stays_bounded() -> None:
     sketch = CountMinSketch(WIDTH, DEPTH, WINDOW)
     assert false_admit_rate(WINDOW / WIDTH, 1, DEPTH) * FLOOD < 0.01
-    table = DynamicTable(
-        "flood", DIM, optimizer="adagrad", admit_after=2, capacity=CAPACITY, sketch=sketch
-    )
+    policy = TablePolicy(CAPACITY, admit_after=2, admission="always")
+    table = DynamicTable("flood", DIM, optimizer="adagrad", policy=policy, sketch=sketch)
     bound = bytes_bound(table, CAPACITY, BATCH)
     grads = np.full((2 * BATCH, DIM), 0.01, np.float32)
     for step, lo in enumerate(range(0, FLOOD, BATCH)):
@@ -74,7 +69,7 @@ def test_a_flood_of_unique_ids_is_refused_and_the_table_stays_bounded() -> None:
     stats = table.stats()
     assert stats["admitted"] == stats["inserted"] == TWICE and stats["refused"] == FLOOD
     assert stats["evicted_capacity"] == evicted == TWICE - stats["live_rows"]
-    assert int(EVICT_TO * CAPACITY) <= stats["live_rows"] <= CAPACITY
+    assert stats["live_rows"] == CAPACITY
     assert peak_bytes <= bound, (peak_bytes, bound)
     rows = table.gather(_ids(FLOOD + TWICE - half, FLOOD + TWICE))  # the last ones admitted
     assert not np.array_equal(rows, table.initial(_ids(FLOOD + TWICE - half, FLOOD + TWICE)))
@@ -84,7 +79,9 @@ def test_with_the_default_sketch_a_flood_is_bounded_by_capacity() -> None:
     """The default sketch (2**20 x 4, window 2**19) admits a few ids seen once by collision
     (false_admit_rate at lam <= 1); the capacity bounds what they take."""
     flood, capacity = 2_000_000, 20_000
-    table = DynamicTable("flood", DIM, optimizer="adagrad", admit_after=2, capacity=capacity)
+    policy = TablePolicy(capacity, admit_after=2, admission="always")
+    sketch = CountMinSketch()  # the default: what an unbounded table counting for admission has
+    table = DynamicTable("flood", DIM, optimizer="adagrad", policy=policy, sketch=sketch)
     bound = bytes_bound(table, capacity, BATCH)
     grads = np.full((BATCH, DIM), 0.01, np.float32)
     for step, lo in enumerate(range(0, flood, BATCH)):

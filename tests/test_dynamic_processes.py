@@ -4,8 +4,9 @@
   servers' predictions equal those of ``downpour export``'s SavedModel of their final
   checkpoints; that checkpoint set restores onto three shards (``--restore-from``) with every
   row and Adagrad slot equal, each id on the shard ``id_shard`` names.
-- A flood of 10M unique ids pushed to a server with ``--admit-after 2 --table-capacity``
-  leaves its live rows within the capacity and its memory within a bound far below what 10M
+- A flood of 10M unique ids pushed to a server with ``--admit-after 2
+  --table-rows-per-shard`` (a plain LRU cache past it: ``--admission always``) leaves its live
+  rows within the capacity and its memory within a bound far below what 10M
   rows would take, and it keeps serving pulls and status.
 - The hashed-id click log through ``downpour run-local`` with 2 shards and 2 workers reaches
   the AUC docs/recommendation.md reports, and so does the same model in one process.
@@ -146,8 +147,9 @@ IN_FLIGHT = 8  # pushes sent ahead of the ones the server has applied
 
 
 def test_a_flood_of_unique_ids_stays_within_admission_and_capacity(cluster: Cluster) -> None:
-    server = cluster.server("--admit-after", "2", "--table-capacity", str(CAPACITY),
-                            "--optimizer", "sgd", model="tiny_models:dynamic_wide")  # fmt: skip
+    server = cluster.server("--admit-after", "2", "--table-rows-per-shard", str(CAPACITY),
+                            "--admission", "always", "--optimizer", "sgd",
+                            model="tiny_models:dynamic_wide")  # fmt: skip
     pid = server.proc.pid
     ctx = make_context()
     client = ShardClient(ctx, server.rep, sender="flood", timeout_s=30)

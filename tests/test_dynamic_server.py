@@ -88,16 +88,17 @@ def test_rows_idle_for_n_versions_are_evicted_and_start_again_from_their_initial
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_full_table_evicts_by_its_policy_and_counts_it(policy: str) -> None:
-    state = state_of(capacity=10, policy=policy)
+    state = state_of(shard_rows=10, evict=policy, admission="always")
     table = state.tables[TABLE]
     often = IDS[:1]
     for _ in range(3):
         push(state, often)  # touched three times, first
-    push(state, IDS[1:12])  # 12 live rows: down to 9
-    assert len(table) == 9 and table.counters["evicted_capacity"] == 3
+    push(state, IDS[1:10])  # 10 live rows: full
+    push(state, IDS[10:11])  # one more: exactly one victim
+    assert len(table) == 10 and table.counters["evicted_capacity"] == 1
     kept = set(table.export_state()["ids"].tolist())
-    # lru: the least recently updated go first (often, then three of the batch); lfu: the
-    # least often touched (three of the batch), so often stays
+    # lru: the least recently updated goes (often); lfu: the least often touched (one of
+    # the batch), so often stays
     assert (int(often[0]) in kept) == (policy == "lfu")
 
 
@@ -190,13 +191,14 @@ def test_the_gradient_socket_takes_a_counted_push_of_every_row(compress: str) ->
     assert not isinstance(got, Oversize), got
     outcome = handle_gradients([f.bytes for f in got], ctx)
     assert outcome.decision is not None and not ctx.stats.rejected
-    assert all(len(state.tables[p]) == 65536 for p in state.tables)
+    # each table holds exactly this shard's share of its budget; the rest were refused
+    assert all(len(t) == t.capacity == 32768 for t in state.tables.values())
 
 
 def test_status_and_metrics_show_each_dynamic_table() -> None:
     spec = embedding_form("dict", dynamic=True)
     with serving(spec, optimizer="adagrad", learning_rate=LR, admit_after=2,
-                 table_capacity=50) as server:  # fmt: skip
+                 table_rows_per_shard=50, admission="always") as server:  # fmt: skip
         train(server.port, spec, steps=20, worker_id="w", n_fetch=1)
         doc = wait_until(
             lambda: (d := fetch_status(server.status))["version"] == 20 and d, 30, "the applies"
@@ -211,3 +213,34 @@ def test_status_and_metrics_show_each_dynamic_table() -> None:
         assert f'downpour_dynamic_table_rows{{table="{TABLE}"}} {float(table["live_rows"])}' in text
         line = f'downpour_dynamic_table_events_total{{event="refused",table="{TABLE}"}}'
         assert line in text
+
+
+def test_a_long_tail_seen_once_is_refused_trains_the_fallback_and_the_table_stays_bounded() -> None:
+    """A log whose ids are mostly seen once, under --admit-after 2 with fallback rows: the
+    ids seen once never get a row of their own and train their fallback rows (a gather reads
+    them there), the hot ids are admitted at their second sighting, the table stays within
+    its rows, and the counters say all of it."""
+    state = state_of(admit_after=2, fallback_rows=64, shard_rows=64 + 100)
+    table = state.tables[TABLE]
+    assert (table.capacity, table.map.fallback_here) == (100, 64)
+    hot = hashed(np.arange(50))
+    tail = hashed(np.arange(1000, 3000))  # 2,000 ids, each in one step only
+    start = table.fallback["row"].copy()
+    for step in range(20):
+        push(state, np.concatenate([hot, tail[step * 100 : (step + 1) * 100]]))
+    stats = table.stats()
+    # the sketch's collisions admit a few ids early (sketch.false_admit_rate: ~0.2 % here)
+    lucky = int((table.map.locate(tail) >= 0).sum())
+    assert (table.map.locate(hot) >= 0).all() and lucky <= 10
+    assert stats["live_rows"] == 50 + lucky <= table.capacity  # hot ids, admitted at step 2
+    assert (stats["admitted"], stats["refused"]) == (50 + lucky, 50 + 2000 - lucky)
+    assert stats["fallback_lookups"] == stats["refused"] and stats["refused_victim"] == 0
+    assert stats["evicted_capacity"] == stats["evicted_idle"] == 0
+    used = np.unique(table.map.fallback_of(tail))
+    assert not np.allclose(table.fallback["row"][used], start[used])  # trained by the tail
+    refused = tail[table.map.locate(tail) == -1][:5]
+    np.testing.assert_array_equal(
+        state.gather(0, refused), table.fallback["row"][table.map.fallback_of(refused)]
+    )
+    status = state.table_status()[TABLE]
+    assert (status["fallback_rows"], status["capacity"], status["admit_after"]) == (64, 100, 2)

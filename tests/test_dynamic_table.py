@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from downpour.model.initial import TRUNCATED_STDDEV, Rule, initial_rows
-from downpour.server.tables.index import IdIndex
-from downpour.server.tables.sketch import CountMinSketch, false_admit_rate
 from downpour.server.tables.store import ChunkedStore
 from downpour.server.tables.table import DynamicTable
+from downpour.tables.index import IdIndex
+from downpour.tables.policy import TablePolicy
+from downpour.tables.sketch import CountMinSketch, false_admit_rate
 
 EXTREMES = np.array([-(2**63), 2**63 - 1, 0, -1], np.int64)
 RULES = [Rule("uniform", -0.2, 0.3), Rule("normal", 0.5, 0.1), Rule("truncated", 0.0, 0.2)]
@@ -75,9 +76,12 @@ def test_fill_rules_are_constants_and_a_whole_rule_is_refused() -> None:
 
 
 def test_the_index_maps_any_int64_ids_like_a_dict() -> None:
+    """Live ids hold distinct slots (the index keeps each slot's id, as a table's rows do);
+    a remapped id takes a fresh one, so no two live ids ever share a slot."""
     index, ref = IdIndex(), {}
     rng = np.random.default_rng(2)
     pool = _random_ids(3000, 3)
+    fresh = 0
     for step in range(40):
         ids = rng.choice(pool, 300)  # repeats within a call
         if step % 3 == 2:
@@ -86,13 +90,15 @@ def test_the_index_maps_any_int64_ids_like_a_dict() -> None:
             for i in ids:
                 ref.pop(int(i), None)
         else:
-            slots = rng.integers(0, 2**31 - 1, ids.size)
+            slots = fresh + np.arange(ids.size)
+            fresh += ids.size
             index.insert(ids, slots)
             ref.update(zip(ids.tolist(), slots.tolist(), strict=True))  # the last one wins
         assert len(index) == len(ref)
         np.testing.assert_array_equal(index.lookup(pool), [ref.get(int(i), -1) for i in pool])
     keys, slots = index.items()
     assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == ref
+    np.testing.assert_array_equal(index.id_of(slots), keys)
 
 
 def test_the_index_follows_long_wrapping_collision_runs_through_removals() -> None:
@@ -138,17 +144,23 @@ def test_the_index_takes_at_most_33_bytes_per_live_id() -> None:
     np.testing.assert_array_equal(index.lookup(ids), np.arange(ids.size))
 
 
-def test_chunked_storage_grows_by_chunks_and_reuses_freed_slots() -> None:
+def test_chunked_storage_grows_by_chunks_and_stops_at_its_limit() -> None:
     store = ChunkedStore({"row": ((2,), "float32")}, chunk_rows=3)
-    slots = store.allocate(7)
-    np.testing.assert_array_equal(slots, np.arange(7))
+    store.ensure(7)
+    slots = np.arange(7)
     assert store.capacity == 9
     plan = store.plan(slots[::-1])
     store.put("row", plan, np.arange(14, dtype=np.float32).reshape(7, 2))
     got = store.take("row", store.plan(np.array([6, 0])))
     np.testing.assert_array_equal(got, [[0, 1], [12, 13]])
-    store.release(np.array([1, 4]))
-    assert sorted(store.allocate(3).tolist()) == [1, 4, 7] and store.capacity == 9
+    exact = ChunkedStore({"row": ((2,), "float32")}, chunk_rows=3, limit=8)
+    exact.ensure(8)
+    assert exact.capacity == 8  # the last chunk ends at the limit: a full table wastes none
+
+
+def _p(max_rows: int | None = None, **kw: object) -> TablePolicy:
+    """A table policy: unbounded unless ``max_rows``, else as given."""
+    return TablePolicy(max_rows=max_rows, **kw)  # type: ignore[arg-type]
 
 
 # -- the table: gather, apply ---------------------------------------------------------------
@@ -228,7 +240,8 @@ def test_counted_rows_apply_as_the_lookups_they_sum() -> None:
     g = np.arange(20, dtype=np.float32).reshape(5, 4)
     ids = np.array([9, -1, 9, 2**63 - 1, 9])
     k = counted_rows(Keyed(ids, g, (10, 4)))
-    one, counted = (DynamicTable("t", 4, optimizer="adagrad", admit_after=3) for _ in "ab")
+    one, counted = (DynamicTable("t", 4, optimizer="adagrad", policy=_p(admit_after=3))
+                    for _ in "ab")  # fmt: skip
     for version in (1, 2):
         a = one.apply(ids, g, 0.1, version=version)
         b = counted.apply(k.indices, k.values, 0.1, version=version, lookups=k.counts)
@@ -251,7 +264,7 @@ def test_counted_rows_apply_as_the_lookups_they_sum() -> None:
 
 
 def test_an_id_gets_a_row_at_its_nth_touch_and_earlier_gradients_are_dropped() -> None:
-    table = DynamicTable("t", 3, admit_after=3)
+    table = DynamicTable("t", 3, policy=_p(admit_after=3))
     live = np.array([10], np.int64)
     table.gather(live, create=True)
     before = table.gather(live)
@@ -259,7 +272,7 @@ def test_an_id_gets_a_row_at_its_nth_touch_and_earlier_gradients_are_dropped() -
     for touch in (1, 2):
         done = table.apply(np.array([-(2**63), 10]), g * touch, 1.0, version=touch)
         assert done.refused == 1 and done.admitted == 0
-        assert table.index.lookup(np.array([-(2**63)]))[0] == -1
+        assert table.map.locate(np.array([-(2**63)]))[0] == -1
     np.testing.assert_array_equal(table.gather(live), before - 1 - 2)  # the live row trained
     done = table.apply(np.array([-(2**63)]), g[:1] * 5, 1.0, version=3)
     assert done.admitted == 1
@@ -270,7 +283,7 @@ def test_an_id_gets_a_row_at_its_nth_touch_and_earlier_gradients_are_dropped() -
 
 
 def test_a_refused_gradient_changes_no_row() -> None:
-    table = DynamicTable("t", 4, optimizer="lazy_adam", admit_after=3)
+    table = DynamicTable("t", 4, optimizer="lazy_adam", policy=_p(admit_after=3))
     table.gather(EXTREMES, create=True)
     state = table.export_state()
     done = table.apply(np.array([5, 6, 5]), np.ones((3, 4), np.float32), 1.0, version=1)
@@ -326,28 +339,29 @@ def test_idle_rows_are_evicted_counted_and_start_again_from_their_initial_value(
     np.testing.assert_array_equal(table.gather(EXTREMES[2:3]), fresh.gather(EXTREMES[2:3]))
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_capacity_evicts_by_policy_down_to_90_percent(policy: str) -> None:
-    table = DynamicTable("t", 2, capacity=10, policy=policy, chunk_rows=4)
+@pytest.mark.parametrize("evict", ["lru", "lfu"])
+def test_a_full_table_holds_exactly_its_capacity_and_evicts_by_its_policy(evict: str) -> None:
+    table = DynamicTable("t", 2, policy=_p(10, evict=evict, admission="always"), chunk_rows=4)
     g = np.ones((1, 2), np.float32)
-    for v, i in enumerate(range(10)):
-        ids = np.full(10 - i, i)  # id i is touched 10 - i times, at version v
+    for v in range(10):  # id v at version v, touched 10 - v times
+        ids = np.full(10 - v, v, np.int64)
         table.apply(ids, np.ones((ids.size, 2), np.float32), 0.1, version=v)
     assert len(table) == 10
     done = table.apply(np.array([100]), g, 0.1, version=20)
-    assert len(table) == 9 and table.stats()["evicted_capacity"] == 2
-    # lru: the least recently updated (0, 1); lfu: the least touched (9, 100)
-    assert sorted(done.evicted.tolist()) == ([0, 1] if policy == "lru" else [9, 100])
-    assert (table.index.lookup(done.evicted) == -1).all()
+    assert len(table) == 10 and table.stats()["evicted_capacity"] == 1
+    # lru: the least recently updated (0); lfu: the least touched (9)
+    assert done.evicted.tolist() == ([0] if evict == "lru" else [9])
+    assert (table.map.locate(done.evicted) == -1).all()
 
 
 def test_rows_created_by_gather_are_evicted_by_the_next_capacity_check() -> None:
-    table = DynamicTable("t", 2, capacity=4)
-    table.gather(np.arange(6), create=True, version=3)
-    table.gather(np.array([0, 1]), create=True, version=4)  # present: no new rows
+    table = DynamicTable("t", 2, policy=_p(4))
+    for v in range(6):
+        table.gather(np.array([v]), create=True, version=v)
+    table.gather(np.array([0, 1]), create=True, version=9)  # present: no new rows
     assert len(table) == 6 and table.stats()["inserted"] == 6
-    gone = table.enforce_capacity()  # lru, ties by touches then slot: the oldest first
-    assert sorted(gone.tolist()) == [0, 1, 2] and len(table) == 3
+    gone = table.enforce_capacity()  # lru: the oldest first
+    assert sorted(gone.tolist()) == [0, 1] and len(table) == 4
     assert table.enforce_capacity().size == 0
 
 
@@ -355,7 +369,7 @@ def test_rows_created_by_gather_are_evicted_by_the_next_capacity_check() -> None
 
 
 def test_export_and_restore_round_trip_exactly_and_train_alike() -> None:
-    config = {"optimizer": "lazy_adam", "admit_after": 2, "capacity": 50, "chunk_rows": 7}
+    config = {"optimizer": "lazy_adam", "policy": _p(50, admit_after=2), "chunk_rows": 7}
     table = DynamicTable("t", 5, seed=9, **config)
     rng = np.random.default_rng(10)
     pool = _random_ids(60, 11)
@@ -390,7 +404,7 @@ def test_export_and_restore_round_trip_exactly_and_train_alike() -> None:
     ids=["slot", "counts", "repeated_ids", "width", "sketch"],
 )
 def test_a_state_that_does_not_fit_is_refused(change: object) -> None:
-    config = {"optimizer": "lazy_adam", "admit_after": 2}
+    config = {"optimizer": "lazy_adam", "policy": _p(admit_after=2)}
     table = DynamicTable("t", 3, **config)
     table.gather(EXTREMES, create=True)
     state = table.export_state()
@@ -405,12 +419,14 @@ def test_a_sketch_sized_for_an_error_bound() -> None:
 
 
 def test_stats_count_bytes_of_every_part() -> None:
-    table = DynamicTable("t", 8, optimizer="adagrad", admit_after=2, chunk_rows=16)
+    table = DynamicTable("t", 8, optimizer="adagrad", policy=_p(admit_after=2), chunk_rows=16)
     table.gather(np.arange(20), create=True)
     s = table.stats()
     assert s["live_rows"] == 20
-    assert (s["bytes_rows"], s["bytes_slots"]) == (32 * 8 * 4, 32 * 8 * 4)
-    assert s["bytes_sketch"] == table.sketch.nbytes > 0 and s["bytes_index"] == table.index.nbytes
+    assert (s["bytes_rows"], s["bytes_slots"]) == (20 * 8 * 4, 20 * 8 * 4)
+    assert s["bytes_reserved"] == (32 - 20) * 2 * 8 * 4  # two chunks of 16, 20 slots in use
+    assert s["bytes_sketch"] == table.sketch.nbytes > 0
+    assert s["bytes_index"] == table.map.index.nbytes
     assert s["bytes"] == sum(v for k, v in s.items() if k.startswith("bytes_"))
 
 

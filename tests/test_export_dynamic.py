@@ -32,9 +32,11 @@ from downpour.serving.saved_model import (
     dynamic_layers,
     hold_rows,
     read_export,
+    reference_outputs,
     write_export,
 )
 from downpour.spec import ModelSpec, load_spec
+from downpour.tables.policy import TablePolicy
 
 DIM = 4
 RNG = np.random.default_rng(0)
@@ -44,7 +46,7 @@ ITEMS = np.array([f"item-{i}" for i in range(20)])
 
 def _one_input() -> keras.Model:
     ids = keras.Input((3,), dtype="int64", name="ids")
-    e = DynamicEmbedding(DIM, capacity=64, name="users")(ids)
+    e = DynamicEmbedding(DIM, max_rows=64, name="users")(ids)
     out = keras.layers.Dense(1, activation="sigmoid", name="head")(keras.layers.Flatten()(e))
     return keras.Model(ids, out)
 
@@ -52,7 +54,7 @@ def _one_input() -> keras.Model:
 def _two_tower(as_dict: bool) -> keras.Model:
     user = keras.Input((), dtype="int64", name="user")
     item = keras.Input((), dtype="string", name="item")
-    eu = DynamicEmbedding(DIM, capacity=64, name="users")(user)
+    eu = DynamicEmbedding(DIM, max_rows=64, name="users")(user)
     ei = keras.layers.Dense(DIM, name="item_proj")(DynamicEmbedding(DIM, 64, name="items")(item))
     out = keras.layers.Activation("sigmoid")(keras.layers.Dot(axes=-1)([eu, ei]))
     return keras.Model({"user": user, "item": item} if as_dict else [user, item], out)
@@ -76,13 +78,16 @@ def _ids(path: str) -> np.ndarray:
     return string_ids(tf.constant(ITEMS)).numpy() if path.startswith("items") else USERS
 
 
-def _servers(model: keras.Model) -> dict[str, DynamicTable]:
-    """One server-side table per DynamicEmbedding, trained a little at version 1."""
+def _servers(model: keras.Model, fallback: int = 0) -> dict[str, DynamicTable]:
+    """One server-side table per DynamicEmbedding, trained a little at version 1; with
+    ``fallback`` rows, ids 15..19 are refused a row (admit_after 2) and train them."""
     tables = {}
     for path, layer in dynamic_layers(model).items():
-        t = DynamicTable(layer.name, DIM, seed=layer.seed)
+        policy = TablePolicy(None, fallback_rows=fallback, admit_after=2 if fallback else 1)
+        t = DynamicTable(layer.name, DIM, seed=layer.seed, policy=policy, rule=layer.rule)
         ids = _ids(path)[:20]
-        t.apply(ids, RNG.normal(size=(ids.size, DIM)).astype(np.float32), 0.5, version=1)
+        seen = np.concatenate([ids[:15], ids]) if fallback else ids  # 0..14 twice
+        t.apply(seen, RNG.normal(size=(seen.size, DIM)).astype(np.float32), 0.5, version=1)
         tables[path] = t
     return tables
 
@@ -146,9 +151,12 @@ print(json.dumps({"serve": served.tolist(), "signature": signed.tolist(), "ours"
 """
 
 
-def test_the_export_serves_in_a_process_that_never_imports_downpour(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fallback", [0, 8])
+def test_the_export_serves_in_a_process_that_never_imports_downpour(
+    tmp_path: Path, fallback: int
+) -> None:
     model = _two_tower(True)
-    tables = _states(_servers(model))
+    tables = _states(_servers(model, fallback))
     write_export(model, tables, tmp_path / "m", [1], _fp(model))
     users, items = np.append(USERS[:5], 12345), np.append(ITEMS[:5], "never seen")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
@@ -162,7 +170,31 @@ def test_the_export_serves_in_a_process_that_never_imports_downpour(tmp_path: Pa
     want = _serve(tmp_path / "m", _batch("dict", users, items))
     np.testing.assert_array_equal(np.array(got["serve"], np.float32), want)
     np.testing.assert_array_equal(np.array(got["signature"], np.float32), want)
-    assert want[-1, 0] == 0.5  # both ids unknown: zero rows
+    if not fallback:
+        assert want[-1, 0] == 0.5  # both ids unknown: zero rows
+    else:  # unknown ids read their fallback rows, as the servers' gather gave them
+        np.testing.assert_allclose(
+            want, reference_outputs(model, tables, _batch("dict", users, items)), rtol=1e-6
+        )
+
+
+def test_an_unknown_id_reads_its_fallback_row_in_the_served_model(tmp_path: Path) -> None:
+    """The served table answers what the servers' tables read: an own row, or the fallback
+    row mix64(id) mod B that refused and unknown ids share."""
+    model = _two_tower(True)
+    servers = _servers(model, fallback=8)
+    tables = _states(servers)
+    for path, t in servers.items():
+        refused = _ids(path)[15:20]
+        assert (t.map.locate(refused) == -1).all() and tables[path].fallback.shape == (8, DIM)
+        np.testing.assert_array_equal(tables[path].read(refused), t.gather(refused))
+    write_export(model, tables, tmp_path / "m", [1], _fp(model))
+    users = np.concatenate([USERS[:20], [7, -7, 2**62 + 1]])
+    items = np.concatenate([ITEMS[:20], ["new-0", "new-1", "new-2"]])
+    batch = _batch("dict", users, items)
+    want = reference_outputs(model, tables, batch)
+    np.testing.assert_allclose(_serve(tmp_path / "m", batch), want, rtol=1e-6, atol=1e-7)
+    assert len({round(float(v), 6) for v in want[-3:, 0]}) > 1  # not one zero row for all
 
 
 def _contents(path: Path) -> tuple[dict, dict, dict, list]:
@@ -200,9 +232,10 @@ def _dense(model: keras.Model) -> dict[str, np.ndarray]:
     return {v.path: v.numpy() for v in dense_variables(model)}
 
 
-def test_deltas_applied_in_order_give_the_newer_full_export(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fallback", [0, 8])
+def test_deltas_applied_in_order_give_the_newer_full_export(tmp_path: Path, fallback: int) -> None:
     model = _two_tower(True)
-    servers = _servers(model)
+    servers = _servers(model, fallback)
     fp = _fp(model)
     write_export(model, _states(servers), tmp_path / "v1", [1], fp)
     for old, new in ((1, 3), (3, 5)):  # a version between: rows trained then, not since

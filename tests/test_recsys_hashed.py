@@ -60,7 +60,7 @@ def test_the_dynamic_model_trains_in_one_process_past_popularity(strings: bool) 
     from downpour.examples.recsys_hashed import hashed_spec, train_one_process
 
     log = generate(SHORT)
-    got = train_one_process(hashed_spec(SHORT, strings=strings, capacity=1 << 15), 1)
+    got = train_one_process(hashed_spec(SHORT, strings=strings, max_rows=1 << 15), 1)
     assert got > log.popularity_auc() + 0.05, (got, log.popularity_auc())
     assert got < log.oracle_auc()
 
@@ -74,7 +74,7 @@ def test_data_clicks_hashed_writes_the_files_the_hashed_spec_reads(tmp_path: Pat
     assert cli_main(["data", "clicks", str(out), "--hashed", *size, "--shards", "2"]) == 0
     config = read_config(out)
     assert config == replace(HASHED, users=3000, items=300, events=4000, held_out=500)
-    model_spec = hashed_spec(config, capacity=4096)
+    model_spec = hashed_spec(config, max_rows=4096)
     assert model_spec.input_fn is not None and model_spec.held_out_fn is not None
     seen = [
         (u, i)

@@ -176,7 +176,7 @@ def test_a_two_shard_clusters_tables_in_status_json_and_metrics(
     shards' tables; each shard's ``/metrics`` carries every number of its entries."""
     spec = "tiny_models:dynamic_dict"
     config = {"optimizer": "adagrad", "learning_rate": 0.5, "admit_after": 2,
-              "table_capacity": 40, "metrics_port": 0}  # fmt: skip
+              "table_rows_per_shard": 40, "admission": "always", "metrics_port": 0}  # fmt: skip
     with (
         serving(spec, shard=0, num_shards=2, **config) as s0,
         serving(spec, shard=1, num_shards=2, **config) as s1,

@@ -253,7 +253,7 @@ def _form_model(form: str, dynamic: bool = False, rows: int = DYNAMIC_ROWS) -> k
     tokens = keras.Input((6,), dtype="int64" if dynamic else "int32", name="tokens")
     side = keras.Input((2,), name="side")
     table = (
-        DynamicEmbedding(8, capacity=rows, name="embed")
+        DynamicEmbedding(8, max_rows=rows, name="embed")
         if dynamic
         else keras.layers.Embedding(EMBED_VOCAB, 8, name="embed")
     )

@@ -135,9 +135,12 @@ class Server:
             shard=config.shard,
             num_shards=config.num_shards,
             table_options=TableOptions(
-                config.admit_after,
-                config.table_capacity,
+                config.table_rows_per_shard,
+                config.fallback_rows,
                 config.evict_policy,
+                config.admission,
+                config.admit_after,
+                config.admit_init,
                 config.evict_idle_versions,
             ),
         )

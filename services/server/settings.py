@@ -40,12 +40,11 @@ from downpour.net.transport import is_loopback
 from downpour.server.job import JOB_TIMEOUT_S, LINGER_AFTER_DONE_S
 from downpour.server.policies.base import Policy, parse_policy
 from downpour.server.registry import FORGET_AFTER_S, MAX_WORKERS
+from downpour.tables.policy import ADMISSIONS, ADMIT_INITS, ADMIT_MAX, EVICT_POLICIES
 
 OPTIMIZERS = ("adam", "adagrad", "sgd", "lazy_adam")  # --optimizer; downpour.server.state
 BETA_1_OPTIMIZERS = ("adam", "lazy_adam")  # those with a beta_1 (a Keras Adam) to set
-EVICT_POLICIES = ("lru", "lfu")  # --evict-policy; downpour.server.tables.table
 MAX_PULL_ROWS = 1 << 20
-ADMIT_MAX = 255  # a count-min sketch counter saturates there (downpour.server.tables.sketch)
 
 
 def policy_text(text: str) -> str:
@@ -139,31 +138,56 @@ SERVER_OPTIONS: tuple[Option, ...] = (
         metavar="N",
     ),
     Option(
-        "admit_after",
-        1,
-        "a dynamic table stores an id's row once the id was seen N times (counted in a "
-        "count-min sketch); before, it reads its initial value and its gradients are dropped "
-        "(counted: refused)",
-        _DYN,
-        type=at_least(1),
-        metavar="N",
-    ),
-    Option(
-        "table_capacity",
+        "table_rows_per_shard",
         None,
-        "rows a dynamic table keeps on this shard at most; past it the table evicts down to "
-        "90 percent of it by --evict-policy (default: no bound)",
+        "rows each dynamic table keeps on this shard, its own and its fallback rows (default: "
+        "the layer's max_rows split over the shards)",
         _DYN,
         type=at_least(1),
         metavar="ROWS",
     ),
     Option(
+        "fallback_rows",
+        None,
+        "each dynamic table's fallback rows over all shards, shared by hashing as "
+        "keras.layers.Hashing shares bins: a count, or a fraction of max_rows below 1 "
+        "(default: the layer's)",
+        _DYN,
+        type=non_negative(),
+        metavar="N|FRACTION",
+    ),
+    Option(
         "evict_policy",
-        "lru",
-        "which rows a full dynamic table evicts first: least recently updated (lru) or least "
-        "often touched (lfu)",
+        None,
+        "which row a full dynamic table gives up: least recently updated (lru) or least "
+        "frequently touched, by its decayed count (lfu) (default: the layer's)",
         _DYN,
         choices=EVICT_POLICIES,
+    ),
+    Option(
+        "admission",
+        None,
+        "what a new id must do to take a row from a full dynamic table: beat the victim's "
+        "frequency (victim) or nothing (always) (default: the layer's)",
+        _DYN,
+        choices=ADMISSIONS,
+    ),
+    Option(
+        "admit_after",
+        None,
+        "touches an id needs before it may take a row of its own; until then it reads and "
+        "trains its fallback row, or reads its initial value (default: the layer's)",
+        _DYN,
+        type=at_least(1),
+        metavar="N",
+    ),
+    Option(
+        "admit_init",
+        None,
+        "what a newly admitted row starts from: its fallback row's value (fallback) or its "
+        "own initial value (initial) (default: the layer's)",
+        _DYN,
+        choices=ADMIT_INITS,
     ),
     Option(
         "evict_idle_versions",
@@ -414,7 +438,10 @@ def validate_server(cfg: ServerConfig, model: ModelFacts | None = None) -> None:
             "--export-every needs the whole model; a shard (--num-shards > 1) holds part of it: "
             "the job's chief exports from every shard (downpour job)"
         )
-    if cfg.admit_after > ADMIT_MAX:
+    fb = cfg.fallback_rows
+    if fb is not None and fb >= 1 and fb != int(fb):
+        problems.append(f"--fallback-rows is a count or a fraction below 1, not {fb:g}")
+    if cfg.admit_after is not None and cfg.admit_after > ADMIT_MAX:
         problems.append(
             f"--admit-after counts up to {ADMIT_MAX} sightings of an id, not {cfg.admit_after}"
         )

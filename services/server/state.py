@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
+from downpour.config.settings import ConfigError
 from downpour.layers import DynamicEmbedding, served
 from downpour.memory.buffers import aligned_empty
 from downpour.memory.tensors import as_array
@@ -50,6 +51,7 @@ from downpour.server.policies.base import ALL, DENSE, ROWS, ApplyPart
 from downpour.server.tables.rows import ROW_WISE, make_optimizer, row_optimizer, row_update
 from downpour.server.tables.table import DynamicTable
 from downpour.spec import ModelSpec
+from downpour.tables.policy import TablePolicy
 from downpour.wire import (
     BFloat16,
     Keyed,
@@ -91,13 +93,25 @@ STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float
 
 @dataclass(frozen=True)
 class TableOptions:
-    """How a server keeps its dynamic tables' rows (``--admit-after``, ``--table-capacity``,
-    ``--evict-policy``, ``--evict-idle-versions``; ``downpour.server.tables.table``)."""
+    """The server's overrides of its dynamic tables' declared policies, each applied to
+    every table when set (None: the layer's ``TablePolicy`` holds): ``--table-rows-per-shard``,
+    ``--fallback-rows``, ``--evict-policy``, ``--admission``, ``--admit-after``,
+    ``--admit-init``; and ``--evict-idle-versions`` (``downpour.server.tables.table``)."""
 
-    admit_after: int = 1
-    capacity: int | None = None
-    policy: str = "lru"
+    shard_rows: int | None = None
+    fallback_rows: float | None = None
+    evict: str | None = None
+    admission: str | None = None
+    admit_after: int | None = None
+    admit_init: str | None = None
     idle_versions: int | None = None
+
+    def policy(self, declared: TablePolicy) -> TablePolicy:
+        """``declared`` (a layer's) with these overrides."""
+        return declared.with_overrides(
+            fallback_rows=self.fallback_rows, evict=self.evict, admission=self.admission,
+            admit_after=self.admit_after, admit_init=self.admit_init,
+        )  # fmt: skip
 
 
 DYNAMIC_OPTIMIZER = {  # --optimizer -> its dynamic tables' row-wise kind (Adam's: lazy)
@@ -113,7 +127,7 @@ class _Unheld:
     ``DynamicTable`` holds them); an id -> slot table for tracing the model."""
 
     def __init__(self, layer: DynamicEmbedding) -> None:
-        self.capacity = layer.capacity
+        self.capacity = layer.declared_rows  # the declared shape: the fingerprint's
         self.table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int32, default_value=-1)
 
 
@@ -408,19 +422,29 @@ class ParameterState:
         return parts, row_sparse
 
     def _new_table(self, layer: DynamicEmbedding) -> DynamicTable:
-        """This shard's empty store of ``layer``'s rows."""
+        """This shard's empty store of ``layer``'s rows, within the layer's policy and the
+        server's overrides."""
         config = {"optimizer": self.table_optimizer, "rule": layer.rule, "seed": layer.seed}
-        return DynamicTable(layer.name, layer.dim, **config, **self._kept_by())
+        try:
+            config |= self._split(self.table_options.policy(layer.policy))
+            return DynamicTable(layer.name, layer.dim, **config)
+        except ValueError as exc:  # the layer's budget with this server's settings
+            raise ConfigError(f"dynamic table {layer.name!r}: {exc}") from None
 
-    def _kept_by(self) -> dict[str, object]:
-        """The server's admission and capacity settings, as ``DynamicTable`` takes them."""
-        o = self.table_options
-        return {"admit_after": o.admit_after, "capacity": o.capacity, "policy": o.policy}
+    def _split(self, policy: TablePolicy) -> dict[str, object]:
+        """How ``DynamicTable`` takes ``policy`` on this shard of this partition."""
+        return {
+            "policy": policy,
+            "num_shards": self.partition.num_shards,
+            "shard": self.shard,
+            "shard_rows": self.table_options.shard_rows,
+        }
 
     def table_config(self, path: str) -> dict[str, object]:
         """The keyword arguments that rebuild table ``path`` (``DynamicTable.from_state``)."""
         table = self.tables[path]
-        return {"optimizer": table.opt, "rule": table.rule, "seed": table.seed} | self._kept_by()
+        config = {"optimizer": table.opt, "rule": table.rule, "seed": table.seed}
+        return config | self._split(table.policy)
 
     def _trace_apply_step(self, fixed: Sequence[int]) -> tf.types.experimental.ConcreteFunction:
         """The compiled apply step of the fixed variables ``fixed`` (wire indices), traced
@@ -639,15 +663,17 @@ class ParameterState:
 
     def table_status(self) -> dict[str, dict[str, object]]:
         """Per dynamic table (by path): its live rows, bytes, counters and settings."""
-        o = self.table_options
         return {
             path: t.stats()
             | {
                 "optimizer": t.opt.kind,
-                "admit_after": o.admit_after,
-                "capacity": o.capacity,
-                "evict_policy": o.policy,
-                "evict_idle_versions": o.idle_versions,
+                "capacity": t.capacity,
+                "max_rows": t.policy.max_rows,
+                "admit_after": t.policy.admit_after,
+                "evict_policy": t.policy.evict,
+                "admission": t.policy.admission,
+                "admit_init": t.policy.admit_init,
+                "evict_idle_versions": self.table_options.idle_versions,
             }
             for path, t in self.tables.items()
         }

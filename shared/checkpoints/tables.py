@@ -12,7 +12,7 @@ export and serving read a set's tables joined over its shards (``tables_from_che
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,12 +29,34 @@ def table_key(path: str, field: str) -> str:
 
 
 SERVED_FIELDS = ("ids", "rows", "versions")  # what serving reads of each table
+FALLBACK_FIELDS = ("fallback_index", "fallback_rows")  # a shard's fallback rows, by number g
+
+
+def joined_fallback(path: str, states: Sequence[Mapping[str, np.ndarray]]) -> np.ndarray:
+    """A table's fallback rows over all shards, row g the fallback row g, from each shard's
+    ``fallback_index`` (the numbers g it holds) and ``fallback_rows``; ``(0, dim)`` for a
+    table without. CheckpointError unless every number from 0 to B - 1 is held once."""
+    have = [s for s in states if "fallback_index" in s and np.asarray(s["fallback_index"]).size]
+    dim = np.asarray(states[0]["rows"]).shape[1]
+    if not have:
+        return np.zeros((0, dim), np.asarray(states[0]["rows"]).dtype)
+    index = np.concatenate([np.asarray(s["fallback_index"], np.int64) for s in have])
+    rows = np.concatenate([np.asarray(s["fallback_rows"]) for s in have])
+    if not np.array_equal(np.sort(index), np.arange(index.size)):
+        raise CheckpointError(
+            f"dynamic table {path}: the shards' fallback rows are not each of 0..B-1 once "
+            f"({index.size} rows held): a shard's checkpoint missing?"
+        )
+    out = np.empty_like(rows)
+    out[index] = rows
+    return out
 
 
 def tables_from_checkpoints(checkpoints: Sequence[Any]) -> dict[str, dict[str, np.ndarray]]:
     """Each dynamic table's live ``ids``, ``rows`` and ``versions``, every shard's joined,
-    from checkpoints holding ``dynamic/<path>/<field>`` (a ``DynamicTable.export_state``
-    per table and shard). CheckpointError for a field missing or an id on two shards."""
+    and its ``fallback`` rows (``joined_fallback``), from checkpoints holding
+    ``dynamic/<path>/<field>`` (a ``DynamicTable.export_state`` per table and shard).
+    CheckpointError for a field missing or an id on two shards."""
     parts: dict[str, list[dict[str, np.ndarray]]] = {}
     for c in checkpoints:
         found: dict[str, dict[str, np.ndarray]] = {}
@@ -50,6 +72,7 @@ def tables_from_checkpoints(checkpoints: Sequence[Any]) -> dict[str, dict[str, n
     out = {}
     for path, states in parts.items():
         out[path] = {f: np.concatenate([s[f] for s in states]) for f in SERVED_FIELDS}
+        out[path]["fallback"] = joined_fallback(path, states)
         if np.unique(out[path]["ids"]).size != out[path]["ids"].size:
             raise CheckpointError(f"dynamic table {path}: an id is held by two checkpoints")
     return out

@@ -4,7 +4,7 @@ The log is ``downpour.examples.clicks.HASHED``: user and item ids are 64-bit has
 negative and huge values included) of a million users and 50,000 items, Zipf-drawn over
 240,000 impressions (20,000 held out), so the id space (2**64) is far larger than any table
 and most ids are seen once. The model is ``downpour.examples.recsys``'s, its four tables
-``downpour.layers.DynamicEmbedding`` layers (``CAPACITY`` rows each) instead of
+``downpour.layers.DynamicEmbedding`` layers (``MAX_ROWS`` rows each) instead of
 ``keras.layers.Embedding``: an id gets its row the first time it is seen, at an initial value
 that depends on (seed, layer, id) only.
 
@@ -42,13 +42,13 @@ from downpour.examples.recsys import (
 )
 from downpour.layers import DynamicEmbedding
 
-__all__ = ["CAPACITY", "build_model", "hashed_spec", "main", "spec", "strings", "train_one_process"]
+__all__ = ["MAX_ROWS", "build_model", "hashed_spec", "main", "spec", "strings", "train_one_process"]
 
-CAPACITY = 1 << 16  # rows per table: the log has 48,047 distinct users and 23,904 items
+MAX_ROWS = 1 << 16  # rows per table: the log has 48,047 distinct users and 23,904 items
 
 
-def build_model(capacity: int = CAPACITY, dim: int = DIM, strings: bool = False) -> keras.Model:
-    """recsys's factorization model on ``DynamicEmbedding`` tables of ``capacity`` rows, its
+def build_model(max_rows: int = MAX_ROWS, dim: int = DIM, strings: bool = False) -> keras.Model:
+    """recsys's factorization model on ``DynamicEmbedding`` tables of ``max_rows`` rows, its
     inputs int64 ids, or strings with ``strings``."""
     dtype = "string" if strings else "int64"
     user = keras.Input((), dtype=dtype, name="user")
@@ -56,7 +56,7 @@ def build_model(capacity: int = CAPACITY, dim: int = DIM, strings: bool = False)
     init = keras.initializers.RandomNormal(stddev=0.05)
 
     def table(width: int, initializer: object, name: str) -> DynamicEmbedding:
-        return DynamicEmbedding(width, capacity, embeddings_initializer=initializer, name=name)
+        return DynamicEmbedding(width, max_rows, embeddings_initializer=initializer, name=name)
 
     u = table(dim, init, "user_factors")(user)
     i = table(dim, init, "item_factors")(item)
@@ -66,14 +66,14 @@ def build_model(capacity: int = CAPACITY, dim: int = DIM, strings: bool = False)
 
 
 def hashed_spec(
-    config: ClickConfig = HASHED, *, strings: bool = False, capacity: int = CAPACITY
+    config: ClickConfig = HASHED, *, strings: bool = False, max_rows: int = MAX_ROWS
 ) -> ModelSpec:
-    """The example's ModelSpec for a hashed log of ``config``'s shape: ``capacity`` rows per
+    """The example's ModelSpec for a hashed log of ``config``'s shape: ``max_rows`` rows per
     table, 16 dims; ``strings``: the ids as decimal strings."""
     return make_spec(
         config,
         f"recsys_hashed{'_strings' if strings else ''}",
-        build=functools.partial(build_model, capacity, DIM, strings),
+        build=functools.partial(build_model, max_rows, DIM, strings),
         features=as_strings if strings else None,
     )
 

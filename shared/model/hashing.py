@@ -1,15 +1,15 @@
 """64-bit mixing for ids: the one function that spreads ids over shards and keys their values.
 
 ``mix64`` is SplitMix64's finaliser; ``id_shard`` routes an id of a dynamic table to the
-shard that owns it. NumPy only, so anything may import it.
+shard that owns it; ``as_ids`` checks an array of ids. NumPy only, so anything may import it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+MIX64_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # SplitMix64's finaliser
+_M1, _M2 = (np.uint64(m) for m in MIX64_MULTIPLIERS)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -29,3 +29,14 @@ def id_shard(ids: np.ndarray, num_shards: int) -> np.ndarray:
     if num_shards == 1:
         return np.zeros(ids.shape, np.int64)
     return (mix64(ids.view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def as_ids(ids: object) -> np.ndarray:
+    """``ids`` as a 1-D int64 array; ValueError for anything else (another rank, a
+    non-integer dtype, unsigned values past 2**63 - 1)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"ids must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError("ids must fit int64")
+    return arr.astype(np.int64, copy=False)

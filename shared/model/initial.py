@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from downpour.memory.buffers import aligned_empty
-from downpour.model.hashing import mix64
+from downpour.model.hashing import as_ids, mix64
 
 log = logging.getLogger("downpour")
 
@@ -169,17 +169,6 @@ def _normal01(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def as_ids(ids: object) -> np.ndarray:
-    """``ids`` as a 1-D int64 array; ValueError for anything else (another rank, a
-    non-integer dtype, unsigned values past 2**63 - 1)."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"ids must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}")
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise ValueError("ids must fit int64")
-    return arr.astype(np.int64, copy=False)
-
-
 def initial_rows(
     rule: Rule, seed: int, table: str, ids: np.ndarray, dim: int, dtype: str = "float32"
 ) -> np.ndarray:
@@ -208,6 +197,18 @@ def initial_rows(
             keep = np.abs(z[bad_r, bad_c]) > 2.0
             bad_r, bad_c = bad_r[keep], bad_c[keep]
     return (rule.a + rule.b * z).astype(dtype)
+
+
+FALLBACK_KEY = "#fallback"  # a table's fallback rows draw as those of table + this key
+
+
+def fallback_initial_rows(
+    rule: Rule, seed: int, table: str, numbers: np.ndarray, dim: int, dtype: str = "float32"
+) -> np.ndarray:
+    """The initial values of fallback rows ``numbers`` (their number g over the table) of
+    dynamic table ``table``: a function of (seed, table, g) only, as an id's row is, so any
+    shard layout and the one process draw them alike."""
+    return initial_rows(rule, seed, table + FALLBACK_KEY, numbers, dim, dtype)
 
 
 def row_decomposable(variable: keras.Variable) -> bool:

@@ -370,7 +370,24 @@ TABLE_METRICS: tuple[MetricInfo, ...] = (
         "downpour_dynamic_table_capacity_rows",
         GAUGE,
         "",
-        "Rows a shard keeps of a dynamic table at most (--table-capacity; absent: unbounded).",
+        "Rows of their own a shard keeps of a dynamic table at most (its share of the layer's "
+        "max_rows less its fallback rows, or --table-rows-per-shard; absent: unbounded).",
+    ),
+    MetricInfo(
+        "fallback_rows",
+        "downpour_dynamic_table_fallback_rows",
+        GAUGE,
+        "",
+        "Fallback rows a shard keeps of a dynamic table: the ids without rows of their own "
+        "read and train them, mix64(id) mod B.",
+    ),
+    MetricInfo(
+        "max_rows",
+        "downpour_dynamic_table_max_rows",
+        GAUGE,
+        "",
+        "The table's row budget over all shards, its own and fallback rows (the layer's "
+        "max_rows; absent: unbounded).",
     ),
     MetricInfo(
         "evict_idle_versions",
@@ -395,8 +412,9 @@ TABLE_EVENTS = MetricInfo(
     COUNTER,
     "",
     "Dynamic table events, by kind: every count the table reports (inserted, admitted, "
-    "refused gradient rows of ids not yet admitted, evicted_idle, evicted_capacity, bad_input, "
-    "...); a count by reason as <count>.<reason>.",
+    "refused lookups, refused_victim of them lost to the victim, evicted_idle, "
+    "evicted_capacity, readmitted, fallback_lookups, bad_input, ...); a count by reason as "
+    "<count>.<reason>.",
 )
 TABLE_SIZES = ("live_rows", "bytes")  # of TABLE_METRICS, the sizes; the others are settings
 

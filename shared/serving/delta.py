@@ -12,18 +12,19 @@ state at versions ``to``, a directory of two files:
   export or whose row was updated at or after its shard's ``from`` version, with their rows:
   a row stamped with the export's own version may have changed after it was taken, so it is
   sent again), ``<key>/tombstones`` (ids the full export holds and the state no longer does:
-  evicted); and ``dense/<i>``, the i-th of ``dense`` whole (dense variables are small),
-  except for a fixed Embedding table (the export's ``fixed_tables``): its changed rows go as
-  ``fixed/<i>/ids`` (row indices) and ``fixed/<i>/rows``, a row being changed when any of its
-  values differs from the full export's (``delta.json``'s ``fixed``: per path, ``index`` i and
-  the count ``changed``).
+  evicted), and ``<key>/fallback``, a table's fallback rows whole (they are few, and every
+  refused id trains them); and ``dense/<i>``, the i-th of ``dense`` whole (dense variables
+  are small), except for a fixed Embedding table (the export's ``fixed_tables``): its changed
+  rows go as ``fixed/<i>/ids`` (row indices) and ``fixed/<i>/rows``, a row being changed when
+  any of its values differs from the full export's (``delta.json``'s ``fixed``: per path,
+  ``index`` i and the count ``changed``).
 
-Applying it: drop the tombstones, then insert or overwrite each changed id's row, overwrite
-the changed rows of the fixed tables and replace the other dense variables; an unknown id
-keeps reading the zero row. Deltas apply in order: one whose
-``from_version`` is not the export's version is refused. ``apply_delta`` does exactly this to a
-full export with TensorFlow alone and writes the newer full export, which equals the full
-export taken at ``to_version``.
+Applying it: drop the tombstones, then insert or overwrite each changed id's row, replace
+each table's fallback rows, overwrite the changed rows of the fixed tables and replace the
+other dense variables; an unknown id keeps reading its fallback row (or the zero row). Deltas
+apply in order: one whose ``from_version`` is not the export's version is refused.
+``apply_delta`` does exactly this to a full export with TensorFlow alone and writes the newer
+full export, which equals the full export taken at ``to_version``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ def write_delta(
         changed = changed_rows(table, old_ids[path], old["versions"])
         arrays[f"{key}/ids"], arrays[f"{key}/rows"] = table.ids[changed], table.rows[changed]
         arrays[f"{key}/tombstones"] = old_ids[path][~np.isin(old_ids[path], table.ids)]
+        if int(record.get("fallback_rows", 0)) != table.fallback.shape[0]:
+            raise ServingError(
+                f"table {path}: {old_dir} holds {record.get('fallback_rows', 0)} fallback rows, "
+                f"the state {table.fallback.shape[0]}: take a full export"
+            )
+        if table.fallback.shape[0]:
+            arrays[f"{key}/fallback"] = table.fallback
         records[path] = record | {
             "changed": int(changed.sum()),
             "tombstones": int(arrays[f"{key}/tombstones"].size),
@@ -199,6 +207,8 @@ def apply_delta(old_dir: str | Path, delta_dir: str | Path, out_dir: str | Path)
             table_handle=index, keys=table.ids, values=np.arange(1, table.ids.size + 1)
         )
         loaded.rows[key].assign(with_default_row(table.rows))
+        if f"{key}/fallback" in arrays:
+            loaded.fallback[key].assign(arrays[f"{key}/fallback"])
         new_ids[key] = table.ids
     fixed = {int(r["index"]) for r in delta.get("fixed", {}).values()}
     for i, variable in enumerate(loaded.dense):

@@ -3,13 +3,15 @@
 A ``downpour.layers.DynamicEmbedding`` creates a row on first touch and draws its initial
 value in NumPy: neither belongs in a serving graph. ``serving_module`` clones the Keras model
 with every such layer replaced by ``TableLookup``: the table's live ids (gathered from every
-shard) map through a TensorFlow hash table to a row of a rows variable, and an id the table
-does not hold reads the **default row, zeros**. An unknown id carries no information; in
-training it would read its initial value, a random draw, which a serving model should not
-invent. A layer fed strings hashes them with ``downpour.layers.string_ids`` (FarmHash
-Fingerprint64), traced into the graph, so the served model needs no downpour import. A model
-without dynamic tables is served as it is (not cloned), in the same export layout, so that
-delta exports (``downpour.serving.delta``) follow it too.
+shard) map through a TensorFlow hash table to a row of a rows variable. An id the table does
+not hold reads its **fallback row** in a table with fallback rows (``mix64(id) mod B``, the row
+it read and trained during training, computed in the graph with uint64 arithmetic), and the
+**default row, zeros**, in one without: an unknown id carries no information; in training it
+would read its initial value, a random draw, which a serving model should not invent. A
+layer fed strings hashes them with ``downpour.layers.string_ids`` (FarmHash Fingerprint64),
+traced into the graph, so the served model needs no downpour import. A model without dynamic
+tables is served as it is (not cloned), in the same export layout, so that delta exports
+(``downpour.serving.delta``) follow it too.
 
 The hash table is a ``tf.lookup.experimental.MutableHashTable`` that serving only reads: its
 contents are saved in the SavedModel's variables (not as constants in the graph, which caps a
@@ -21,13 +23,15 @@ A full export is a SavedModel directory (``tf.saved_model.load(dir).serve(batch)
 
 - ``tables[key]``: the hash table, id -> row index (1-based; index 0 is the default row);
 - ``rows[key]``: the rows, ``(n + 1, dim)``, row 0 zeros, row i + 1 the i-th smallest id's;
+- ``fallback[key]``: a table's fallback rows ``(B, dim)``, row g the fallback row g (a table
+  without fallback rows has none);
 - ``dense``: the model's other variables, in the order ``assets.extra`` records their paths
   (a fixed ``keras.layers.Embedding`` table among them, listed in ``fixed_tables``);
 
 and, for a delta export (``downpour.serving.delta``) computed from it later, ``assets.extra/``:
 ``downpour_export.json`` (``EXPORT_META``: format, model fingerprint, per-shard versions,
-per-table key/layer/dim/dtype, dense paths, ``fixed_tables``) and ``downpour_ids.npz`` (each
-table's ids, ascending, under its key).
+per-table key/layer/dim/dtype/fallback_rows, dense paths, ``fixed_tables``) and
+``downpour_ids.npz`` (each table's ids, ascending, under its key).
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from downpour.checkpoints.tables import SERVED_FIELDS
+from downpour.checkpoints.tables import SERVED_FIELDS, joined_fallback
 from downpour.layers import DynamicEmbedding, string_ids
+from downpour.model.hashing import MIX64_MULTIPLIERS, mix64
 
 FORMAT = "downpour-export"
 FORMAT_VERSION = 1
@@ -60,16 +65,51 @@ class ServingError(ValueError):
 @dataclass
 class Table:
     """One dynamic table's live rows, every shard's together: ``ids`` (int64, unique) with
-    their ``rows`` (n, dim) and the version each was last updated at (``versions``)."""
+    their ``rows`` (n, dim) and the version each was last updated at (``versions``); and its
+    fallback rows, row g the fallback row g over the table (``(0, dim)`` for none)."""
 
     ids: np.ndarray
     rows: np.ndarray
     versions: np.ndarray
+    fallback: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.fallback is None:
+            self.fallback = np.zeros((0, self.rows.shape[1]), self.rows.dtype)
 
     def sorted(self) -> Table:
         """The same rows in ascending id order (the order of a full export)."""
         order = np.argsort(self.ids, kind="stable")
-        return Table(self.ids[order], self.rows[order], self.versions[order])
+        return Table(self.ids[order], self.rows[order], self.versions[order], self.fallback)
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """What the served table returns for unique ``ids``: their rows, an unknown id its
+        fallback row, or zeros in a table without fallback rows."""
+        rows = np.zeros((ids.size, self.rows.shape[1]), self.rows.dtype)
+        if self.fallback.shape[0]:
+            rows[:] = self.fallback[fallback_number(ids, self.fallback.shape[0])]
+        order = np.argsort(self.ids)
+        pos = np.searchsorted(self.ids, ids, sorter=order).clip(max=max(self.ids.size - 1, 0))
+        known = self.ids[order][pos] == ids if self.ids.size else np.zeros(ids.size, bool)
+        rows[known] = self.rows[order][pos[known]]
+        return rows
+
+
+def fallback_number(ids: np.ndarray, fallback_rows: int) -> np.ndarray:
+    """The fallback row g of each int64 id: ``mix64(id) mod B`` (``downpour.tables.rowmap``)."""
+    g = mix64(np.asarray(ids, np.int64).view(np.uint64)) % np.uint64(fallback_rows)
+    return g.astype(np.int64)
+
+
+def mix64_tf(ids: tf.Tensor) -> tf.Tensor:
+    """``downpour.model.hashing.mix64`` of int64 ``ids`` in TensorFlow ops (uint64 wrapping
+    arithmetic): the serving graph computes an id's fallback row as training did."""
+    x = tf.bitcast(ids, tf.uint64)
+    m1, m2 = (tf.constant(int(m), tf.uint64) for m in MIX64_MULTIPLIERS)
+    for shift, mult in ((30, m1), (27, m2)):
+        x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(shift, tf.uint64)))
+        x = x * mult
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(31, tf.uint64)))
 
 
 def dynamic_layers(model: keras.Model) -> dict[str, DynamicEmbedding]:
@@ -99,16 +139,26 @@ def fixed_tables(model: keras.Model) -> list[str]:
 
 class TableLookup(keras.layers.Layer):
     """A DynamicEmbedding for serving: ids (int or string) -> rows of ``rows`` through
-    ``table`` (id -> row index, 0 for an unknown id: the zero row)."""
+    ``table`` (id -> row index, 0 for an unknown id), an unknown id reading its row of
+    ``fallback`` when given (else the zero row)."""
 
-    def __init__(self, table: Any, rows: tf.Variable, dim: int, **kwargs: Any) -> None:
+    def __init__(
+        self, table: Any, rows: tf.Variable, dim: int, fallback: tf.Variable | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
-        self.table, self.rows, self.dim = table, rows, dim
+        self.table, self.rows, self.dim, self.fallback = table, rows, dim, fallback
 
     def call(self, inputs: Any) -> tf.Tensor:
         ids = string_ids(inputs) if inputs.dtype == tf.string else tf.cast(inputs, tf.int64)
         slots = tf.reshape(self.table.lookup(ids), tf.shape(ids))
-        rows = tf.cast(tf.gather(self.rows, slots), self.compute_dtype)
+        rows = tf.gather(self.rows, slots)
+        if self.fallback is not None:
+            b = tf.constant(int(self.fallback.shape[0]), tf.uint64)
+            g = tf.cast(tf.math.floormod(mix64_tf(ids), b), tf.int64)
+            unknown = tf.expand_dims(slots == 0, -1)
+            rows = tf.where(unknown, tf.gather(self.fallback, g), rows)
+        rows = tf.cast(rows, self.compute_dtype)
         return tf.ensure_shape(rows, ids.shape.concatenate([self.dim]))
 
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
@@ -151,7 +201,7 @@ def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.
     if missing:
         raise ServingError(f"no rows given for the dynamic table(s) {missing}")
     module, records, lookups = tf.Module(), {}, {}
-    module.tables, module.rows = {}, {}
+    module.tables, module.rows, module.fallback = {}, {}, {}
     for i, (path, layer) in enumerate(sorted(layers.items())):
         key, table = f"t{i}", tables[path].sorted()
         if table.rows.ndim != 2 or table.rows.shape[1] != layer.dim:
@@ -159,10 +209,14 @@ def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.
                 f"table {path}: rows of shape {table.rows.shape} for a layer of dim {layer.dim}"
             )
         module.tables[key], module.rows[key] = new_lookup(key, table)
-        lookups[id(layer)] = TableLookup(module.tables[key], module.rows[key], layer.dim,
+        fallback = None
+        if table.fallback.shape[0]:
+            fallback = module.fallback[key] = tf.Variable(table.fallback, name=f"{key}_fallback")
+        lookups[id(layer)] = TableLookup(module.tables[key], module.rows[key], layer.dim, fallback,
                                          name=layer.name, dtype=layer.dtype_policy)  # fmt: skip
         records[path] = {"key": key, "layer": layer.name, "dim": layer.dim,
-                         "dtype": np.dtype(table.rows.dtype).name}  # fmt: skip
+                         "dtype": np.dtype(table.rows.dtype).name,
+                         "fallback_rows": int(table.fallback.shape[0])}  # fmt: skip
     try:
         served = (
             model
@@ -237,18 +291,11 @@ def read_export(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
 
 def hold_rows(layer: DynamicEmbedding, ids: np.ndarray, rows: np.ndarray) -> None:
     """Make ``layer`` hold exactly ``ids`` (unique int64) with ``rows``: the Keras model then
-    computes what the served one does for these ids. ServingError over the layer's capacity."""
-    if ids.size > layer.capacity:
-        raise ServingError(
-            f"layer {layer.name!r} holds at most {layer.capacity} ids, {ids.size} given"
-        )
-    held, _ = layer.index.export()
-    layer.index.remove(held)
-    layer.index.insert(ids, np.arange(ids.size, dtype=np.int64))
-    layer.embeddings.assign(
-        np.concatenate([rows, np.zeros((layer.capacity - ids.size, layer.dim), rows.dtype)])
-    )
-    layer.rows_used.assign(ids.size)
+    computes what the served one does for these ids. ServingError over the rows it holds."""
+    try:
+        layer.hold(ids, rows)
+    except ValueError as exc:
+        raise ServingError(str(exc)) from None
 
 
 def layer_ids(model: keras.Model, batch: Any) -> dict[str, np.ndarray]:
@@ -268,16 +315,10 @@ def layer_ids(model: keras.Model, batch: Any) -> dict[str, np.ndarray]:
 
 def reference_outputs(model: keras.Model, tables: Mapping[str, Table], batch: Any) -> np.ndarray:
     """What the served model must return for ``batch``: ``model`` with each DynamicEmbedding
-    holding the table's rows of the batch's ids, zeros for ids the table lacks."""
+    holding what the served table reads for the batch's ids (``Table.read``)."""
     layers = dynamic_layers(model)
     for path, ids in layer_ids(model, batch).items():
-        table, layer = tables[path], layers[path]
-        rows = np.zeros((ids.size, layer.dim), table.rows.dtype)
-        order = np.argsort(table.ids)
-        pos = np.searchsorted(table.ids, ids, sorter=order).clip(max=max(table.ids.size - 1, 0))
-        known = table.ids[order][pos] == ids if table.ids.size else np.zeros(ids.size, bool)
-        rows[known] = table.rows[order][pos[known]]
-        hold_rows(layer, ids, rows)
+        hold_rows(layers[path], ids, tables[path].read(ids))
     return np.asarray(model(batch, training=False))
 
 
@@ -287,5 +328,10 @@ def remove_export(out: Path) -> None:
 
 
 def as_table(state: Mapping[str, np.ndarray]) -> Table:
-    """A ``Table`` of a ``DynamicTable.export_state`` (or ``tables_from_checkpoints``) dict."""
-    return Table(*(np.asarray(state[f]) for f in SERVED_FIELDS))
+    """A ``Table`` of a ``DynamicTable.export_state`` of the only shard, or a
+    ``tables_from_checkpoints`` dict (``fallback``: the fallback rows in g order)."""
+    fallback = state.get("fallback")
+    if fallback is None and "fallback_index" in state:
+        fallback = joined_fallback("the only shard's table", [state])
+    return Table(*(np.asarray(state[f]) for f in SERVED_FIELDS),
+                 None if fallback is None else np.asarray(fallback))  # fmt: skip

@@ -23,7 +23,7 @@ import numpy as np
 from downpour import ModelSpec
 from downpour.inputs.data import Dataset
 from downpour.layers import DynamicEmbedding
-from downpour.model.initial import mix64
+from downpour.model.hashing import mix64
 
 DIM = 16  # float32 columns: 64 bytes a row, 64 more for its Adagrad slot; 20M rows fit
 LAYER = "table"  # the layer's name: it keys the rows' initial values

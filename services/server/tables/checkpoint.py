@@ -27,8 +27,13 @@ versions and counts. An id of old shard ``k`` (of S') is on new shard ``s`` only
   dim, dtype or optimizer, a malformed record, a recorded array the file lacks or whose shape
   disagrees, ids saved by a shard that does not hold them.
 
-A table restored over its ``capacity`` (fewer shards) keeps every row until its next apply
-evicts down to the capacity; this is logged.
+- Fallback rows: the new shard takes the fallback rows whose numbers are its own from the old
+  shards that hold them, when the old and new layouts have the same number of them (B a
+  multiple of both shard counts, ``downpour.tables.policy``); otherwise they start again from
+  their initial values, with a warning.
+
+A table restored over its capacity (onto fewer shards) evicts its weakest rows down to it at
+once; this is logged.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ import numpy as np
 from downpour.checkpoints.store import Checkpoint
 from downpour.checkpoints.tables import TABLES_META, table_key
 from downpour.model.hashing import id_shard
-from downpour.server.tables.sketch import SATURATE
-from downpour.server.tables.table import COUNTERS, EVICT_TO, DynamicTable
+from downpour.server.tables.table import DynamicTable
+from downpour.tables.rowmap import COUNTERS
+from downpour.tables.sketch import SATURATE
 
 log = logging.getLogger("downpour.server")
 
@@ -127,13 +133,21 @@ def _check_old_set(ckpts: Sequence[Checkpoint], shard: int, num_shards: int) -> 
     )
 
 
-def _expected_shapes(model: DynamicTable, rows: int, sketch: bool) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(
+    model: DynamicTable, rows: int, arrays: Mapping[str, np.ndarray]
+) -> dict[str, tuple[int, ...]]:
     """The shape each exported array must have for ``rows`` live ids of ``model`` (the
-    sketch's scalars too when it has one; the sketch's own shape is its config's)."""
+    sketch's scalars too when it has one, the fallback rows when it saved them; the sketch's
+    own shape is its config's, and a counters array may be shorter: an older checkpoint's)."""
     wide = ("rows", *(f"slot_{s}" for s in model.opt.slots))
     shapes = {f: (rows, model.dim) if f in wide else (rows,) for f in _row_fields(model)}
-    scalars = {"sketch_mass": (), "sketch_window": ()} if sketch else {}
-    return shapes | {"counters": (len(COUNTERS),)} | scalars
+    if "sketch" in arrays:
+        shapes |= {"sketch_mass": (), "sketch_window": ()}
+    if "fallback_index" in arrays:
+        b = np.shape(arrays["fallback_index"])[0]
+        shapes |= {"fallback_index": (b,), "fallback_rows": (b, model.dim)}
+        shapes |= {f"fallback_slot_{s}": (b, model.dim) for s in model.opt.slots}
+    return shapes
 
 
 def _read(ckpt: Checkpoint, path: str, rec: Any, model: DynamicTable) -> _Saved:
@@ -158,10 +172,13 @@ def _read(ckpt: Checkpoint, path: str, rec: Any, model: DynamicTable) -> _Saved:
     if lacking:
         raise ValueError(f"{what}: its metadata records {lacking}, which the file lacks")
     arrays = {f: ckpt.arrays[table_key(path, f)] for f in fields}
-    for f, shape in _expected_shapes(model, rows, "sketch" in arrays).items():
+    for f, shape in _expected_shapes(model, rows, arrays).items():
         got = arrays[f].shape if f in arrays else None
         if got != shape:
             raise ValueError(f"{what}: {f!r} must have shape {shape} ({rows} rows), got {got}")
+    counters = np.shape(arrays.get("counters", ()))
+    if len(counters) != 1 or not 1 <= counters[0] <= len(COUNTERS):
+        raise ValueError(f"{what}: 'counters' must have at most {len(COUNTERS)}, got {counters}")
     if arrays["ids"].dtype != np.int64 or arrays["rows"].dtype != model.dtype:
         raise ValueError(
             f"{what}: ids {arrays['ids'].dtype}, rows {arrays['rows'].dtype}; want int64 and "
@@ -211,6 +228,33 @@ def _merged_sketch(path: str, mine: Sequence[_Saved]) -> dict[str, np.ndarray]:
     }
 
 
+def _fallback(path: str, model: DynamicTable, mine: Sequence[_Saved]) -> dict[str, np.ndarray]:
+    """The fallback rows of the new shard (``model``'s numbers g) from the old shards that
+    hold them; none (they start at their initial values, with a warning) when the old shards
+    saved none or another number of them (B not a multiple of both shard counts)."""
+    want = model.map.fallback_index()
+    if not want.size:
+        return {}
+    have = [s for s in mine if "fallback_index" in s.arrays]
+    total = have[0].arrays["fallback_index"].size * have[0].num_shards if have else 0
+    numbers = np.concatenate([np.asarray(s.arrays["fallback_index"], np.int64) for s in have]
+                             or [np.empty(0, np.int64)])  # fmt: skip
+    if total != model.map.fallback_total or not np.isin(want, numbers).all():
+        log.warning(
+            "dynamic table %r: the checkpoints hold %d fallback rows, this layout %d: its "
+            "fallback rows start again from their initial values",
+            path, total, model.map.fallback_total,
+        )  # fmt: skip
+        return {}
+    pos = np.argsort(numbers)
+    at = pos[np.searchsorted(numbers, want, sorter=pos)]
+    fields = ("fallback_rows", *(f"fallback_slot_{s}" for s in model.opt.slots))
+    out = {"fallback_index": want}
+    for f in fields:
+        out[f] = np.concatenate([np.asarray(s.arrays[f]) for s in have])[at]
+    return out
+
+
 def _assemble(path: str, model: DynamicTable, saved: Sequence[_Saved], shard: int, n: int) -> dict:
     """The ``export_state`` arrays of new shard ``shard`` of ``n`` from the old shards'."""
     g = math.gcd(saved[0].num_shards, n)
@@ -220,8 +264,10 @@ def _assemble(path: str, model: DynamicTable, saved: Sequence[_Saved], shard: in
     counters = np.zeros(len(COUNTERS), np.int64)
     for s in mine:
         if s.shard % n == shard:
-            counters += s.arrays["counters"]
-    return state | {"counters": counters} | _merged_sketch(path, mine)
+            old = np.asarray(s.arrays["counters"], np.int64)  # an older checkpoint: fewer
+            counters[: old.size] += old
+    fallback = _fallback(path, model, mine)
+    return state | {"counters": counters} | _merged_sketch(path, mine) | fallback
 
 
 def load_tables(state: Any, ckpts: Sequence[Checkpoint]) -> dict[str, DynamicTable]:
@@ -241,14 +287,13 @@ def load_tables(state: Any, ckpts: Sequence[Checkpoint]) -> dict[str, DynamicTab
         arrays = _assemble(path, model, saved, shard, n)
         table = DynamicTable.from_state(arrays, model.name, **state.table_config(path))
         if table.capacity is not None and len(table) > table.capacity:
+            n_rows = len(table)
+            table.enforce_capacity()
             log.warning(
-                "dynamic table %r: %d rows restored, over its capacity %d: its next apply "
-                "evicts down to %d",
-                path,
-                len(table),
-                table.capacity,
-                int(EVICT_TO * table.capacity),
-            )
+                "dynamic table %r: %d rows restored, over this shard's capacity %d: the "
+                "weakest %d evicted",
+                path, n_rows, table.capacity, n_rows - len(table),
+            )  # fmt: skip
         out[path] = table
     log.info(
         "dynamic tables of shard %d of %d restored from %d checkpoint(s): %s", shard, n,

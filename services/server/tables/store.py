@@ -1,9 +1,8 @@
 """Chunked row storage for a dynamic table.
 
-``ChunkedStore`` keeps named per-slot fields (rows, optimizer slots, metadata) as lists of
-fixed-size NumPy chunks: growing adds a chunk and copies nothing; a freed slot is reused by
-the next allocation. Reads and writes group the slots by chunk once (``plan``), so a call
-costs O(slots + chunks touched).
+``ChunkedStore`` keeps named per-slot fields (a row and its optimizer slots) as lists of
+NumPy chunks: growing adds a chunk and copies nothing. Reads and writes group the slots by
+chunk once (``plan``), so a call costs O(slots + chunks touched).
 """
 
 from __future__ import annotations
@@ -32,60 +31,49 @@ class ChunkedStore:
     slots, each size doubling after ``GROW_EVERY`` chunks of it: a table of n rows has about
     ``GROW_EVERY * log2(n / chunk_rows)`` chunks, so a call whose rows are spread over the
     whole table (random ids) groups them into few chunks at any size, while the space
-    allocated and not yet used stays under about 1 / GROW_EVERY of the table."""
+    allocated and not yet used stays under about 1 / GROW_EVERY of the table. With a
+    ``limit`` (a table of known capacity) no chunk reaches past it, so a full table holds no
+    unused slot. Which slots are in use is the table's ``RowMap``'s to say; the store only
+    grows to hold them (``ensure``)."""
 
-    def __init__(self, fields: dict[str, tuple[tuple[int, ...], str]], chunk_rows: int) -> None:
+    def __init__(
+        self,
+        fields: dict[str, tuple[tuple[int, ...], str]],
+        chunk_rows: int,
+        limit: int | None = None,
+    ) -> None:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
         self.fields = {k: (tuple(s), np.dtype(d)) for k, (s, d) in fields.items()}
         self.chunk_rows = chunk_rows
+        self.limit = limit
         self._chunks: dict[str, list[np.ndarray]] = {k: [] for k in fields}
         self._starts = np.zeros(0, np.int64)  # each chunk's first slot
         self._capacity = 0
-        self._top = 0  # slots ever handed out: [0, top)
-        self._free = np.empty(0, np.int64)  # freed slots, a stack
-        self._nfree = 0
 
     @property
     def capacity(self) -> int:
         """Slots allocated in chunks."""
         return self._capacity
 
-    @property
-    def in_use(self) -> int:
-        return self._top - self._nfree
-
     def nbytes(self, name: str) -> int:
         return sum(c.nbytes for c in self._chunks[name])
 
-    @property
-    def free_nbytes(self) -> int:
-        return self._free.nbytes
+    def entry_nbytes(self) -> int:
+        """Bytes of one slot's entries in every field."""
+        return sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                   for shape, dt in self.fields.values())  # fmt: skip
 
-    def allocate(self, n: int) -> np.ndarray:
-        """``n`` slots: freed ones first, then new ones (adding chunks as needed)."""
-        reuse = min(n, self._nfree)
-        slots = self._free[self._nfree - reuse : self._nfree][::-1].copy()
-        self._nfree -= reuse
-        fresh = np.arange(self._top, self._top + n - reuse, dtype=np.int64)
-        self._top += fresh.size
-        while self._capacity < self._top:
+    def ensure(self, top: int) -> None:
+        """Add chunks until slots ``[0, top)`` exist (zeros)."""
+        while self._capacity < top:
             size = self.chunk_rows << (self._starts.size // GROW_EVERY)
+            if self.limit is not None and self._capacity < self.limit:
+                size = min(size, self.limit - self._capacity)
             for name, (shape, dtype) in self.fields.items():
                 self._chunks[name].append(np.zeros((size, *shape), dtype))
             self._starts = np.append(self._starts, self._capacity)
             self._capacity += size
-        return np.concatenate([slots, fresh])
-
-    def release(self, slots: np.ndarray) -> None:
-        """Return ``slots`` (unique, in use) for reuse."""
-        need = self._nfree + slots.size
-        if need > self._free.size:
-            grown = np.empty(max(need, 2 * self._free.size), np.int64)
-            grown[: self._nfree] = self._free[: self._nfree]
-            self._free = grown
-        self._free[self._nfree : need] = slots
-        self._nfree = need
 
     def plan(self, slots: np.ndarray) -> Plan:
         """Group ``slots`` by chunk for ``take`` and ``put``."""

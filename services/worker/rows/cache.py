@@ -245,12 +245,14 @@ def _scoped_build(self: keras.layers.Embedding, input_shape: Any = None) -> None
 
 
 def _dynamic_cache(capacity: int | None) -> Any:
-    """The row-cache factory for a worker's dynamic tables: the layer's ``capacity`` rows,
-    at most ``capacity`` (``--row-cache-rows``) when given."""
+    """The row-cache factory for a worker's dynamic tables: as many rows as the table
+    declares (``DynamicEmbedding.declared_rows``), at most ``capacity`` (``--row-cache-rows``)
+    when given."""
 
     def make(layer: DynamicEmbedding) -> RowCache:
-        held = layer.capacity if capacity is None else min(layer.capacity, capacity)
-        return RowCache(layer.capacity, layer.dim, held, keyed=True)
+        rows = layer.declared_rows
+        held = rows if capacity is None else min(rows, capacity)
+        return RowCache(rows, layer.dim, held, keyed=True)
 
     return make
 

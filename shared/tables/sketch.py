@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from downpour.model.initial import mix64
+from downpour.model.hashing import mix64
 
 SATURATE = 255  # a uint8 counter stops here
 _SALTS = np.array(
