@@ -162,3 +162,23 @@ def test_contradictory_or_out_of_range_policies_are_refused(kwargs: dict, messag
 def test_a_budget_too_small_for_the_shards_is_refused() -> None:
     with pytest.raises(ValueError, match="leaves 2 rows of their own for 4 shards"):
         TablePolicy(max_rows=6, fallback_rows=2).shard_rows(4)
+
+
+def test_versions_past_32_bits_keep_their_order_and_ages() -> None:
+    """Versions are stored as 32 bits past a base that moves up when a version would not
+    fit: rows within 2**31 of the newest keep their exact versions, older ones read as the
+    base (still the oldest), and rows idle for long are still evicted as idle."""
+    m = RowMap(None)
+    _step(m, _ids(1), 5)
+    _step(m, _ids(2), 2**32 + 10)  # the base moves up: 1's version no longer fits
+    _step(m, _ids(3), 2**32 + 20)
+    ids, slots = m.live()
+    versions = dict(zip(ids.tolist(), m.versions(slots).tolist(), strict=True))
+    assert (versions[2], versions[3]) == (2**32 + 10, 2**32 + 20)
+    assert versions[1] < versions[2]
+    gone, _ = m.evict_idle(2**32 + 20, idle_versions=2**31)
+    assert gone.tolist() == [1]
+    m.set_versions(m.locate(_ids(2)), np.array([2**31]))  # a restore of an older version
+    assert m.versions(m.locate(_ids(2, 3))).tolist() == [2**31, 2**32 + 20]
+    m.set_versions(m.locate(_ids(2)), np.array([7]))  # 2**32 + 13 older than 3: clamped
+    assert m.versions(m.locate(_ids(2, 3))).tolist() == [21, 2**32 + 20]

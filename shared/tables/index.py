@@ -18,7 +18,7 @@ temporaries.
 Load factor: before an insert would take the full and removed buckets past ``MAX_LOAD`` (0.8)
 of the buckets, the table rehashes: doubled (as often as the ids need) when the live ids would
 fill more than ``REHASH_IN_PLACE`` (0.6) of it, else at the same size, which drops the removed
-buckets ("tombstones"; inserts reuse them too). The slots' ``ids`` array grows by half again
+buckets ("tombstones"; inserts reuse them too). The slots' ``ids`` array grows by an eighth
 when a slot past its end is mapped (``reserve_slots`` sizes it at once for a known capacity).
 """
 
@@ -124,9 +124,9 @@ class IdIndex:
         return slots
 
     def _claim(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Record ``ids`` as the ids of ``slots``, growing the slots' array by half again."""
+        """Record ``ids`` as the ids of ``slots``, growing the slots' array by an eighth."""
         if slots.size and int(slots.max()) >= self._ids.size:
-            self.reserve_slots(max(int(slots.max()) + 1, self._ids.size * 3 // 2, 16))
+            self.reserve_slots(max(int(slots.max()) + 1, self._ids.size * 9 // 8, 16))
         self._ids[slots] = ids
 
     def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:

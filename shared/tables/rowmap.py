@@ -21,10 +21,12 @@ shard's ``DynamicTable`` and by ``DynamicEmbedding`` in one process, so both dec
   share), or, in a table without fallback rows, reads its initial value and its gradient is
   dropped.
 
-Per own row the map keeps the id (``IdIndex``), the version and a saturating uint32 count:
-with the index's buckets, 16 to 22 bytes per live id. ``readmitted`` counts admissions of ids
-evicted before, by a Bloom filter of the evicted ids (an estimate: a new id whose two bits
-are set by others counts too; about 1 % with 8 bits per own row).
+Per own row the map keeps the id (``IdIndex``), the version (a uint32 past the map's base
+version, rebased when a version runs 2**32 past it) and a saturating uint32 count: with the
+index's buckets and the Bloom filter's byte, 22 to 27 bytes per live id (the arrays grow by an
+eighth at a time); the sketch is the table's, sized by its rows. ``readmitted`` counts
+admissions of ids evicted before, by a Bloom filter of the evicted ids (an estimate: a new id
+whose two bits are set by others counts too; about 1 % with 8 bits per own row).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from downpour.tables.sketch import CountMinSketch
 SAMPLE_PER_VICTIM = 16  # rows sampled per victim needed, in a table larger than EXACT_BELOW
 EXACT_BELOW = 1 << 14  # live rows under which victims are chosen among all rows
 COUNT_MAX = np.iinfo(np.uint32).max
+VERSION_SPAN = np.iinfo(np.uint32).max  # versions stored past the base, at most
 COUNTERS = (  # checkpoints save them in this order: new ones go at the end
     "inserted",
     "admitted",
@@ -107,7 +110,8 @@ class RowMap:
         start = 16 if own_rows is None else own_rows
         if own_rows is not None:
             self.index.reserve_slots(own_rows)
-        self.version = np.zeros(start, np.int64)
+        self.version = np.zeros(start, np.uint32)  # versions past _base (``versions``)
+        self._base = 0
         self.count = np.zeros(start, np.uint32)
         self._top = 0  # slots ever handed out: [0, top)
         self._free: list[np.ndarray] = []  # freed slots, reused first
@@ -210,8 +214,38 @@ class RowMap:
             self.counters["fallback_lookups"] += placed.refused
         return placed
 
+    def _stamp(self, version: int) -> np.uint32:
+        """``version`` as stored: past the base, which moves up (older rows clamped at the
+        new base: they stay the oldest) when a version would not fit 32 bits."""
+        if version - self._base > VERSION_SPAN:
+            shift = version - VERSION_SPAN // 2 - self._base
+            held = self.version[: self._top].astype(np.int64) - shift
+            self.version[: self._top] = np.maximum(held, 0).astype(np.uint32)
+            self._base += shift
+        return np.uint32(max(version - self._base, 0))
+
+    def versions(self, slots: np.ndarray) -> np.ndarray:
+        """The version each of ``slots`` was last updated at (int64)."""
+        return self.version[slots].astype(np.int64) + self._base
+
+    def set_versions(self, slots: np.ndarray, versions: np.ndarray) -> None:
+        """Set rows' versions (a restore). The base moves to the oldest version held, or as
+        far up as the newest needs: then the oldest read as the base."""
+        versions = np.asarray(versions, np.int64)
+        if not versions.size:
+            return
+        live = self._live_slots()
+        current = self.versions(live)
+        lo = int(min(versions.min(), current.min(initial=versions.min())))
+        hi = int(max(versions.max(), current.max(initial=versions.max())))
+        base = max(lo, hi - VERSION_SPAN)
+        if base != self._base:
+            self.version[live] = np.clip(current - base, 0, VERSION_SPAN).astype(np.uint32)
+            self._base = base
+        self.version[slots] = np.clip(versions - base, 0, VERSION_SPAN).astype(np.uint32)
+
     def _touch(self, slots: np.ndarray, counts: np.ndarray, version: int) -> None:
-        self.version[slots] = version
+        self.version[slots] = self._stamp(version)
         total = self.count[slots].astype(np.int64) + counts
         self.count[slots] = np.minimum(total, COUNT_MAX).astype(np.uint32)
 
@@ -220,7 +254,7 @@ class RowMap:
         if not ids.size:
             return
         self.index.insert_new(ids, slots)
-        self.version[slots] = version
+        self.version[slots] = self._stamp(version)
         self.count[slots] = np.minimum(counts, COUNT_MAX).astype(np.uint32)
         was = self._bloom_has(ids)
         self.counters["readmitted"] += int(was.sum())
@@ -232,7 +266,7 @@ class RowMap:
         restore, or a read that creates); the caller evicts after if over capacity."""
         slots = self._allocate(ids.size, over=True)
         self.index.insert_new(ids, slots)
-        self.version[slots] = version
+        self.version[slots] = self._stamp(version)
         self.count[slots] = 0
         self.counters["inserted"] += ids.size
         return slots
@@ -260,7 +294,7 @@ class RowMap:
     def _grow(self, top: int) -> None:
         if top <= self.version.size:
             return
-        size = max(top, self.version.size * 3 // 2)
+        size = max(top, self.version.size * 9 // 8, 16)
         if self.own_rows is not None and top <= self.own_rows:
             size = min(size, self.own_rows)
         for name in ("version", "count"):
@@ -313,7 +347,7 @@ class RowMap:
         """Evict the rows last updated ``idle_versions`` or more versions before ``version``;
         (their ids, their slots, released)."""
         slots = self._live_slots()
-        idle = slots[version - self.version[slots] >= idle_versions]
+        idle = slots[version - self.versions(slots) >= idle_versions]
         ids = self._evict(idle, "idle")
         self.release(idle)
         return ids, idle

@@ -19,7 +19,15 @@ Keys (``dynamic``):
   from the server's status after a warm-up), on ``dynamic_model``'s ``DYNAMIC_DIM``-wide table
   (16: 20M rows and their slots are 2.56 GB);
 * ``flatness``: steps/s at the largest count measured over steps/s at the smallest
-  (target >= 0.8).
+  (target >= 0.8), with admission and fallback rows on (``dynamic_model``: every touch
+  counted in the admission sketch on each apply);
+* ``bytes_per_live_id``: per row width (``WIDTHS``: 1, 16, 64, Adagrad), a table filled by
+  ``apply`` to ``plan.id_rows`` live ids, once in a budget of exactly that many rows (the
+  store and the index sized for it, the admission sketch on: the bounded case) and once
+  unbounded (grown by inserts); from its ``stats()``, per live id: ``total`` bytes, the
+  ``row_and_slots`` payload, ``index_and_metadata`` (the index's buckets, each row's id,
+  version and count, the Bloom filter of evicted ids: target <= 32), the admission
+  ``sketch`` and the ``reserved`` slots not yet in use, reported apart.
 
 A count the machine's available memory cannot hold is skipped, logged and listed under
 ``skipped_sizes`` with the reason. ``python tests/bench/bench_dynamic.py [smoke|quick|full]``
@@ -49,6 +57,8 @@ SLOTS = 1  # Adagrad's accumulator: a row's slots are as many bytes as the row
 BATCH = 65_536  # fresh ids per apply
 TARGET_RATIO = 1.5
 TARGET_FLATNESS = 0.8
+WIDTHS = (1, 16, 64)  # row widths of bytes_per_live_id
+TARGET_ID_BYTES = 32  # index and metadata per live id, at most
 CHILD_TIMEOUT_S = 1200.0  # 5M rows created by apply on a loaded 2-core machine
 CHILD_MIB = 1024  # a process with the server's imports, beside its table
 
@@ -62,12 +72,19 @@ class DynamicPlan:
     rounds: int
     live_rows: tuple[int, ...]
     steps: StepsPlan
+    id_rows: int = 1_000_000
 
 
 PLANS = {
-    "smoke": DynamicPlan(200_000, 2, (1_000_000,), StepsPlan((100_000, 400_000), 3, 1, 1.0, 3)),
+    "smoke": DynamicPlan(
+        200_000, 2, (1_000_000,), StepsPlan((100_000, 400_000), 3, 1, 1.0, 3), 100_000
+    ),
     "quick": DynamicPlan(
-        500_000, 3, (1_000_000, 5_000_000), StepsPlan((1_000_000, 5_000_000), 6, 2, 1.5, 8)
+        500_000,
+        3,
+        (1_000_000, 5_000_000),
+        StepsPlan((1_000_000, 5_000_000), 6, 2, 1.5, 8),
+        500_000,
     ),
     "full": DynamicPlan(
         1_000_000,
@@ -78,14 +95,16 @@ PLANS = {
 }
 
 
-def fill(table: Any, rows: int, start: int = 0) -> float:
-    """Create ``rows`` fresh ids in ``table`` by ``apply`` in batches of ``BATCH``; seconds."""
+def fill(table: Any, rows: int, start: int = 0, lookups: int = 1) -> float:
+    """Create ``rows`` fresh ids in ``table`` by ``apply`` in batches of ``BATCH``, each id
+    pushed with ``lookups`` lookups (enough for the table's ``admit_after``); seconds."""
     grads = np.full((BATCH, table.dim), 1e-3, np.float32)
+    counts = np.full(BATCH, lookups, np.int64)
     took = 0.0
     for step, lo in enumerate(range(start, start + rows, BATCH)):
         ids = fresh_ids(lo, min(lo + BATCH, start + rows))
         t = time.perf_counter()
-        table.apply(ids, grads[: ids.size], 0.05, version=step)
+        table.apply(ids, grads[: ids.size], 0.05, version=step, lookups=counts[: ids.size])
         took += time.perf_counter() - t
     return took
 
@@ -104,6 +123,45 @@ def insert_rows_per_s(rows: int, rounds: int) -> dict[str, Any]:
         del table
         gc.collect()
     return {"insert_rows_per_s": median(rates), "insert_rounds": [round(x) for x in rates]}
+
+
+def id_bytes(width: int, rows: int, bounded: bool) -> dict[str, float]:
+    """Bytes per live id of a ``width``-wide Adagrad table filled to ``rows`` ids (see the
+    module), by part."""
+    from downpour.server.tables.table import DynamicTable
+    from downpour.tables.policy import TablePolicy
+
+    policy = TablePolicy(rows if bounded else None, admission="always")
+    table = DynamicTable("ids", width, optimizer=OPTIMIZER, policy=policy)
+    fill(table, rows)
+    s = table.stats()
+    live = s["live_rows"]
+    if live != rows:
+        raise RuntimeError(f"dynamic: {live} live ids after {rows} fresh ones")
+    out = {
+        "total": s["bytes"] / live,
+        "row_and_slots": (s["bytes_rows"] + s["bytes_slots"]) / live,
+        "index_and_metadata": (s["bytes_index"] + s["bytes_meta"]) / live,
+        "sketch": s["bytes_sketch"] / live,
+        "reserved": s["bytes_reserved"] / live,
+        "fallback": s["bytes_fallback"] / live,
+    }
+    del table
+    gc.collect()
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def bytes_per_live_id(rows: int) -> dict[str, Any]:
+    """``bytes_per_live_id``: per width, bounded and unbounded (see the module)."""
+    out: dict[str, Any] = {}
+    for width in WIDTHS:
+        for bounded in (True, False):
+            got = id_bytes(width, rows, bounded)
+            out[f"{width}/{'budget' if bounded else 'unbounded'}"] = got
+            log(f"dynamic: {rows:,} ids x {width} ({'budget' if bounded else 'unbounded'}): "
+                f"{got['total']:.1f} bytes per id, {got['index_and_metadata']:.1f} of index and "
+                f"metadata, {got['sketch']:.1f} of sketch")  # fmt: skip
+    return {"bytes_per_live_id": out, "id_rows": rows}
 
 
 def _status_kib(key: str) -> int:
@@ -193,6 +251,7 @@ def run(plan_name: str, procs: Procs) -> dict[str, Any]:
     plan = PLANS[plan_name]
     log(f"dynamic: {plan.rounds} rounds of {plan.insert_rows:,} new rows, {DIM} wide")
     result: dict[str, Any] = insert_rows_per_s(plan.insert_rows, plan.rounds)
+    result |= bytes_per_live_id(plan.id_rows)
     skipped: dict[str, str] = {}
     result |= memory(plan, procs, skipped)
     result |= steps(plan, procs, skipped)
@@ -221,6 +280,9 @@ def targets(t: dict[str, Any]) -> list[tuple[str, float, str, float]]:
         small, large = (rows_label(r) for r in t["flatness_rows"])
         out.append((f"dynamic flatness {large} / {small} live rows", t["flatness"], ">=",
                     TARGET_FLATNESS))  # fmt: skip
+    for key, d in t.get("bytes_per_live_id", {}).items():
+        out.append((f"dynamic index + metadata bytes per live id, {key}",
+                    d["index_and_metadata"], "<=", TARGET_ID_BYTES))  # fmt: skip
     return out
 
 
@@ -231,6 +293,15 @@ def table_rows(t: dict[str, Any]) -> list[str]:
         f"{t['optimizer']}; rounds {' / '.join(f'{x:,}' for x in t['insert_rounds'])}) | "
         f"{t['insert_rows_per_s']:,.0f} rows/s |"
     ]
+    for key, d in t.get("bytes_per_live_id", {}).items():
+        width, kind = key.split("/")
+        out.append(
+            f"| dynamic | {rows_label(t['id_rows'])} ids x {width} ({kind}): bytes per live id "
+            f"{d['total']:.1f} = row and slots {d['row_and_slots']:.1f} + **index and metadata "
+            f"{d['index_and_metadata']:.1f}** + sketch {d['sketch']:.1f} + reserved "
+            f"{d['reserved']:.1f} + fallback {d['fallback']:.1f} | "
+            f"**{d['index_and_metadata']:.1f}** B |"
+        )
     for r, d in t.get("rss_detail", {}).items():
         out.append(
             f"| dynamic | {rows_label(int(r))} live rows x {t['dim']}: **resident memory growth "

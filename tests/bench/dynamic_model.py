@@ -1,7 +1,9 @@
 """The model of the bench's ``dynamic`` section: one dynamic table fed int64 ids, a Dense head.
 
 ``--model dynamic_model:live_1m`` (``live_100k``, ``live_400k``, ``live_1m``, ``live_5m``,
-``live_20m``): a ``DynamicEmbedding(DIM)`` named ``LAYER`` gathers ``FEATURES`` int64 ids per
+``live_20m``): a ``DynamicEmbedding(DIM)`` named ``LAYER``, without a row budget (the servers
+hold every id) and with admission and fallback rows on (``admit_after`` 2, ``FALLBACK_ROWS``:
+every touch counted in the admission sketch on each apply), gathers ``FEATURES`` int64 ids per
 example, a mean over them feeds ``Dense(32, relu)`` and ``Dense(2)`` logits. The model is the
 same at every size (one fingerprint, one checkpoint format); the size says which ids the data
 draws from: a table of ``n`` live rows holds ``fresh_ids(0, n)`` (``live_id`` of 0 .. n-1), and
@@ -31,7 +33,8 @@ FEATURES = 8  # ids gathered per example
 BATCH_SIZE = 256  # 2,048 ids a batch, nearly all distinct at every size
 EXAMPLES = 131_072  # 512 batches
 HELD_OUT = 1_024
-CACHE_ROWS = 1 << 16  # the layer's capacity: a worker's cache slots (a batch needs 2,048)
+FALLBACK_ROWS = 4096
+ADMIT_AFTER = 2
 SEED = 11
 
 
@@ -48,7 +51,9 @@ def fresh_ids(start: int, stop: int) -> np.ndarray:
 def build() -> keras.Model:
     """The table and the dense head (see the module)."""
     ids = keras.Input((FEATURES,), dtype="int64", name="ids")
-    e = DynamicEmbedding(DIM, CACHE_ROWS, name=LAYER)(ids)
+    e = DynamicEmbedding(  # a worker caches 65,536 + 4,096 rows of it; a batch needs 2,048
+        DIM, None, fallback_rows=FALLBACK_ROWS, admit_after=ADMIT_AFTER, name=LAYER
+    )(ids)
     h = keras.layers.GlobalAveragePooling1D(name="pool")(e)
     h = keras.layers.Dense(32, activation="relu", name="hidden")(h)
     out = keras.layers.Dense(2, name="logits")(h)

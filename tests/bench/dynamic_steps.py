@@ -41,7 +41,7 @@ from bench_util import (
     start_server,
 )
 from bench_util import status_endpoint as endpoint_of
-from dynamic_model import DIM, LAYER
+from dynamic_model import ADMIT_AFTER, DIM, LAYER
 
 from downpour.net.client import fetch_status
 
@@ -54,7 +54,7 @@ MODELS = {
     5_000_000: "dynamic_model:live_5m",
     20_000_000: "dynamic_model:live_20m",
 }
-ROW_BYTES = DIM * 4 * 2 + 8 * 3  # a row, its Adagrad slot, its id, version and count
+ROW_BYTES = DIM * 4 * 2 + 8 * 4  # a row, its Adagrad slot, its id, version, count, buckets
 BUILD_TIMEOUT_S = 1800.0  # 20M rows created by apply and written, on a loaded 2-core machine
 RESTORE_TIMEOUT_S = 900.0  # the server's start: imports, then the checkpoint's 20M rows
 
@@ -83,7 +83,7 @@ def build_main(rows: int, state_dir: str) -> None:
     spec = load_spec(MODELS[rows])
     state = ParameterState(spec, OPTIMIZER, LR)
     table = state.tables[TABLE]
-    seconds = fill(table, rows)
+    seconds = fill(table, rows, lookups=ADMIT_AFTER)  # each id admitted at its first push
     state.version = -(-rows // BATCH)  # one version per batch of new ids, as the applies were
     arrays, meta = capture_state(state)
     t = time.perf_counter()

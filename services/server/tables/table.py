@@ -274,7 +274,7 @@ class DynamicTable:
         plan = self.store.plan(slots)
         state = {"ids": ids, "rows": self.store.take("row", plan)}
         state |= {f"slot_{s}": self.store.take(s, plan) for s in self.opt.slots}
-        state["versions"] = self.map.version[slots].copy()
+        state["versions"] = self.map.versions(slots)
         state["counts"] = self.map.count[slots].astype(np.int64)
         state["counters"] = np.array([self.counters[c] for c in COUNTERS], np.int64)
         state["fallback_index"] = self.map.fallback_index()
@@ -295,7 +295,7 @@ class DynamicTable:
         ids = table._check_state(state)
         table.map.load_sketch(state)
         slots = table.map.insert(ids, 0)
-        table.map.version[slots] = state["versions"]
+        table.map.set_versions(slots, state["versions"])
         table.map.count[slots] = np.clip(state["counts"], 0, np.iinfo(np.uint32).max)
         table.store.ensure(table.map.top)
         plan = table.store.plan(slots)
