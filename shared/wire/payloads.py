@@ -181,8 +181,26 @@ class Payload:
         raise TypeError(f"{type(self).__name__} gradients cannot be scaled")
 
 
+class _Indexed(Payload):
+    """A payload of ``indices`` and their ``values`` (the sparse kinds' shared part, not a
+    dataclass: its subclasses declare the fields): its dtype is the values', its bytes the two
+    frames'."""
+
+    indices: np.ndarray
+    values: np.ndarray
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dense tensor's dtype (that of the values)."""
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _index_nbytes(self.indices) + np.asarray(self.values).nbytes
+
+
 @dataclass(frozen=True)
-class Sparse(Payload):
+class Sparse(_Indexed):
     """Row-sparse tensor (``tf.IndexedSlices``): ``dense[indices[i]] += values[i]``."""
 
     row_sparse: ClassVar[bool] = True
@@ -195,15 +213,6 @@ class Sparse(Payload):
     def every_row(cls, a: np.ndarray) -> Sparse:
         """A dense array (rank >= 1) as rows: each of its rows once, in order (no copy)."""
         return Sparse(np.arange(a.shape[0], dtype=np.int64), a, tuple(a.shape))
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The dense tensor's dtype (that of the values)."""
-        return self.values.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return _index_nbytes(self.indices) + np.asarray(self.values).nbytes
 
     def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
         """Materialise as a dense array; repeated indices are summed, as TF does."""
@@ -312,7 +321,7 @@ class Keyed(Sparse):
 
 
 @dataclass(frozen=True)
-class FlatSparse(Payload):
+class FlatSparse(_Indexed):
     """Element-sparse tensor (a top-k gradient): ``dense.ravel()[indices[i]] += values[i]``.
 
     ``indices`` (nnz,) int32/int64 positions in the C-order flattened tensor, ``values``
@@ -322,15 +331,6 @@ class FlatSparse(Payload):
     indices: np.ndarray
     values: np.ndarray
     dense_shape: tuple[int, ...]
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The dense tensor's dtype (that of the values)."""
-        return self.values.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return _index_nbytes(self.indices) + np.asarray(self.values).nbytes
 
     def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
         """Scatter into zeros (``out``, C-contiguous, if given: reused, no allocation).

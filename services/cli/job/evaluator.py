@@ -22,18 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 from downpour.checkpoints.dirs import read_job_end
-from downpour.cli.job.watch import (
-    COMMON_OPTIONS,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
-    JOB_GROUP,
-    JobFailed,
-    JobWatch,
-    held_out_scorer,
-    score,
-    setup,
-)
+from downpour.cli.job import watch as common
+from downpour.cli.job.watch import JobFailed, JobWatch
 from downpour.config.settings import Option, positive
 
 if TYPE_CHECKING:
@@ -44,12 +34,12 @@ log = logging.getLogger("downpour.chief")
 __all__ = ["EVALUATOR_OPTIONS", "run_evaluator"]
 
 EVALUATOR_OPTIONS: tuple[Option, ...] = (
-    *COMMON_OPTIONS,
+    *common.COMMON_OPTIONS,
     Option(
         "eval_every_secs",
         60.0,
         "seconds between scores of the servers' current weights",
-        JOB_GROUP,
+        common.JOB_GROUP,
         type=positive(),
         metavar="S",
     ),
@@ -80,12 +70,12 @@ def _recorded_end(args: argparse.Namespace, watch: JobWatch, since: float) -> st
 def run_evaluator(tf: TFConfig, argv: list[str]) -> int:
     """The evaluator's role (module docstring): score every ``--eval-every-secs`` until the
     job ends. 0 when it is done, 3 when it failed, 2 for bad settings."""
-    started = setup(EVALUATOR_OPTIONS, argv, tf, "evaluator")
+    started = common.setup(EVALUATOR_OPTIONS, argv, tf, "evaluator")
     if started is None:
-        return EXIT_USAGE
+        return common.EXIT_USAGE
     args, watch = started
     since = time.time()
-    evaluator = held_out_scorer(args)
+    evaluator = common.held_out_scorer(args)
     next_score = time.monotonic()
 
     def between() -> None:
@@ -93,7 +83,7 @@ def run_evaluator(tf: TFConfig, argv: list[str]) -> int:
         if (ended := _recorded_end(args, watch, since)) is not None:
             raise JobEnded(ended)
         if evaluator is not None and time.monotonic() >= next_score and watch.all_answered():
-            if line := score(evaluator, watch):
+            if line := common.score(evaluator, watch):
                 log.info("%s", line)
             next_score = time.monotonic() + args.eval_every_secs
         watch.pause()
@@ -106,14 +96,14 @@ def run_evaluator(tf: TFConfig, argv: list[str]) -> int:
     except JobEnded as end:
         if end.state != "done":
             log.error("job failed: the chief recorded its end as %s", end.state)
-            return EXIT_FAILED
+            return common.EXIT_FAILED
         log.info("the chief recorded the job's end: evaluator exits")
-        return EXIT_OK
+        return common.EXIT_OK
     except JobFailed as exc:
         if _recorded_end(args, watch, since) == "done":  # the servers left after the chief
             log.info("the chief recorded the job's end: evaluator exits")
-            return EXIT_OK
+            return common.EXIT_OK
         log.error("job failed: %s", exc)
-        return EXIT_FAILED
+        return common.EXIT_FAILED
     log.info("the job is done: evaluator exits")
-    return EXIT_OK
+    return common.EXIT_OK

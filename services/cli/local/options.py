@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from downpour.checkpoints.dirs import run_local_dir, run_local_layout
+from downpour.checkpoints.dirs import run_local_dir, run_local_layout, shard_dir
 from downpour.config.settings import ConfigError, Option, at_least, refuse, to_argv
 from downpour.net import security
 from downpour.server.settings import SERVER_OPTIONS, ServerConfig, validate_server
@@ -199,7 +199,9 @@ def server_settings(args: argparse.Namespace, run_dir: Path, shard: int) -> Chil
         push_port=0,
         status_port=0,
         ready_file=str(run_dir / f"{name}.json"),
-        logdir=str(run_dir / "tensorboard" / (f"shard-{shard}" if shards > 1 else "")),
+        logdir=str(
+            shard_dir(run_dir / "tensorboard", shard) if shards > 1 else run_dir / "tensorboard"
+        ),
     )
     if shards > 1:  # each shard its own checkpoints; only shard 0 dispatches and serves metrics
         values.update(shard=shard, num_shards=shards, eval_every=0)
