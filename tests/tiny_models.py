@@ -360,3 +360,80 @@ def dynamic_dict() -> ModelSpec:
 def dynamic_wide() -> ModelSpec:
     """The dynamic table whose workers hold 100,000 rows: pushes of that many ids fit."""
     return embedding_form("tensor", dynamic=True, rows=100_000)
+
+
+# -------------------------------------------------- multi-valued features (bags of ids)
+
+BAG_ITEMS, BAG_USERS, BAG_TAGS, BAG_TAG_WIDTH = 60, 40, 30, 4
+TAG_PAD = 0  # the tags' pad id: never a row, never sent to a server
+
+
+def bag_data(n: int, seed: int) -> tuple[dict[str, Any], np.ndarray]:
+    """Features of the ``bags`` model: a user and a candidate item (one id each), a history
+    of 0 to 5 items (ragged; some empty), 1 to 4 tags padded with ``TAG_PAD``; the label is
+    whether the candidate is in the history or shares the user's parity (a planted signal
+    the shared item table and the history's mean can learn)."""
+    rng = np.random.default_rng(seed)
+    user = rng.integers(1, BAG_USERS, n)
+    item = rng.integers(1, BAG_ITEMS, n)
+    lengths = rng.integers(0, 6, n)
+    history = [rng.integers(1, BAG_ITEMS, k) for k in lengths]
+    for i in range(n):  # half the histories hold the candidate
+        if rng.random() < 0.5 and lengths[i]:
+            history[i][rng.integers(lengths[i])] = item[i]
+    tags = np.full((n, BAG_TAG_WIDTH), TAG_PAD, np.int64)
+    for i in range(n):
+        k = rng.integers(1, BAG_TAG_WIDTH + 1)
+        tags[i, :k] = rng.integers(1, BAG_TAGS, k)
+    y = np.array([float(item[i] in history[i] or (user[i] + item[i]) % 2 == 0)
+                  for i in range(n)], np.float32)  # fmt: skip
+    features = {
+        "user": hashed(user),
+        "item": hashed(item),
+        "history": tf.ragged.constant([hashed(h).tolist() for h in history], dtype=tf.int64),
+        "tags": np.where(tags == TAG_PAD, TAG_PAD, hashed(tags)),
+    }
+    return features, y
+
+
+def _bags_model() -> keras.Model:
+    """A candidate item, the mean of a ragged history of items (one item table, shared by
+    the two features), a user, and the sum of padded tags; a small head."""
+    user = keras.Input((), dtype="int64", name="user")
+    item = keras.Input((), dtype="int64", name="item")
+    history = keras.Input((None,), dtype="int64", ragged=True, name="history")
+    tags = keras.Input((BAG_TAG_WIDTH,), dtype="int64", name="tags")
+    items = DynamicEmbedding(8, max_rows=DYNAMIC_ROWS, combiner="mean", name="items")
+    u = DynamicEmbedding(8, max_rows=DYNAMIC_ROWS, name="users")(user)
+    t = DynamicEmbedding(8, max_rows=DYNAMIC_ROWS, combiner="sum", pad_id=TAG_PAD, name="tag")(tags)
+    i, h = items(item), items(history)
+    x = keras.layers.Concatenate(name="join")(
+        [keras.layers.Multiply()([u, i]), keras.layers.Multiply()([h, i]), t]
+    )
+    out = keras.layers.Dense(1, name="logit")(keras.layers.Dense(8, "relu", name="hidden")(x))
+    return keras.Model({"user": user, "item": item, "history": history, "tags": tags}, out)
+
+
+def bags() -> ModelSpec:
+    """The multi-valued model (``_bags_model``) on ``bag_data``, scored by AUC."""
+    from downpour.spec import auc, binary_logits_loss
+
+    def input_fn(ctx: Any) -> tf.data.Dataset:
+        features, y = bag_data(800, 5)
+        return ctx.shard(tf.data.Dataset.from_tensor_slices((features, y))).batch(ctx.batch_size)
+
+    def held_out_fn(ctx: Any) -> tf.data.Dataset:
+        features, y = bag_data(200, 6)
+        return tf.data.Dataset.from_tensor_slices((features, y)).batch(100)
+
+    return ModelSpec(
+        name="bags",
+        build=_bags_model,
+        input_fn=input_fn,
+        held_out_fn=held_out_fn,
+        batch_size=20,
+        loss=binary_logits_loss,
+        metric=auc,
+        metric_name="auc",
+        label_dtype="float32",
+    )

@@ -23,10 +23,18 @@ from downpour.worker.rows.cache import RowCache
 
 
 def batch_signature(element_spec: Any) -> Any:
-    """``element_spec`` with every tensor's batch (first) dimension left open."""
-    return tf.nest.map_structure(
-        lambda s: tf.TensorSpec((None, *s.shape[1:]), s.dtype), element_spec
-    )
+    """``element_spec`` with every tensor's batch (first) dimension left open (ragged and
+    sparse features, a multi-valued feature's bags, keep their kind)."""
+
+    def open_batch(s: Any) -> Any:
+        shape = (None, *s.shape[1:])
+        if isinstance(s, tf.RaggedTensorSpec):
+            return tf.RaggedTensorSpec(shape, s.dtype, s.ragged_rank, s.row_splits_dtype)
+        if isinstance(s, tf.SparseTensorSpec):
+            return tf.SparseTensorSpec(shape, s.dtype)
+        return tf.TensorSpec(shape, s.dtype)
+
+    return tf.nest.map_structure(open_batch, element_spec)
 
 
 def to_wire(g: tf.Tensor | tf.IndexedSlices) -> Tensor:

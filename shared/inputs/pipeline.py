@@ -141,9 +141,14 @@ def check_element_spec(element_spec: Any, model: keras.Model, what: str = "input
             f"{what} yields {_describe(element_spec)}; it must yield (features, labels) pairs"
         )
     features, labels = element_spec
-    for s in tf.nest.flatten(element_spec):
+    for s in tf.nest.flatten(labels):
         if not isinstance(s, tf.TensorSpec):
-            raise InputError(f"{what} yields a {type(s).__name__}; only dense tensors are taken")
+            raise InputError(f"{what} yields {type(s).__name__} labels; labels must be dense")
+    for s in tf.nest.flatten(features):
+        if not isinstance(s, tf.TensorSpec | tf.RaggedTensorSpec | tf.SparseTensorSpec):
+            raise InputError(
+                f"{what} yields a {type(s).__name__}; features are dense, ragged or sparse tensors"
+            )
     if any(s.shape.rank == 0 for s in tf.nest.flatten(element_spec)):
         raise InputError(f"{what} yields scalars {_describe(element_spec)}: batch the dataset")
     wanted = model_inputs(model)
@@ -154,11 +159,22 @@ def check_element_spec(element_spec: Any, model: keras.Model, what: str = "input
     head = f"{what}'s features {_describe(features)} do not fit model inputs {_describe_k(wanted)}"
     pairs = _feature_pairs(features, wanted, head, "")
     for name, f, w in pairs:
+        kind = _kind(f)
+        if kind != ("ragged" if getattr(w, "ragged", False) else
+                    "sparse" if getattr(w, "sparse", False) else "dense"):  # fmt: skip
+            raise InputError(f"{head}: feature {name} is {kind}, its model input is not")
         got, want = f.shape[1:], tuple(w.shape[1:])
         if not _shape_fits(got, want):
             raise InputError(f"{head}: feature {name} has shape {list(f.shape)}")
         if (f.dtype == tf.string) != (tf.as_dtype(w.dtype) == tf.string):
             raise InputError(f"{head}: feature {name} is {f.dtype.name}")
+
+
+def _kind(spec: Any) -> str:
+    """``dense``, ``ragged`` or ``sparse``: what a feature's spec is."""
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return "ragged"
+    return "sparse" if isinstance(spec, tf.SparseTensorSpec) else "dense"
 
 
 def _feature_pairs(features: Any, wanted: Any, head: str, path: str) -> list[tuple[str, Any, Any]]:

@@ -126,16 +126,54 @@ def model_inputs(model: keras.Model) -> Any:
     return None
 
 
+class _RealIds(keras.layers.Layer):
+    """The ids a table looks up in every call of it: a ``DynamicEmbedding``'s real ids (a
+    bag's values, no pad or masked position, ``DynamicEmbedding.real_ids``), an Embedding's
+    input flattened; each call's, joined (a table shared by several features)."""
+
+    def __init__(self, table: keras.layers.Layer, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.table = table
+
+    def call(self, calls: list[Any], masks: list[Any] | None = None) -> tf.Tensor:
+        masks = masks or [None] * len(calls)
+        if isinstance(self.table, DynamicEmbedding):
+            ids = [self.table.real_ids(x, m) for x, m in zip(calls, masks, strict=True)]
+        else:
+            ids = [tf.reshape(DynamicEmbedding.ids(x), [-1]) for x in calls]
+        return ids[0] if len(ids) == 1 else tf.concat(ids, 0)
+
+    def compute_output_shape(self, *_: Any, **__: Any) -> tuple[int | None]:
+        return (None,)
+
+
+def _looked_up(layer: keras.layers.Layer) -> Any:
+    """The symbolic ids ``layer`` gathers over all its calls in the model (a table several
+    features share is called once per feature): each call's first argument, and a
+    DynamicEmbedding's ``mask`` argument."""
+    nodes = layer._inbound_nodes  # noqa: SLF001 - Keras's record of the functional calls
+    if not nodes or not all(n.arguments.args for n in nodes):
+        raise ValueError(f"layer {layer.name!r} has no call in a graph of layers")
+    calls, masks = [], []
+    for node in nodes:
+        calls.append(node.arguments.args[0])
+        masks.append(node.arguments.kwargs.get("mask"))
+    if all(m is None for m in masks):
+        masks = None
+    return _RealIds(layer, name=f"{layer.name}_ids")(calls, masks=masks)
+
+
 def id_extractor(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> keras.Model:
     """A model from ``model``'s inputs, in their own structure (a tensor, a list, a dict,
-    nested), to the inputs of ``layers``: run on a batch's features it gives the ids each
-    Embedding gathers, without the rest of the model. ValueError / TypeError /
-    AttributeError when the model has no graph of layers (subclassed)."""
-    return keras.Model(model_inputs(model), [layer.input for layer in layers])
+    nested), to the ids ``layers`` gather (an Embedding's input, a DynamicEmbedding's real
+    ids: ragged, sparse and padded inputs as their bags' values): run on a batch's features
+    it gives the ids each table gathers, without the rest of the model. ValueError /
+    TypeError / AttributeError when the model has no graph of layers (subclassed)."""
+    return keras.Model(model_inputs(model), [_looked_up(layer) for layer in layers])
 
 
 def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:
-    """Per Embedding the extractor reaches (its outputs are their inputs), the unique int64
+    """Per Embedding the extractor reaches (its outputs are their ids), the unique int64
     ids a batch with ``features`` gathers (strings hashed as a ``DynamicEmbedding`` does)."""
     outs = extractor(features, training=False)
     outs = outs if isinstance(outs, list | tuple) else [outs]
@@ -155,7 +193,12 @@ def zero_inputs(model: keras.Model) -> Any:
     def zeros(t: Any) -> Any:
         shape = (1, *(d or 1 for d in t.shape[1:]))
         dtype = tf.as_dtype(t.dtype)
-        return tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype)
+        dense = tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype)
+        if getattr(t, "ragged", False):
+            return tf.RaggedTensor.from_tensor(dense)
+        if getattr(t, "sparse", False):
+            return tf.sparse.from_dense(dense)
+        return dense
 
     return tf.nest.map_structure(zeros, struct)
 

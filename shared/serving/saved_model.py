@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from downpour.checkpoints.tables import SERVED_FIELDS, joined_fallback
-from downpour.layers import DynamicEmbedding, string_ids
+from downpour.layers import DynamicEmbedding, embed, pooled_shape
 from downpour.model.hashing import MIX64_MULTIPLIERS, mix64
 
 FORMAT = "downpour-export"
@@ -143,26 +143,32 @@ class TableLookup(keras.layers.Layer):
     ``fallback`` when given (else the zero row)."""
 
     def __init__(
-        self, table: Any, rows: tf.Variable, dim: int, fallback: tf.Variable | None = None,
-        **kwargs: Any,
+        self, table: Any, rows: tf.Variable, layer: DynamicEmbedding,
+        fallback: tf.Variable | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(**kwargs)
-        self.table, self.rows, self.dim, self.fallback = table, rows, dim, fallback
+        self.table, self.rows, self.fallback = table, rows, fallback
+        self.dim, self.combiner, self.pad_id = layer.dim, layer.combiner, layer.pad_id
 
-    def call(self, inputs: Any) -> tf.Tensor:
-        ids = string_ids(inputs) if inputs.dtype == tf.string else tf.cast(inputs, tf.int64)
-        slots = tf.reshape(self.table.lookup(ids), tf.shape(ids))
+    def _lookup(self, ids: tf.Tensor) -> tf.Tensor:
+        """The served rows of flat int64 ``ids``."""
+        slots = self.table.lookup(ids)
         rows = tf.gather(self.rows, slots)
         if self.fallback is not None:
             b = tf.constant(int(self.fallback.shape[0]), tf.uint64)
             g = tf.cast(tf.math.floormod(mix64_tf(ids), b), tf.int64)
             unknown = tf.expand_dims(slots == 0, -1)
             rows = tf.where(unknown, tf.gather(self.fallback, g), rows)
-        rows = tf.cast(rows, self.compute_dtype)
-        return tf.ensure_shape(rows, ids.shape.concatenate([self.dim]))
+        return tf.cast(rows, self.compute_dtype)
 
-    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
-        return (*input_shape, self.dim)
+    def call(self, inputs: Any, weights: Any = None, mask: Any = None) -> Any:
+        """The training layer's outputs (``downpour.layers.embed``), read from the tables."""
+        return embed(inputs, self._lookup, self.dim, self.combiner, self.pad_id, weights, mask)
+
+    def compute_output_shape(
+        self, input_shape: tuple[int | None, ...], *_: Any, **__: Any
+    ) -> tuple[int | None, ...]:
+        return pooled_shape(input_shape, self.dim, self.combiner)
 
 
 def new_lookup(key: str, table: Table) -> tuple[Any, tf.Variable]:
@@ -184,13 +190,22 @@ def with_default_row(rows: np.ndarray) -> np.ndarray:
 
 def input_signature(model: keras.Model) -> list[Any]:
     """The serving function's input signature: the model's inputs (one, a list, a dict),
-    any batch size."""
+    any batch size; a ragged or sparse input keeps its kind (a signature takes its
+    component tensors)."""
     from downpour.model.build import model_inputs
 
     struct = model_inputs(model)
     if struct is None:
         raise ServingError(f"model {model.name!r} declares no inputs (keras.Input)")
-    return [tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype, t.name), struct)]
+
+    def spec(t: Any) -> Any:
+        if getattr(t, "ragged", False):  # a multi-valued feature's bags
+            return tf.RaggedTensorSpec(t.shape, t.dtype, ragged_rank=len(t.shape) - 1)
+        if getattr(t, "sparse", False):
+            return tf.SparseTensorSpec(t.shape, t.dtype)
+        return tf.TensorSpec(t.shape, t.dtype, t.name)
+
+    return [tf.nest.map_structure(spec, struct)]
 
 
 def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.Module, dict]:
@@ -212,7 +227,7 @@ def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.
         fallback = None
         if table.fallback.shape[0]:
             fallback = module.fallback[key] = tf.Variable(table.fallback, name=f"{key}_fallback")
-        lookups[id(layer)] = TableLookup(module.tables[key], module.rows[key], layer.dim, fallback,
+        lookups[id(layer)] = TableLookup(module.tables[key], module.rows[key], layer, fallback,
                                          name=layer.name, dtype=layer.dtype_policy)  # fmt: skip
         records[path] = {"key": key, "layer": layer.name, "dim": layer.dim,
                          "dtype": np.dtype(table.rows.dtype).name,
@@ -300,17 +315,14 @@ def hold_rows(layer: DynamicEmbedding, ids: np.ndarray, rows: np.ndarray) -> Non
 
 def layer_ids(model: keras.Model, batch: Any) -> dict[str, np.ndarray]:
     """The unique int64 ids each DynamicEmbedding of a functional ``model`` reads for
-    ``batch`` (strings hashed), by table path."""
+    ``batch`` (strings hashed; every feature of a shared table; no pads), by table path."""
+    from downpour.model.build import gathered_ids, id_extractor
+
     layers = dynamic_layers(model)
     paths = sorted(layers)
-    probe = keras.Model(model.inputs, [layers[p].input for p in paths])
-    out = probe(batch)
-    out = out if isinstance(out, (list, tuple)) else [out]
-    found = {}
-    for path, ids in zip(paths, out, strict=True):
-        ids = string_ids(ids) if ids.dtype == tf.string else tf.cast(ids, tf.int64)
-        found[path] = np.unique(np.asarray(ids).ravel())
-    return found
+    extractor = id_extractor(model, [layers[p] for p in paths])
+    found = gathered_ids(extractor, batch)
+    return {p: np.asarray(ids) for p, ids in zip(paths, found, strict=True)}
 
 
 def reference_outputs(model: keras.Model, tables: Mapping[str, Table], batch: Any) -> np.ndarray:
