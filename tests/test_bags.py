@@ -5,6 +5,8 @@ candidate item and a history) through a real server and worker; its serving expo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -166,7 +168,7 @@ def test_the_bags_model_trains_through_a_server_and_its_pads_never_reach_it() ->
         assert len(tables["items/embeddings"]) > 40  # candidates and history items, one table
 
 
-def test_a_multi_valued_export_answers_as_the_model_with_the_servers_rows(tmp_path) -> None:
+def test_a_multi_valued_export_answers_as_the_model_with_the_servers_rows(tmp_path: Path) -> None:
     """The server's tables exported: the served model pools the same bags (ragged history,
     padded tags, the shared item table) as the Keras model holding those rows."""
     spec = load_spec("tiny_models:bags")
@@ -182,3 +184,58 @@ def test_a_multi_valued_export_answers_as_the_model_with_the_servers_rows(tmp_pa
     loaded = tf.saved_model.load(str(tmp_path / "m"))
     got = np.asarray(loaded.serve(batch))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+BAG_LOADER = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+raw = json.loads(sys.argv[2])
+batch = {
+    "user": tf.constant(raw["user"], tf.int64),
+    "item": tf.constant(raw["item"], tf.int64),
+    "history": tf.ragged.constant(raw["history"], dtype=tf.int64, ragged_rank=1),
+    "tags": tf.constant(raw["tags"], tf.int64),
+}
+served = loaded.serve(batch).numpy()
+ours = sorted(m for m in sys.modules if m.split(".")[0] in ("downpour", "conftest"))
+print(json.dumps({"serve": served.tolist(), "ours": ours}))
+"""
+
+
+def test_a_multi_valued_export_serves_in_a_process_that_never_imports_downpour(
+    tmp_path: Path,
+) -> None:
+    """Ragged histories (empty ones among them) and padded tags, pooled by the served graph
+    alone: the same outputs as in this process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = load_spec("tiny_models:bags")
+    with serving(spec, optimizer="adagrad", learning_rate=0.1) as server:
+        train(server.port, spec, steps=10, n_fetch=1)
+        states = {p: as_table(t.export_state()) for p, t in server.server.state.tables.items()}
+    model = build_model(spec)
+    write_export(model, states, tmp_path / "m", [10], "fp")
+    features, _ = bag_data(12, 13)
+    raw = {
+        "user": features["user"].tolist(),
+        "item": features["item"].tolist(),
+        "history": features["history"].to_list(),
+        "tags": features["tags"].tolist(),
+    }
+    assert any(not h for h in raw["history"])  # an empty bag among them
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    proc = subprocess.run([sys.executable, "-I", "-c", BAG_LOADER, str(tmp_path / "m"),
+                           json.dumps(raw)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ours"] == []
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    want = np.asarray(loaded.serve(_tensors(features)))
+    np.testing.assert_allclose(np.array(got["serve"], np.float32), want, rtol=1e-6, atol=1e-7)

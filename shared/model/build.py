@@ -147,11 +147,18 @@ class _RealIds(keras.layers.Layer):
         return (None,)
 
 
-def _looked_up(layer: keras.layers.Layer) -> Any:
+def _looked_up(layer: keras.layers.Layer, model: keras.Model) -> Any:
     """The symbolic ids ``layer`` gathers over all its calls in the model (a table several
     features share is called once per feature): each call's first argument, and a
-    DynamicEmbedding's ``mask`` argument."""
+    DynamicEmbedding's ``mask`` argument; a table inside another layer (a
+    ``DistributedEmbedding``'s) through that layer's calls."""
     nodes = layer._inbound_nodes  # noqa: SLF001 - Keras's record of the functional calls
+    if not nodes:
+        owner = next((x for x in model._flatten_layers(include_self=False)  # noqa: SLF001
+                      if layer in getattr(x, "tables", {}).values()), None)  # fmt: skip
+        if owner is not None and owner._inbound_nodes:  # noqa: SLF001
+            inputs = [n.arguments.args[0] for n in owner._inbound_nodes]  # noqa: SLF001
+            return _OwnedIds(owner, layer, name=f"{layer.name}_ids")(inputs)
     if not nodes or not all(n.arguments.args for n in nodes):
         raise ValueError(f"layer {layer.name!r} has no call in a graph of layers")
     calls, masks = [], []
@@ -163,13 +170,29 @@ def _looked_up(layer: keras.layers.Layer) -> Any:
     return _RealIds(layer, name=f"{layer.name}_ids")(calls, masks=masks)
 
 
+class _OwnedIds(keras.layers.Layer):
+    """The ids a table inside ``owner`` (a ``DistributedEmbedding``) looks up in each call
+    of the owner, over every feature using it (``owner.real_ids``)."""
+
+    def __init__(self, owner: Any, table: DynamicEmbedding, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.owner, self.table = owner, table
+
+    def call(self, calls: list[Any]) -> tf.Tensor:
+        ids = [self.owner.real_ids(self.table, x) for x in calls]
+        return ids[0] if len(ids) == 1 else tf.concat(ids, 0)
+
+    def compute_output_shape(self, *_: Any, **__: Any) -> tuple[int | None]:
+        return (None,)
+
+
 def id_extractor(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> keras.Model:
     """A model from ``model``'s inputs, in their own structure (a tensor, a list, a dict,
     nested), to the ids ``layers`` gather (an Embedding's input, a DynamicEmbedding's real
     ids: ragged, sparse and padded inputs as their bags' values): run on a batch's features
     it gives the ids each table gathers, without the rest of the model. ValueError /
     TypeError / AttributeError when the model has no graph of layers (subclassed)."""
-    return keras.Model(model_inputs(model), [_looked_up(layer) for layer in layers])
+    return keras.Model(model_inputs(model), [_looked_up(layer, model) for layer in layers])
 
 
 def gathered_ids(extractor: keras.Model, features: Any) -> list[tf.Tensor]:

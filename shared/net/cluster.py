@@ -456,8 +456,9 @@ class ShardSet:
         return np.concatenate(got_ids), np.concatenate(got_rows), [w.version for w in replies]
 
     def join(self) -> list[Any]:
-        """The whole model's weights in variable order from every shard's slice."""
-        if len(self.shards) == 1:
+        """The whole model's weights in variable order from every shard's slice (None for a
+        dynamic table: its rows come by id)."""
+        if len(self.shards) == 1 and not any(p.dynamic for p in self.partition.shards[0]):
             return self.shards[0].arrays
         return self.partition.join([s.arrays for s in self.shards], self.n_vars)
 

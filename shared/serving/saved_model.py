@@ -48,7 +48,9 @@ import numpy as np
 import tensorflow as tf
 
 from downpour.checkpoints.tables import SERVED_FIELDS, joined_fallback
-from downpour.layers import DynamicEmbedding, embed, pooled_shape
+from downpour.layers import DistributedEmbedding, DynamicEmbedding, embed
+from downpour.layers.bags import pooled_shape
+from downpour.layers.dynamic import LAYERS_OWN
 from downpour.model.hashing import MIX64_MULTIPLIERS, mix64
 
 FORMAT = "downpour-export"
@@ -161,14 +163,39 @@ class TableLookup(keras.layers.Layer):
             rows = tf.where(unknown, tf.gather(self.fallback, g), rows)
         return tf.cast(rows, self.compute_dtype)
 
-    def call(self, inputs: Any, weights: Any = None, mask: Any = None) -> Any:
+    def call(
+        self, inputs: Any, weights: Any = None, mask: Any = None, combiner: Any = LAYERS_OWN
+    ) -> Any:
         """The training layer's outputs (``downpour.layers.embed``), read from the tables."""
-        return embed(inputs, self._lookup, self.dim, self.combiner, self.pad_id, weights, mask)
+        combiner = self.combiner if combiner is LAYERS_OWN else combiner
+        return embed(inputs, self._lookup, self.dim, combiner, self.pad_id, weights, mask)
 
     def compute_output_shape(
         self, input_shape: tuple[int | None, ...], *_: Any, **__: Any
     ) -> tuple[int | None, ...]:
         return pooled_shape(input_shape, self.dim, self.combiner)
+
+
+class ServedDistributed(keras.layers.Layer):
+    """A ``DistributedEmbedding`` for serving: each feature through its table's
+    ``TableLookup``, pooled as in training (``DistributedEmbedding.call``)."""
+
+    def __init__(self, layer: DistributedEmbedding, lookups: dict[str, TableLookup], **kw: Any):
+        super().__init__(name=layer.name, **kw)
+        self.layer, self.lookups = layer, lookups
+
+    def call(self, inputs: Any, weights: Any = None) -> Any:
+        xs = tf.nest.flatten(inputs)
+        ws = [None] * len(xs) if weights is None else tf.nest.flatten(weights)
+        out = []
+        for f, x, w in zip(self.layer.features, xs, ws, strict=True):
+            lookup = self.lookups[f.table.name]
+            combiner = lookup.combiner if self.layer._pools(f) else None  # noqa: SLF001
+            out.append(lookup(x, weights=w, combiner=combiner))
+        return tf.nest.pack_sequence_as(self.layer.feature_configs, out)
+
+    def compute_output_shape(self, input_shape: Any, *_: Any, **__: Any) -> Any:
+        return self.layer.compute_output_shape(input_shape)
 
 
 def new_lookup(key: str, table: Table) -> tuple[Any, tf.Variable]:
@@ -232,14 +259,15 @@ def serving_module(model: keras.Model, tables: Mapping[str, Table]) -> tuple[tf.
         records[path] = {"key": key, "layer": layer.name, "dim": layer.dim,
                          "dtype": np.dtype(table.rows.dtype).name,
                          "fallback_rows": int(table.fallback.shape[0])}  # fmt: skip
+
+    def swap(layer: keras.layers.Layer) -> keras.layers.Layer:
+        if isinstance(layer, DistributedEmbedding):  # its tables are inside it
+            inner = {n: lookups[id(t)] for n, t in layer.tables.items()}
+            return ServedDistributed(layer, inner, dtype=layer.dtype_policy)
+        return lookups.get(id(layer), layer)
+
     try:
-        served = (
-            model
-            if not lookups
-            else keras.models.clone_model(
-                model, clone_function=lambda layer: lookups.get(id(layer), layer)
-            )
-        )
+        served = model if not lookups else keras.models.clone_model(model, clone_function=swap)
     except ValueError as exc:
         raise ServingError(
             f"model {model.name!r} cannot be cloned for serving (a functional or Sequential "
