@@ -29,7 +29,7 @@ TABLE = "embed/embeddings"
 
 def make_ctx(model: str = "tiny_models:embedding", max_pull_rows: int = 1 << 20) -> HandlerContext:
     state = ParameterState(load_spec(model), "sgd", 0.1, seed=0)
-    return HandlerContext(
+    ctx = HandlerContext(
         state=state,
         policy=parse_policy("async"),
         registry=WorkerRegistry(missing_after_s=10.0, gone_after_s=60.0),
@@ -41,6 +41,10 @@ def make_ctx(model: str = "tiny_models:embedding", max_pull_rows: int = 1 << 20)
         limits=wire.DEFAULT_LIMITS.for_payload(state.payload_bytes),
         request_limits=wire.Limits(max_pull_rows=max_pull_rows),
     )
+    # w0 says hello as a ShardClient does, stating every encoding and id dtype it decodes
+    hello = wire.HelloRequest(fingerprint=state.fingerprint, accepts=wire.ACCEPTS_ALL)
+    assert handle_request(frames(wire.hello_request("w0", hello)), ctx).rejection is None
+    return ctx
 
 
 def frames(msg: Message) -> list[bytes]:

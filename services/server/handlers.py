@@ -210,9 +210,11 @@ def check_status_request(frames: Sequence[Any]) -> wire.StatusRequest:
 
 
 def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
-    """Enrol a worker whose model fingerprint and partition match this server's; the reply
-    tells it the gradient and status ports, its last accepted seq and the server's version.
-    Raises ProtocolError(R_HEADER) for a body field of the wrong type."""
+    """Enrol a worker whose model fingerprint and partition match this server's, and note
+    what it decodes in replies (its ``accepts``; refused when they leave out ``keyed`` and
+    this server holds a dynamic table); the reply tells it the gradient and status ports,
+    its last accepted seq and the server's version. Raises ProtocolError(R_HEADER) for a
+    body field of the wrong type."""
     ctx.stats.counters["hellos"] += 1
     req = wire.HelloRequest.from_body(msg.body)
     fp = ctx.state.fingerprint
@@ -239,9 +241,20 @@ def handle_hello(msg: Message, ctx: HandlerContext) -> Reply:
             f"(partition {mine['partition']}): list every shard's endpoint in shard order in "
             f"the worker's --server",
         )
+    accepts = req.accepts or wire.ACCEPTS_BASELINE
+    if req.accepts is not None and wire.KEYED not in accepts.encodings and any(ctx.state.dynamic):
+        tables = [n for n, d in zip(ctx.state.names, ctx.state.dynamic, strict=True) if d]
+        return _refuse_hello(
+            ctx,
+            msg,
+            wire.R_ACCEPTS,
+            f"this server holds dynamic tables ({', '.join(tables)}), whose rows travel only "
+            f"as keyed, which the hello's accepts leave out",
+        )
     rec = ctx.registry.admit(msg.sender, ctx.clock())
     if rec is None:
         return _refuse_hello(ctx, msg, wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
+    rec.accepts = accepts  # what every reply to it may carry, until its next hello
     if ctx.dispatcher is not None and req.process is not None:
         _note_process(ctx, ctx.dispatcher, msg.sender, req.process)
     body = wire.HelloReply(
@@ -302,7 +315,9 @@ def handle_heartbeat(msg: Message, ctx: HandlerContext) -> Message:
 def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
     """A weight pull -> the current weights (dense or bf16), or ``unchanged`` when the sender
     already holds this version of this incarnation. A row request (tensors of row ids, see
-    ``downpour.wire``) gets the requested rows of its tables (``row_reply``). Raises
+    ``downpour.wire``) gets the requested rows of its tables (``row_reply``). The reply
+    carries only what the sender's latest hello accepts (the baseline when it has no
+    record: ``wire.ACCEPTS_BASELINE``). Raises
     ProtocolError for a body field of the wrong type (``bad_header``), an encoding a pull may
     not ask for, or a row request the state cannot serve (``check_rows``); the sender's
     record (and its unreported stale drops) is untouched then."""
@@ -325,8 +340,9 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
             body = pull_reply(ctx, unchanged=True, wait_ms=wait_ms)
             return wire.weights_reply(ctx.state.version, body)
         dropped, rec.dropped_unreported = rec.dropped_unreported, 0  # told now: refresh
+    accepts = wire.ACCEPTS_BASELINE if rec is None else rec.accepts
     if rows is not None:
-        return row_reply(ctx, req, rows, dropped)
+        return row_reply(ctx, req, rows, dropped, accepts)
     version = ctx.state.version
     if req.have == version and req.incarnation == ctx.incarnation:
         ctx.stats.counters["pulls_unchanged"] += 1
@@ -349,11 +365,25 @@ def handle_pull(msg: Message, ctx: HandlerContext) -> Message:
             arrays = ctx.policy.pull_weights(version, arrays, skip)
         # bf16: the extrapolated arrays, which no variable holds, rounded in NumPy
         tensors = bf16_weights(ctx, version, arrays) if bf16 else arrays
+    if bf16 and not accepts.everything:
+        tensors = unrounded_rows(ctx, tensors, accepts)
     return wire.weights_reply(
         version,
         pull_reply(ctx, dropped_stale=dropped),
         dict(zip(ctx.state.names, tensors, strict=True)),
     )
+
+
+def unrounded_rows(
+    ctx: HandlerContext, tensors: Sequence[wire.WireTensor], accepts: wire.Accepts
+) -> list[wire.WireTensor]:
+    """A whole bf16 pull's tensors for a sender that does not decode every rounded form:
+    rows it would not decode rounded (a dynamic table's entry, empty, as ``keyed_bf16``) go
+    as the variable holds them. The others are the shared list's own, not copied."""
+    return [
+        ctx.state.array(i) if wire.is_rows(t) and not accepts.rounds(t) else t
+        for i, t in enumerate(tensors)
+    ]
 
 
 def within_bound(ctx: HandlerContext, req: wire.PullRequest, version: int) -> float | None:
@@ -426,13 +456,19 @@ def check_rows(requested: Mapping[str, Any], state: ParameterState) -> dict[int,
 
 
 def row_reply(
-    ctx: HandlerContext, req: wire.PullRequest, rows: Mapping[int, np.ndarray], dropped: int
+    ctx: HandlerContext,
+    req: wire.PullRequest,
+    rows: Mapping[int, np.ndarray],
+    dropped: int,
+    accepts: wire.Accepts,
 ) -> Message:
     """The reply to a checked row request: each requested table's rows as a ``sparse``
     tensor (gathered, O(rows)), the other variables whole unless ``req.have`` is current
     (then ``unchanged``, and only the rows travel) or the request is ``rows_only``. bf16
     applies to both: the rows of float32 and float64 tables go as ``sparse_bf16`` (counted
-    in ``rows_bf16``), the whole variables as ``bf16``."""
+    in ``rows_bf16``), the whole variables as ``bf16``. What the sender ``accepts`` bounds
+    it: rows in float32 when it does not decode them rounded, row numbers in int64 when it
+    does not decode int32 ones."""
     state = ctx.state
     version, dense = state.dense_weights()
     unchanged = req.have == version and req.incarnation == ctx.incarnation
@@ -450,16 +486,16 @@ def row_reply(
             if state.dynamic[i]:
                 t = wire.Keyed(ids, state.gather(i, ids), state.shapes[i])
             else:
-                numbers = wire.row_numbers(ids, state.shapes[i][0])
+                numbers = accepts.row_numbers(ids, state.shapes[i][0])
                 t = wire.Sparse(numbers, state.gather(i, ids), state.shapes[i])
-            sent = t.as_bf16() if bf16 else t
+            sent = t.as_bf16() if bf16 and accepts.rounds(t) else t
             tensors[name] = sent
             counters["rows_served"] += len(ids)
             if sent.bf16:
                 counters["rows_bf16"] += len(ids)
         elif not (unchanged or req.rows_only):
             a = dense[i] if dense[i] is not None else state.array(i)
-            tensors[name] = wire.as_bf16(a) if bf16 else a
+            tensors[name] = wire.as_bf16(a) if bf16 and accepts.rounds(a) else a
     body = pull_reply(ctx, unchanged=unchanged, dropped_stale=dropped, moved=moved)
     return wire.weights_reply(version, body, tensors)
 

@@ -11,6 +11,10 @@ restored ids first): kept while its record or its seq is remembered, so a worker
 restarts under its id keeps its index. Under ``--data-dispatch server`` a worker learns its
 index from shard 0's hello reply (``InputContext.worker_index``).
 
+A record keeps what the worker's latest hello said it decodes in replies (``accepts``): the
+server sends it nothing else. A record a push or a split request made keeps the baseline
+(``wire.ACCEPTS_BASELINE``) until a hello says more.
+
 Liveness is derived from the time since a worker was last heard: ``alive`` up to
 ``missing_after_s``, ``missing`` up to ``gone_after_s``, ``gone`` after that.
 
@@ -34,6 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from downpour import wire
 from downpour.runtime.metrics import WORKER_STALENESS_BOUNDS, Histogram
 
 log = logging.getLogger("downpour.server")
@@ -67,6 +72,7 @@ class WorkerRecord:
     staleness: int | None = None
     reported: dict[str, Any] = field(default_factory=dict)
     notices: tuple[str, ...] = ()  # the slow paths the worker reports it runs on
+    accepts: wire.Accepts = wire.ACCEPTS_BASELINE  # what its latest hello said it decodes
     staleness_hist: Histogram = field(default_factory=lambda: Histogram(WORKER_STALENESS_BOUNDS))
 
     def observe_staleness(self, staleness: int) -> None:

@@ -186,10 +186,14 @@ class ShardClient:
         log.warning("server %s not answering; retrying", self.endpoint)
 
     def hello(self, body: wire.HelloRequest) -> Hello:
-        """Introduce the sender. Refused when the server will not take it (another model
-        or partition), ServerUnavailable when it does not answer."""
+        """Introduce the sender, stating that it decodes every encoding and row id dtype
+        (``wire.ACCEPTS_ALL``) unless ``body.accepts`` says otherwise. Refused when the server
+        will not take it (another model or partition), ServerUnavailable when it does not
+        answer."""
         if body.process is None:
             body = replace(body, process=PROCESS_TOKEN)
+        if body.accepts is None:
+            body = replace(body, accepts=wire.ACCEPTS_ALL)
         try:
             reply = self.request(wire.hello_request(self.sender, body))
         except RemoteError as exc:

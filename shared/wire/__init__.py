@@ -78,9 +78,11 @@ Encodings (compressed gradients ``downpour worker --compress``, compressed pulls
 
 Message types (REQ/REP unless noted)::
 
-    hello    -> hello      worker announces protocol + model fingerprint; reply carries the
-                           server version, gradient port, the worker's last accepted seq, the
-                           "encodings" the server decodes and its staleness "policy"
+    hello    -> hello      worker announces protocol + model fingerprint and what it decodes
+                           in replies ("accepts", see "What a client accepts" below); reply
+                           carries the server version, gradient port, the worker's last
+                           accepted seq, the "encodings" the server decodes and its staleness
+                           "policy"
     pull     -> weights    body {"have": V, "incarnation": I} when the sender holds version V
                            from server incarnation I (omitted when it holds none); reply
                            base_version = current version with all tensors, or body
@@ -129,11 +131,12 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              order; it removes duplicates before gathering.
     reply    a weights message. Each requested table comes as a ``sparse`` tensor (a
              dynamic table's as ``keyed``): its unique requested ids, sorted (int32 when
-             the table's rows on the shard number fewer than 2**31, ``row_numbers``; a
-             dynamic table's int64), and those rows' values at the reply's base_version; an
-             empty id list gives an empty table entry. A request body with "encoding":
-             "bf16" gets float32 and float64 tables' rows as ``sparse_bf16`` (the same ids,
-             values in half the bytes) and the whole variables as ``bf16``. A worker asks
+             the table's rows on the shard number fewer than 2**31, ``row_numbers``, and the
+             sender accepts int32 ids; a dynamic table's int64), and those rows' values at
+             the reply's base_version; an empty id list gives an empty table entry. A request
+             body with "encoding": "bf16" gets float32 and float64 tables' rows as
+             ``sparse_bf16`` (``keyed_bf16``; the same ids, values in half the bytes) when the
+             sender accepts them, and the whole variables as ``bf16``. A worker asks
              for a fixed table's rows by int32 ids where they fit, too. The other variables
              come whole as in a plain pull (a row-sparse table not named in the request, too:
              that is a first full load), or are left out with body {"unchanged": true} when
@@ -142,6 +145,29 @@ Row requests (row-sparse tables, e.g. Embeddings: the hello reply's "row_tables"
              {"rows_only": true} leaves out every variable but the requested rows (a worker
              topping up rows between its regular pulls); without row ids it is a plain
              pull. Tensors keep the server's variable order.
+
+What a client accepts (the hello body's "accepts", ``Accepts``)::
+
+    accepts  {"encodings": [...], "row_ids": [...]}: the tensor encodings and the index
+             dtypes of row ids the sender decodes in replies. Each list holds the baseline's
+             names (encodings: ``dense``, ``sparse`` and ``bf16``; row_ids: ``int64``) and
+             at most MAX_ACCEPTED names; a list left out is the baseline's. Names the server
+             does not know are ignored: a newer client lists encodings added after the
+             server. A list that is not a list of strings, is longer or leaves out a
+             baseline name is refused as "bad_header" (the hello is counted in rejected).
+    baseline ``BASELINE_ENCODINGS`` (dense, sparse, bf16, topk) and int64 row ids, the
+             encodings of protocol version 1 as first published: what the server sends a
+             sender that states nothing, in its hello or by never saying hello.
+    replies  the server keeps each sender's accepts from its latest hello and sends it
+             nothing else: a bf16 pull's rows go as ``sparse_bf16`` / ``keyed_bf16`` only to
+             a sender that accepts them, as float32 ``sparse`` / ``keyed`` otherwise (the
+             values exact); a fixed table's row numbers go as int32 only to a sender that
+             accepts int32, as int64 otherwise. A dynamic table's rows travel only as
+             ``keyed``, which has no baseline form: a sender that states nothing is sent
+             ``keyed`` (float32 values, int64 ids), and a hello whose accepts leave out
+             ``keyed`` is refused by a shard holding a dynamic table (ERROR "accepts"). The
+             changes under protocol version 1 and what an older peer sees of each:
+             docs/wire.md's changelog.
 
 Decoding validates before it allocates: a first pass checks every descriptor (dtype in
 ``ALLOWED_DTYPES``, the encoding's own fields by its codec, ``nbytes`` against the shape,
@@ -169,11 +195,16 @@ import msgpack
 import numpy as np
 
 from downpour.wire.bodies import (
+    ACCEPTS_ALL,
+    ACCEPTS_BASELINE,
+    BASELINE_ROW_IDS,
     GRANTS,
+    MAX_ACCEPTED,
     MAX_ACKS,
     MAX_FILES,
     MAX_SPLITS,
     MAX_WAIT_MS,
+    Accepts,
     Body,
     DataUniverse,
     ErrorReply,
@@ -191,6 +222,7 @@ from downpour.wire.bodies import (
     wire_field,
 )
 from downpour.wire.codecs import (
+    BASELINE_ENCODINGS,
     BF16,
     CODECS,
     DENSE,
@@ -199,6 +231,7 @@ from downpour.wire.codecs import (
     KEYED_BF16,
     KEYED_COUNTED,
     KEYED_COUNTED_BF16,
+    REPLY_ENCODINGS,
     SPARSE,
     SPARSE_BF16,
     TOPK,
@@ -240,6 +273,7 @@ from downpour.wire.payloads import (
 from downpour.wire.protocol import (
     DEFAULT_LIMITS,
     MAX_STATUS_WORKERS,
+    R_ACCEPTS,
     R_COUNT,
     R_COUNTS,
     R_DISPATCH_OFF,
@@ -275,7 +309,11 @@ from downpour.wire.protocol import (
 
 # downpour.wire is the public import of the protocol: everything above is re-exported.
 __all__ = [
+    "ACCEPTS_ALL",
+    "ACCEPTS_BASELINE",
     "ALLOWED_DTYPES",
+    "BASELINE_ENCODINGS",
+    "BASELINE_ROW_IDS",
     "BF16",
     "BF16_DTYPES",
     "CODECS",
@@ -287,6 +325,7 @@ __all__ = [
     "HEARTBEAT",
     "HELLO",
     "INDEX_DTYPES",
+    "MAX_ACCEPTED",
     "MAX_ACKS",
     "MAX_FILES",
     "MAX_SPLITS",
@@ -297,7 +336,9 @@ __all__ = [
     "PULL",
     "PUSH",
     "REQUEST_DROP_FACTOR",
+    "REPLY_ENCODINGS",
     "REQUEST_MAX_BYTES",
+    "R_ACCEPTS",
     "R_COUNT",
     "R_COUNTS",
     "R_DISPATCH_OFF",
@@ -337,6 +378,7 @@ __all__ = [
     "STATUS_LIMITS",
     "TOPK",
     "WEIGHTS",
+    "Accepts",
     "BFloat16",
     "Body",
     "Codec",

@@ -17,9 +17,21 @@ import json
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from functools import cached_property
 from typing import Any, Self
 
-from downpour.wire.codecs import DENSE
+import numpy as np
+
+from downpour.wire.codecs import (
+    BASELINE_ENCODINGS,
+    BF16,
+    DENSE,
+    ENCODINGS,
+    KEYED_BF16,
+    REPLY_ENCODINGS,
+    SPARSE_BF16,
+)
+from downpour.wire.payloads import INDEX_DTYPES, Payload, row_numbers
 from downpour.wire.protocol import R_HEADER, R_INTERNAL, ProtocolError
 
 _KINDS: dict[str, Callable[[Any], bool]] = {
@@ -154,6 +166,85 @@ class Body:
         """Checks across fields after ``from_body`` (ProtocolError); none by default."""
 
 
+BASELINE_ROW_IDS = frozenset({"int64"})  # the row ids every peer of protocol version 1 decodes
+MAX_ACCEPTED = 64  # names in one list of a hello's ``accepts``
+
+
+def _accepted(known: frozenset[str], floor: frozenset[str]) -> Callable[[str, Any], frozenset[str]]:
+    """The ``read`` of an ``Accepts`` list: at most MAX_ACCEPTED strings holding ``floor``;
+    names outside ``known`` are dropped (a newer peer's, which this one never sends)."""
+
+    def read(key: str, v: list[Any]) -> frozenset[str]:
+        names = _strings(key, v)
+        if len(names) > MAX_ACCEPTED:
+            raise ProtocolError(
+                R_HEADER, f"{key!r} lists {len(names)} names, at most {MAX_ACCEPTED}"
+            )
+        missing = floor.difference(names)
+        if missing:
+            raise ProtocolError(
+                R_HEADER,
+                f"{key!r} leaves out {', '.join(sorted(missing))}, which every peer of this "
+                "protocol version decodes",
+            )
+        return known.intersection(names)
+
+    return read
+
+
+@dataclass(frozen=True)
+class Accepts(Body):
+    """What a client decodes in the replies it is sent, stated in its hello (``accepts``).
+
+    ``encodings``: tensor encodings, ``row_ids``: the index dtypes of a row reply's ids. Each
+    list must hold the baseline's (``dense``, ``sparse`` and ``bf16``; ``int64``) and names
+    this peer does not know are ignored; a list left out is the baseline's. The server sends
+    the sender nothing else: a bf16 pull's rows in float32 without ``sparse_bf16`` /
+    ``keyed_bf16`` (``rounds``), a fixed table's row numbers int64 without ``int32``
+    (``row_numbers``). ``ACCEPTS_BASELINE`` is what a sender that states nothing accepts."""
+
+    encodings: frozenset[str] = wire_field(
+        "list",
+        BASELINE_ENCODINGS,
+        read=_accepted(ENCODINGS, BASELINE_ENCODINGS & REPLY_ENCODINGS),
+        write=sorted,
+    )
+    row_ids: frozenset[str] = wire_field(
+        "list", BASELINE_ROW_IDS, read=_accepted(INDEX_DTYPES, BASELINE_ROW_IDS), write=sorted
+    )
+
+    @cached_property
+    def everything(self) -> bool:
+        """Whether the peer decodes every encoding a reply may carry and int32 row ids: its
+        replies are sent as they are."""
+        return self.encodings >= REPLY_ENCODINGS and "int32" in self.row_ids
+
+    def rounds(self, t: Any) -> bool:
+        """Whether ``t`` (an array, a fixed table's rows or a dynamic table's) goes rounded to
+        bfloat16 to this peer when it pulls in bf16: it decodes the rounded form."""
+        if self.everything:
+            return True
+        if isinstance(t, Payload) and t.row_sparse:
+            return (KEYED_BF16 if t.keyed else SPARSE_BF16) in self.encodings
+        return BF16 in self.encodings
+
+    def row_numbers(self, ids: np.ndarray, rows: int) -> np.ndarray:
+        """Row numbers ``ids`` (int64) of a table of ``rows`` rows as this peer takes them:
+        int32 where they fit and it decodes them (``downpour.wire.row_numbers``), else int64."""
+        return row_numbers(ids, rows) if "int32" in self.row_ids else ids
+
+
+ACCEPTS_BASELINE = Accepts()  # what a client that states nothing is sent
+ACCEPTS_ALL = Accepts(ENCODINGS, INDEX_DTYPES)  # everything this peer decodes
+
+
+def _read_accepts(key: str, v: Mapping[str, Any]) -> Accepts:
+    try:
+        return Accepts.from_body(v)
+    except ProtocolError as exc:
+        raise ProtocolError(R_HEADER, f"body field {key!r}: {exc.message}") from None
+
+
 @dataclass(frozen=True)
 class HelloRequest(Body):
     """A worker's hello: its model and how it splits the model over the shards.
@@ -161,6 +252,8 @@ class HelloRequest(Body):
     A hello without ``partition`` (a plain client) is accepted by an unsharded server.
     ``process`` is a token of the sender's process: a hello from the same worker id with
     another token is a restarted worker (a dispatching server takes back its splits).
+    ``accepts``: what the sender decodes in replies (``Accepts``); None: the baseline
+    (``ACCEPTS_BASELINE``).
     """
 
     fingerprint: str | None = wire_field("str", None)
@@ -170,6 +263,7 @@ class HelloRequest(Body):
     num_shards: int | None = wire_field("int", None)
     partition: str | None = wire_field("str", None)
     process: str | None = wire_field("str", None)
+    accepts: Accepts | None = wire_field("map", None, read=_read_accepts, write=Accepts.to_body)
 
 
 @dataclass(frozen=True)

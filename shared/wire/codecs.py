@@ -498,6 +498,12 @@ CODECS: dict[str, Codec] = {
     )
 }
 ENCODINGS = frozenset(CODECS)
+# The encodings every peer of protocol version 1 decodes: the protocol's first published
+# form (docs/wire.md's changelog). A client that states nothing in its hello is sent these.
+BASELINE_ENCODINGS = frozenset({DENSE, SPARSE, BF16, TOPK})
+# What a weights reply may carry (the others travel in pushes only): whole variables,
+# a fixed table's rows, a dynamic table's rows, each as it is or rounded to bfloat16.
+REPLY_ENCODINGS = frozenset({DENSE, BF16, SPARSE, SPARSE_BF16, KEYED, KEYED_BF16})
 
 
 def codec_for(t: Any) -> Codec:

@@ -35,6 +35,7 @@ R_ROWS_UNKNOWN = "rows_unknown"  # a row request for a variable the server does 
 R_TOO_MANY_WORKERS = "too_many_workers"  # a new worker id while the registry is full
 R_OVERSIZE = "oversize"  # a message past its socket's bound of frames or bytes
 R_COUNTS = "counts"  # a keyed_counted row that stands for fewer than one lookup
+R_ACCEPTS = "accepts"  # a hello whose accepts leave out what this server must send it
 
 
 class ProtocolError(Exception):
