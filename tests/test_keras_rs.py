@@ -5,10 +5,13 @@ features), and its held-out AUC through a server and a worker is within 0.01 of 
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import keras_rs
 import krs_models
 import numpy as np
+import pytest
 import tensorflow as tf
 from inproc import serving, train
 
@@ -31,6 +34,25 @@ def test_keras_rs_configs_declare_downpours_tables_one_per_shared_table() -> Non
     x, _ = krs_models.data(3, 0)
     out = model({k: tf.constant(v) for k, v in x.items()})
     assert out.shape == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "warned"),
+    [("adam", False), (None, False), ("sgd", True), (keras.optimizers.Adagrad(), True)],
+)
+def test_a_table_naming_another_optimizer_is_said_at_warning_level(
+    optimizer: object, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = keras_rs.layers.TableConfig(
+        name="t", vocabulary_size=10, embedding_dim=2, optimizer=optimizer
+    )
+    feature = keras_rs.layers.FeatureConfig("f", table, (None,), (None, 2))
+    with caplog.at_level(logging.WARNING, logger="downpour"):
+        DistributedEmbedding({"f": feature})
+    said = [r for r in caplog.records if "declares optimizer" in r.getMessage()]
+    assert len(said) == int(warned)
+    if warned:
+        assert said[0].levelno == logging.WARNING and "'t'" in said[0].getMessage()
 
 
 def _one_process_auc() -> float:

@@ -112,10 +112,11 @@ class DistributedEmbedding(keras.layers.Layer):
             for name, t in declared.items()
         }
         for name, t in declared.items():
-            if t.optimizer not in (None, "adam") and not isinstance(t.optimizer, str):
+            if t.optimizer not in (None, "adam"):  # keras-rs's default is "adam"
+                named = t.optimizer if isinstance(t.optimizer, str) else type(t.optimizer).__name__
                 log.warning(
                     "table %r declares optimizer %s: downpour's server updates every table "
-                    "by its own --optimizer", name, type(t.optimizer).__name__,
+                    "by its own --optimizer", name, named,
                 )  # fmt: skip
         self.table_policy, self.seed = extra, seed
 
