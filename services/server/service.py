@@ -73,9 +73,10 @@ from downpour.server.policies.base import parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.settings import ModelFacts, ServerConfig, validate_server
 from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
-from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
+from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState
 from downpour.server.stats import ServerStats
 from downpour.server.status_doc import build_status
+from downpour.server.tables.shard import TableOptions
 from downpour.spec import ModelSpec
 from downpour.wire import ProtocolError
 
