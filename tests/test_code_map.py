@@ -1,4 +1,5 @@
-"""The code map and the API reference name every module of the package, and nothing else.
+"""The code map and the API reference name every module of the package, and nothing else;
+and no class or function of the package grows past its size limit.
 
 The code map (``## Code map`` in docs/development.md) has one table row per module of the
 installed package ``downpour``, its first cell the module's name in backticks (a link into the
@@ -7,10 +8,15 @@ The modules are read from the source folders that pyproject.toml's
 ``[tool.setuptools.package-dir]`` maps to the package, with pkgutil and without importing
 anything, so a module added to any of those folders fails here, by name, until both pages
 name it. A code map row naming a module that does not exist fails too.
+
+The same walk finds the source files whose classes and functions are measured
+(``oversized``): a class is split along its responsibilities before it passes
+``MAX_CLASS_LINES`` lines, a function (a method, a nested one) before ``MAX_FUNCTION_LINES``.
 """
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import re
 import tomllib
@@ -26,24 +32,30 @@ _ROW = re.compile(r"^\|\s*\[?`([\w.]+)`", re.M)
 _AUTODOC = re.compile(r"^::: ([\w.]+)\s*$", re.M)
 
 
-def package_modules(root: Path) -> set[str]:
-    """Every module and package of ``downpour``, from the package-dir map of ``root``."""
+def package_files(root: Path) -> dict[str, Path]:
+    """Every module and package of ``downpour`` and its source file, from the package-dir
+    map of ``root``."""
     with open(root / "pyproject.toml", "rb") as f:
         mapping: dict[str, str] = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    found: set[str] = set()
+    found: dict[str, Path] = {}
 
     def walk(package: str, folder: Path) -> None:
-        found.add(package)
+        found[package] = folder / "__init__.py"
         for info in pkgutil.iter_modules([str(folder)]):
             name = f"{package}.{info.name}"
             if not info.ispkg:
-                found.add(name)
+                found[name] = folder / f"{info.name}.py"
             elif name not in mapping:  # a mapped subpackage is walked from its own folder
                 walk(name, folder / info.name)
 
     for package, source in mapping.items():
         walk(package, root / source)
     return found
+
+
+def package_modules(root: Path) -> set[str]:
+    """Every module and package of ``downpour``, from the package-dir map of ``root``."""
+    return set(package_files(root))
 
 
 def code_map_rows(root: Path) -> list[str]:
@@ -164,3 +176,70 @@ def test_no_source_folder_holds_more_than_twenty_modules() -> None:
     counts = Counter(m.rpartition(".")[0] for m in package_modules(ROOT) if m != "downpour")
     crowded = {pkg: n for pkg, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
     assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+MAX_CLASS_LINES = 420  # the guide: about 400
+MAX_FUNCTION_LINES = 85  # the guide: about 80
+
+
+def oversized(root: Path) -> list[str]:
+    """Classes over ``MAX_CLASS_LINES`` and functions over ``MAX_FUNCTION_LINES`` in the
+    package's source files, as ``module:Qualified.name: N lines (limit L)``. A definition's
+    lines run from its ``class`` or ``def`` line (decorators not counted) to its last line,
+    as ``ast`` gives them; the docstring counts."""
+    out = []
+
+    def visit(node: ast.AST, module: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                limit = MAX_CLASS_LINES if isinstance(child, ast.ClassDef) else MAX_FUNCTION_LINES
+                assert child.end_lineno is not None
+                n = child.end_lineno - child.lineno + 1
+                if n > limit:
+                    out.append(f"{module}:{name}: {n} lines (limit {limit})")
+                visit(child, module, f"{name}.")
+            else:
+                visit(child, module, prefix)
+
+    for module, path in sorted(package_files(root).items()):
+        visit(ast.parse(path.read_text(encoding="utf-8"), str(path)), module, "")
+    return out
+
+
+def test_no_class_or_function_of_the_package_passes_its_size_limit() -> None:
+    """A class past about 400 lines or a function past about 80 is split along its
+    responsibilities (a collaborator object, a helper per step), not merely shortened."""
+    problems = oversized(ROOT)
+    assert not problems, "split these along their responsibilities:\n" + "\n".join(problems)
+
+
+def _lines(head: str, n: int, indent: str = "    ") -> str:
+    """A definition ``head`` of ``n`` lines in all."""
+    return head + "\n" + f"{indent}x = 0\n" * (n - 1)
+
+
+def test_the_size_check_names_each_class_and_function_past_its_limit(tmp_path: Path) -> None:
+    """One line over names it (a method and a nested function by their qualified names);
+    exactly at the limit passes."""
+    root = _tree(tmp_path, "", "")
+    (root / "lib/wire.py").write_text(
+        _lines("class Big:", MAX_CLASS_LINES - MAX_FUNCTION_LINES)
+        + _lines("    def long(self) -> None:", MAX_FUNCTION_LINES + 1, "        ")
+        + "\n"
+        + _lines("class Fits:", MAX_CLASS_LINES)
+        + _lines("def fits() -> None:", MAX_FUNCTION_LINES),
+        encoding="utf-8",
+    )
+    (root / "services/svc/loop.py").write_text(
+        _lines("def outer() -> None:", 2)
+        + _lines("    def inner() -> None:", MAX_FUNCTION_LINES + 1, "        "),
+        encoding="utf-8",
+    )
+    assert oversized(root) == [
+        f"downpour.svc.loop:outer: {MAX_FUNCTION_LINES + 3} lines (limit {MAX_FUNCTION_LINES})",
+        f"downpour.svc.loop:outer.inner: {MAX_FUNCTION_LINES + 1} lines "
+        f"(limit {MAX_FUNCTION_LINES})",
+        f"downpour.wire:Big: {MAX_CLASS_LINES + 1} lines (limit {MAX_CLASS_LINES})",
+        f"downpour.wire:Big.long: {MAX_FUNCTION_LINES + 1} lines (limit {MAX_FUNCTION_LINES})",
+    ]

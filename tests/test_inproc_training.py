@@ -108,7 +108,7 @@ def test_stop_ends_a_worker_early_and_the_server_after_applying(
         assert s["stopped_early"] and s["steps"] > 3
         # close() ended the input generators mid-epoch (their tf.data iterators with them),
         # rather than leaving them to a cyclic garbage collection much later
-        w = worker.worker
-        assert w._batches.gi_frame is None and w._input_stream.gi_frame is None
+        data = worker.worker.data  # the worker's TrainingBatches
+        assert data._batches.gi_frame is None and data._input_stream.gi_frame is None
         wait_until(lambda: fetch_status(server.status)["version"] == s["pushes"], 30, "pushes")
     assert "stopped at version" in caplog.text  # the loop returned through its stop path

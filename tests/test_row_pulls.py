@@ -113,7 +113,7 @@ def test_a_row_pull_does_not_snapshot_the_table() -> None:
     version, arrays = ctx.state.dense_weights()
     assert arrays[0] is None and all(a is not None for a in arrays[1:])
     row_pull(ctx, {TABLE: np.array([3], np.int64)})
-    assert ctx.state._snap[0] is None
+    assert ctx.state.snapshots._snap[0] is None
 
 
 def test_a_bf16_row_pull_sends_the_rows_values_in_half_the_bytes() -> None:

@@ -34,7 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         add_options(p, SERVICES[name].OPTIONS)
         loading.add_config_option(p)
+    _add_config(sub)
+    _add_status(sub)
+    _add_keygen(sub)
+    _add_tools(sub)
+    return parser
 
+
+_Subcommands = argparse._SubParsersAction  # what add_subparsers returns
+
+
+def _add_config(sub: _Subcommands) -> None:
+    """``downpour config show``."""
     cfg = sub.add_parser("config", help="show a service's effective settings and their sources")
     show = cfg.add_subparsers(dest="config_command", required=True).add_parser(
         "show",
@@ -47,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "flags", nargs=argparse.REMAINDER, help="--config FILE and flags, as the service takes them"
     )
 
+
+def _add_status(sub: _Subcommands) -> None:
+    """``downpour status``."""
     st = sub.add_parser("status", help="show a server's status")
     st.add_argument(
         "endpoints", nargs="+", help="status endpoint(s): tcp://host:port, host:port or port"
@@ -58,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     own_key = dataclasses.replace(KEY, help="own CURVE secret key (a reader's or worker's)")
     add_options(st, (own_key, SERVER_KEY))
 
+
+def _add_keygen(sub: _Subcommands) -> None:
+    """``downpour keygen``."""
     kg = sub.add_parser("keygen", help="create CURVE key pairs for a server, workers, readers")
     kg.add_argument("dir", help="key directory (created; existing keys are never overwritten)")
     names = kg.add_mutually_exclusive_group()
@@ -67,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--readers", default="status", help="comma-separated status-reader names ('' = none)"
     )
 
+
+def _add_tools(sub: _Subcommands) -> None:
+    """``downpour job``, ``run-local``, ``plot``, ``export`` and ``data``, whose modules add
+    their own options."""
     from downpour.cli import job, local
 
     job.add_arguments(
@@ -102,7 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
             "downpour.examples.recsys (clicks).",
         )
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from downpour import wire
 from downpour.net import security
 from downpour.net.receive import Bound, Oversize
 from downpour.runtime.metrics import clean_reported
-from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher
+from downpour.server.dispatch import GRANT_END, GRANT_WAIT, DataMismatch, Dispatcher, Grant
 from downpour.server.job import JobTracker
 from downpour.server.policies.base import (
     APPLY,
@@ -54,7 +54,7 @@ from downpour.server.policies.base import (
     SyncPolicy,
 )
 from downpour.server.policies.movement import Movement
-from downpour.server.registry import ALIVE, GONE, WorkerRegistry
+from downpour.server.registry import ALIVE, GONE, WorkerRecord, WorkerRegistry
 from downpour.server.stats import ServerStats
 from downpour.wire import Message, ProtocolError
 
@@ -536,6 +536,40 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
             "this server does not dispatch data: start it (shard 0) with --data-dispatch server",
         )
     req = wire.SplitRequest.from_body(msg.body)
+    _check_split_request(req, d)
+    rec = ctx.registry.admit(msg.sender, ctx.clock())
+    if rec is None:
+        raise ProtocolError(wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
+    if req.process is not None:
+        _note_process(ctx, d, msg.sender, req.process)
+    done = held = 0
+    for epoch, index, seq in req.acks:
+        if seq > rec.last_seq:  # its last gradients are not here yet
+            held += d.hold(msg.sender, epoch, index, seq)
+        else:
+            done += d.ack(msg.sender, epoch, index)
+    stale = len(req.acks) - done - held
+    if not req.want:
+        kind = GRANT_END if d.finished else GRANT_WAIT
+        return wire.split_reply(wire.SplitReply(kind, d.epoch, acked=done, stale=stale, held=held))
+    grant = d.next_split(msg.sender, ctx.clock())
+    log.debug(
+        "split request of %s (acks %s: %d done, %d held, %d stale): %s %s",
+        msg.sender,
+        [a[:2] for a in req.acks],
+        done,
+        held,
+        stale,
+        grant.kind,
+        None if grant.split is None else grant.split.index,
+        extra={"worker": msg.sender},
+    )
+    return wire.split_reply(_granted(grant, done, stale, held))
+
+
+def _check_split_request(req: wire.SplitRequest, d: Dispatcher) -> None:
+    """The universe a split request sends (registered by the first request) and its digest
+    (``bad_header``, ``data_universe``), and every ack naming a split of it (``bad_header``)."""
     if req.universe is not None and req.universe.digest() != req.digest:
         raise ProtocolError(wire.R_HEADER, "the digest does not match the universe sent")
     try:
@@ -556,48 +590,23 @@ def handle_split(msg: Message, ctx: HandlerContext) -> Message:
         raise ProtocolError(
             wire.R_HEADER, f"ack {list(bad[0])} names no split of the {d.num_splits}"
         )
-    rec = ctx.registry.admit(msg.sender, ctx.clock())
-    if rec is None:
-        raise ProtocolError(wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
-    if req.process is not None:
-        _note_process(ctx, d, msg.sender, req.process)
-    done = held = 0
-    for epoch, index, seq in req.acks:
-        if seq > rec.last_seq:  # its last gradients are not here yet
-            held += d.hold(msg.sender, epoch, index, seq)
-        else:
-            done += d.ack(msg.sender, epoch, index)
-    stale = len(req.acks) - done - held
-    if not req.want:
-        kind = GRANT_END if d.finished else GRANT_WAIT
-        return wire.split_reply(wire.SplitReply(kind, d.epoch, acked=done, stale=stale, held=held))
-    grant = d.next_split(msg.sender, ctx.clock())
+
+
+def _granted(grant: Grant, done: int, stale: int, held: int) -> wire.SplitReply:
+    """The reply to a split request that wants a split: ``grant``, and the acks' fates."""
     s = grant.split
-    log.debug(
-        "split request of %s (acks %s: %d done, %d held, %d stale): %s %s",
-        msg.sender,
-        [a[:2] for a in req.acks],
-        done,
-        held,
-        stale,
+    return wire.SplitReply(
         grant.kind,
-        None if s is None else s.index,
-        extra={"worker": msg.sender},
-    )
-    return wire.split_reply(
-        wire.SplitReply(
-            grant.kind,
-            grant.epoch,
-            index=None if s is None else s.index,
-            file=None if s is None else s.file,
-            start=None if s is None or s.file is not None else s.start,
-            stop=None if s is None or s.file is not None else s.stop,
-            skip=0 if s is None else s.skip,
-            retry_ms=WAIT_RETRY_MS if grant.kind == GRANT_WAIT else 0,
-            acked=done,
-            stale=stale,
-            held=held,
-        )
+        grant.epoch,
+        index=None if s is None else s.index,
+        file=None if s is None else s.file,
+        start=None if s is None or s.file is not None else s.start,
+        stop=None if s is None or s.file is not None else s.stop,
+        skip=0 if s is None else s.skip,
+        retry_ms=WAIT_RETRY_MS if grant.kind == GRANT_WAIT else 0,
+        acked=done,
+        stale=stale,
+        held=held,
     )
 
 
@@ -692,37 +701,84 @@ def handle_gradients(
             check_identity(ctx, peer_key, msg.sender)
         body = wire.PushBody.from_body(msg.body)
         now = ctx.clock()
-        rec = ctx.registry.get(msg.sender)
-        if rec is not None:
-            ctx.registry.touch(msg.sender, rec, now)
-            rec.pushes += 1
-        last_seq = ctx.registry.last_seq(msg.sender)
-        if msg.seq <= last_seq:
-            raise ProtocolError(wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {last_seq}")
-        version = ctx.state.version
-        if msg.base_version > version:
-            raise ProtocolError(
-                wire.R_FUTURE, f"base_version {msg.base_version} > server version {version}"
-            )
-        grads = check_gradients(msg, ctx.state, keep_sparse=not isinstance(ctx.policy, SyncPolicy))
-        # into the apply's staging buffers, NaN/Inf checked in the same pass
-        grads, nonfinite = ctx.state.stage(grads, check=not ctx.allow_nonfinite)
-        if nonfinite is not None:
-            raise ProtocolError(wire.R_NONFINITE, f"{nonfinite!r} has NaN or Inf")
+        rec = _heard_from(ctx, msg.sender, now)
+        version = _check_seq_and_version(msg, ctx)
+        grads = _check_and_stage(msg, ctx)
         if rec is None:
-            rec = ctx.registry.admit(msg.sender, now)
-            if rec is None:
-                raise ProtocolError(wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
-            rec.pushes += 1
+            rec = _enrol(ctx, msg.sender, now)
     except ProtocolError as exc:
         if rec is not None and ctx.dispatcher is not None:
             ctx.dispatcher.pushed(msg.sender, msg.seq)
         return GradientOutcome(rejection=_refuse(ctx, exc, sender or exc.sender))
     # Valid, new and enrolled: the policy decides. A drop or a hold is accepted, not an error.
-    assert rec is not None
     if ctx.policy.caps.needs_weights:  # dc, gap-aware: the weights this version has (a snapshot)
         ctx.policy.observe(version, ctx.state.weights()[1])
     decision = ctx.policy.offer(grads, msg.base_version, version, msg.sender)
+    _note_accepted(msg, body, decision, version, rec, ctx)
+    if decision.rows is not None and decision.rows.action == APPLY:  # hybrid: rows first
+        apply_decision(decision.rows, ctx, credit=False)
+    if decision.action == APPLY:
+        apply_decision(decision, ctx)
+    return GradientOutcome(decision=decision)
+
+
+def _heard_from(ctx: HandlerContext, sender: str, now: float) -> WorkerRecord | None:
+    """The sender's record, noted as heard from now and counted a push (refused or not);
+    None when it has none yet (``_enrol`` gives it one once the push passed every check)."""
+    rec = ctx.registry.get(sender)
+    if rec is not None:
+        ctx.registry.touch(sender, rec, now)
+        rec.pushes += 1
+    return rec
+
+
+def _check_seq_and_version(msg: Message, ctx: HandlerContext) -> int:
+    """Checks 5 and 6 (``handle_gradients``), the header's only: the seq is new and the
+    base version not ahead; returns the server's version the push is measured against."""
+    last_seq = ctx.registry.last_seq(msg.sender)
+    if msg.seq <= last_seq:
+        raise ProtocolError(wire.R_DUPLICATE, f"seq {msg.seq} <= last accepted {last_seq}")
+    version = ctx.state.version
+    if msg.base_version > version:
+        raise ProtocolError(
+            wire.R_FUTURE, f"base_version {msg.base_version} > server version {version}"
+        )
+    return version
+
+
+def _check_and_stage(msg: Message, ctx: HandlerContext) -> list[np.ndarray | wire.Sparse]:
+    """Checks 7 and 8 (``handle_gradients``): the tensors are the model's, copied into the
+    apply's staging buffers with NaN/Inf checked in the same pass (``ParameterState.stage``);
+    returns the gradients as the apply takes them."""
+    grads = check_gradients(msg, ctx.state, keep_sparse=not isinstance(ctx.policy, SyncPolicy))
+    # into the apply's staging buffers, NaN/Inf checked in the same pass
+    grads, nonfinite = ctx.state.stage(grads, check=not ctx.allow_nonfinite)
+    if nonfinite is not None:
+        raise ProtocolError(wire.R_NONFINITE, f"{nonfinite!r} has NaN or Inf")
+    return grads
+
+
+def _enrol(ctx: HandlerContext, sender: str, now: float) -> WorkerRecord:
+    """Check 9 (``handle_gradients``): a record for a sender without one, counted a push;
+    ``too_many_workers`` when the registry has no room."""
+    rec = ctx.registry.admit(sender, now)
+    if rec is None:
+        raise ProtocolError(wire.R_TOO_MANY_WORKERS, _registry_full(ctx))
+    rec.pushes += 1
+    return rec
+
+
+def _note_accepted(
+    msg: Message,
+    body: wire.PushBody,
+    decision: Decision,
+    version: int,
+    rec: WorkerRecord,
+    ctx: HandlerContext,
+) -> None:
+    """An accepted push, whatever the policy decided, in its sender's record (seq,
+    staleness, drops and holds, steps, loss, reported figures), the dispatcher's leases
+    and the server's loss."""
     rec.last_seq = msg.seq
     if ctx.dispatcher is not None:
         ctx.dispatcher.pushed(msg.sender, msg.seq)
@@ -743,11 +799,6 @@ def handle_gradients(
     if body.stats is not None:  # a worker's figures; its notices ride with them
         rec.reported = clean_reported(body.stats)
         rec.notices = body.notices or ()
-    if decision.rows is not None and decision.rows.action == APPLY:  # hybrid: rows first
-        apply_decision(decision.rows, ctx, credit=False)
-    if decision.action == APPLY:
-        apply_decision(decision, ctx)
-    return GradientOutcome(decision=decision)
 
 
 def check_gradients(

@@ -9,11 +9,12 @@ thread and answers from the published document, so a slow or flooding status cli
 stalls training.
 
 Where the parts live: sockets and CURVE in ``sockets``, the worker registry in ``registry``,
-request and gradient handling in ``handlers``, the status document in ``status_doc``, the
-versioned variables and compiled apply in ``state``. With shards each shard runs its own
-policy on its own slice and its own version; for ``sync:K/N`` that means each shard
-aggregates its rounds independently. On stop the loop drains the gradients already
-received, applies a partial sync round, writes a final checkpoint and closes.
+request and gradient handling in ``handlers``, the status document and the status socket's
+thread in ``status_doc`` (``StatusBoard``), the versioned variables and compiled apply in
+``state``, restoring at start and writing checkpoints in ``checkpointing``. With shards each
+shard runs its own policy on its own slice and its own version; for ``sync:K/N`` that means
+each shard aggregates its rounds independently. On stop the loop drains the gradients
+already received, applies a partial sync round, writes a final checkpoint and closes.
 
 With ``--job-workers N`` the server also ends on its own (``downpour.server.job``): once N
 workers have finished it does the same drain, flush and final checkpoint, marks its status
@@ -41,24 +42,17 @@ import zmq
 from downpour import wire
 from downpour.checkpoints.store import CheckpointStore
 from downpour.net import security
-from downpour.net.receive import Bound, Oversize, keep_receive_buffers, recv_bounded
+from downpour.net.receive import Oversize, keep_receive_buffers, recv_bounded
 from downpour.runtime import systemd
 from downpour.runtime.device import configure_device
 from downpour.runtime.logs import RateLimitedLog, set_log_context, stop_on_signals
-from downpour.server.checkpointing.capture import capture_state
-from downpour.server.checkpointing.restore import (
-    find_sources,
-    restore_dispatcher,
-    restore_set,
-    same_layout,
-)
+from downpour.server.checkpointing.restore import Resumed, resume
 from downpour.server.checkpointing.writer import CheckpointWriter
 from downpour.server.dispatch import Dispatcher
 from downpour.server.handlers import (
     HandlerContext,
     Rejection,
     Reply,
-    check_status_request,
     flush_policy,
     handle_gradients,
     handle_request,
@@ -66,20 +60,19 @@ from downpour.server.handlers import (
     release_gone,
     socket_bounds,
 )
-from downpour.server.job import DONE, FAILED, JobTracker
+from downpour.server.job import FAILED, JobTracker
 from downpour.server.observers import Observers
 from downpour.server.observers.exports import ServingExporter
 from downpour.server.policies.base import parse_policy
 from downpour.server.registry import WorkerRegistry
 from downpour.server.settings import ModelFacts, ServerConfig, validate_server
-from downpour.server.sockets import STATUS_MAX_BYTES, ServerSockets
-from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState, TableOptions
+from downpour.server.sockets import ServerSockets
+from downpour.server.state import DYNAMIC_OPTIMIZER, ParameterState
 from downpour.server.stats import ServerStats
-from downpour.server.status_doc import build_status
+from downpour.server.status_doc import StatusBoard, build_status
+from downpour.server.tables.shard import TableOptions
 from downpour.spec import ModelSpec
-from downpour.wire import ProtocolError
 
-STATUS_BOUND = Bound(1, STATUS_MAX_BYTES)  # a status request is one small header
 RETAIN_PUSHES = 4  # pushes' worth of freed receive buffers the heap keeps for the next ones
 RETAIN_MAX_BYTES = 1 << 28  # ... but never more (frames over 32 MiB are not kept anyway)
 
@@ -127,42 +120,10 @@ class Server:
         self.spec = spec
         self.config = config
         self.policy = parse_policy(config.policy)  # ValueError names the accepted forms
-        self.state = ParameterState(
-            spec,
-            config.optimizer,
-            config.learning_rate,
-            config.seed,
-            shard=config.shard,
-            num_shards=config.num_shards,
-            table_options=TableOptions(
-                config.table_rows_per_shard,
-                config.fallback_rows,
-                config.evict_policy,
-                config.admission,
-                config.admit_after,
-                config.admit_init,
-                config.evict_idle_versions,
-            ),
-        )
-        validate_server(config, ModelFacts(tuple(self.state.tables)))  # and with the model
-        note_dynamic_optimizer(self.state, config.optimizer)
+        self.state = self._build_state()
         self.partition = self.state.partition
         self.incarnation = secrets.token_hex(8)
-        self.restored_seqs: dict[str, int] = {}
-        self.restored_from: int | None = None
-        self.restore_s: float | None = None  # reading and assigning the checkpoint(s)
-        self.restored_finished: dict[str, int] = {}  # workers a checkpoint says finished
-        self.dispatcher: Dispatcher | None = None
-        if config.data_dispatch == "server":
-            self.dispatcher = Dispatcher(seed=config.seed)
-        self.checkpoints: CheckpointWriter | None = None
-        if config.state_dir:
-            self.checkpoints = CheckpointWriter(
-                CheckpointStore(config.state_dir, config.keep_checkpoints, _test_write_hook()),
-                config.checkpoint_every,
-                config.checkpoint_secs,
-            )
-            self._restore()
+        self._resume()
         self.limits = wire.DEFAULT_LIMITS.for_payload(self.state.payload_bytes)
         self.receive_heap = keep_receive_buffers(
             largest_dense_frame(self.state),
@@ -180,18 +141,81 @@ class Server:
         if config.job_workers:
             self.job = JobTracker(config.job_workers, config.job_timeout_s, config.drain_timeout_s)
             self.job.restore(self.restored_finished, time.monotonic())
-        self._acked = threading.Event()  # a reader acknowledged the job's end (status thread)
         self.started = time.monotonic()
         self.started_wall = time.time()
         self._stop = threading.Event()
-        self._published: dict[str, Any] = {}
-        self._last_publish = 0.0
         self._warn = RateLimitedLog(log)
-        self.obs = Observers(spec, config, lambda: self._published)  # reads snapshots only
+        self.board = StatusBoard(
+            self.stats.counters,
+            self.snapshot,
+            interval_s=config.publish_interval_s,
+            max_per_s=config.status_max_per_s,
+            stop=self._stop,
+        )
+        self._observe()
+        self._open_sockets()
+        self.handler_ctx = self._handler_context()
+        self.request_bound, self.gradient_bound = socket_bounds(self.handler_ctx)
+        self.board.publish(force=True)
+
+    def _build_state(self) -> ParameterState:
+        """The parameters, with the dynamic tables' overrides; checked again with the model."""
+        config = self.config
+        state = ParameterState(
+            self.spec,
+            config.optimizer,
+            config.learning_rate,
+            config.seed,
+            shard=config.shard,
+            num_shards=config.num_shards,
+            table_options=TableOptions(
+                config.table_rows_per_shard,
+                config.fallback_rows,
+                config.evict_policy,
+                config.admission,
+                config.admit_after,
+                config.admit_init,
+                config.evict_idle_versions,
+            ),
+        )
+        validate_server(config, ModelFacts(tuple(state.tables)))  # and with the model
+        note_dynamic_optimizer(state, config.optimizer)
+        return state
+
+    def _resume(self) -> None:
+        """The split dispatcher and the checkpoint writer, and what a checkpoint in the state
+        directory restores (``downpour.server.checkpointing.restore.resume``)."""
+        config = self.config
+        dispatcher = Dispatcher(seed=config.seed) if config.data_dispatch == "server" else None
+        self.checkpoints: CheckpointWriter | None = None
+        resumed = Resumed(dispatcher=dispatcher)
+        if config.state_dir:
+            self.checkpoints = CheckpointWriter(
+                CheckpointStore(config.state_dir, config.keep_checkpoints, _test_write_hook()),
+                config.checkpoint_every,
+                config.checkpoint_secs,
+            )
+            resumed = resume(
+                self.state, self.checkpoints.store, config.restore_from, dispatcher, config.seed
+            )
+        self.dispatcher = resumed.dispatcher
+        self.restored_seqs = resumed.workers
+        self.restored_from = resumed.version
+        self.restore_s = resumed.seconds  # reading and assigning the checkpoint(s)
+        self.restored_finished = resumed.finished  # workers a checkpoint says finished
+
+    def _observe(self) -> None:
+        """The observers (evaluation, TensorBoard, Prometheus) and the serving exports."""
+        config = self.config
+        self.obs = Observers(self.spec, config, lambda: self.board.document)  # reads snapshots
         self.exports: ServingExporter | None = None
         if config.export_every:
-            self.exports = ServingExporter(spec, config.export_dir, config.export_every,
+            self.exports = ServingExporter(self.spec, config.export_dir, config.export_every,
                                            config.export_keep, self.state.fingerprint)  # fmt: skip
+
+    def _open_sockets(self) -> None:
+        """Bind the REP, gradient and status sockets (CURVE first, with keys)."""
+        config = self.config
         # a row request carries ids: the request limit grows with --max-pull-rows per table
         self.max_request_bytes = wire.request_max_bytes(
             config.max_pull_rows, sum(self.state.sparse)
@@ -210,11 +234,15 @@ class Server:
         self.port = self.sockets.port
         self.push_port = self.sockets.push_port
         self.status_port = self.sockets.status_port
-        self.handler_ctx = HandlerContext(
+
+    def _handler_context(self) -> HandlerContext:
+        """What the handlers read and update (``downpour.server.handlers``)."""
+        config = self.config
+        return HandlerContext(
             state=self.state,
             policy=self.policy,
             registry=self.registry,
-            model=spec.name,
+            model=self.spec.name,
             incarnation=self.incarnation,
             shard=self.shard_fields(),
             push_port=self.push_port,
@@ -230,45 +258,8 @@ class Server:
             dispatcher=self.dispatcher,
             job=self.job,
         )
-        self.request_bound, self.gradient_bound = socket_bounds(self.handler_ctx)
-        self._publish(force=True)
-        self._status_thread = threading.Thread(
-            target=self._serve_status, name="status", daemon=True
-        )
 
     # ------------------------------------------------------------ durability
-
-    def _restore(self) -> None:
-        assert self.checkpoints is not None
-        store = self.checkpoints.store
-        store.clean_leftovers()
-        t0 = time.perf_counter()
-        sources = find_sources(self.state, store, self.config.restore_from)
-        if not sources:
-            log.info("no checkpoint in %s: starting from fresh weights", store.dir)
-            return
-        done = restore_set(self.state, sources)
-        self.restore_s = round(time.perf_counter() - t0, 3)
-        self.restored_seqs = done.workers
-        if len(sources) == 1 and same_layout(sources[0], self.state):
-            finished = sources[0].meta.get("finished") or {}
-            self.restored_finished = {str(w): int(seq) for w, seq in finished.items()}
-        self.restored_from = done.version
-        log.info(
-            "restored version %d in %.1f s from %s",
-            done.version,
-            self.restore_s,
-            ", ".join(str(c.path) for c in sources),
-        )
-        if self.dispatcher is not None:
-            self.dispatcher = restore_dispatcher(done.dispatch, self.config.seed)
-            if self.dispatcher.configured:
-                log.info(
-                    "resuming epoch %d: %d of %d splits done, the rest back in the queue",
-                    self.dispatcher.epoch,
-                    self.dispatcher.progress()["splits_done"],
-                    self.dispatcher.num_splits,
-                )
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """The checkpoint metadata that is the server's, not its state's (``capture_state``)."""
@@ -289,17 +280,10 @@ class Server:
         }
 
     def _maybe_checkpoint(self, final: bool = False) -> None:
-        cp = self.checkpoints
-        # the dispatcher's acknowledged splits change the state without changing the version
-        mark = None if self.dispatcher is None else self.dispatcher.counters["acked"]
-        if cp is None or not (final or cp.due(self.state.version, mark)):
-            return
-        arrays, meta = capture_state(self.state)  # fixed variables and tables, one version
-        meta |= self._checkpoint_meta()
-        if final:
-            cp.write_now(self.state.version, arrays, meta, mark)
-        else:
-            cp.submit(self.state.version, arrays, meta, mark)
+        if self.checkpoints is not None:
+            # the dispatcher's acknowledged splits change the state without changing the version
+            mark = None if self.dispatcher is None else self.dispatcher.counters["acked"]
+            self.checkpoints.checkpoint(self.state, self._checkpoint_meta, mark, final)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -339,7 +323,7 @@ class Server:
         """Serve until stopped, or until the job ends (``--job-workers``); then apply what
         has been received and close the sockets. The exit code: 0, or 3 for a failed job."""
         set_log_context(version=lambda: self.state.version)
-        self._status_thread.start()
+        self.board.start(self.sockets.status_sock)
         self.obs.start()
         self._write_ready_file()
         # systemd Type=notify: ready only now, with the sockets bound and any checkpoint restored
@@ -376,17 +360,17 @@ class Server:
                 self.registry.forget_idle(time.monotonic())
                 release_gone(self.handler_ctx)
                 self._maybe_checkpoint()
-                watchdog.tick(healthy=self._status_thread.is_alive())
+                watchdog.tick(healthy=self.board.alive())
                 self.obs.after_loop_pass(self.state)
                 if self.exports is not None:
                     self.exports.after_loop_pass(self.state)
-                self._publish()
+                self.board.publish()
                 self._job_pass(poller)
             systemd.notify("STOPPING=1\nSTATUS=stopping: applying received gradients")
             if self.job is None or not self.job.ended:
                 self._finish()
         finally:
-            self._publish(force=True)
+            self.board.publish(force=True)
             log.info(
                 "stopped at version %d after %d updates; rejected %s",
                 self.state.version,
@@ -416,7 +400,7 @@ class Server:
             return
         now = time.monotonic()
         if job.ended:
-            if job.released(now, self._acked.is_set(), self.config.linger_after_done_s):
+            if job.released(now, self.board.acked.is_set(), self.config.linger_after_done_s):
                 self._stop.set()
             return
         verdict = job.verdict(self.registry, now)
@@ -428,7 +412,7 @@ class Server:
         job.end(state, reason, self.state.version, time.monotonic())
         poller.unregister(self.sockets.grad_sock)  # pushes after the end are not read
         systemd.notify(f"STATUS=job {state} at version {self.state.version}")
-        self._publish(force=True)
+        self.board.publish(force=True)
 
     def close(self) -> None:
         """Close sockets and the context (idempotent)."""
@@ -437,8 +421,7 @@ class Server:
             self.checkpoints.close()
         if self.exports is not None:
             self.exports.close()
-        if self._status_thread.is_alive():
-            self._status_thread.join(timeout=2.0)
+        self.board.join(2.0)
         self.obs.close()
         self._warn.flush()
         self.sockets.close()
@@ -509,8 +492,7 @@ class Server:
 
     def snapshot(self) -> dict[str, Any]:
         """The status document (fields: docs/cli.md): plain types, JSON-serialisable."""
-        heap = self.receive_heap
-        doc = build_status(
+        return build_status(
             self.handler_ctx,
             now=time.monotonic(),
             started=self.started,
@@ -521,56 +503,8 @@ class Server:
             evaluation=self.obs.eval_status(),
             exports=self.exports.snapshot() if self.exports is not None else None,
             auth=self.auth,
+            receive_heap=self.receive_heap,
         )
-        # what keep_receive_buffers set, or why it set nothing (logged at warning level)
-        doc["receive_heap"] = heap.problem or {
-            "reused_frame_bytes": heap.reused_frame_bytes,
-            "retained_bytes": heap.retained_bytes,
-        }
-        return doc
-
-    def _publish(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last_publish >= self.config.publish_interval_s:
-            self._published = self.snapshot()  # one reference swap: readers see whole dicts
-            self._last_publish = now
-
-    def _serve_status(self) -> None:
-        sock = self.sockets.status_sock
-        counters = self.stats.counters
-        encoded: tuple[dict[str, Any], list[Any]] | None = None  # one encoding per snapshot
-        # A flooding client is paced, so it cannot take CPU (and the GIL) from the loop.
-        gap = 1.0 / self.config.status_max_per_s if self.config.status_max_per_s > 0 else 0.0
-        next_at = 0.0
-        while not self._stop.is_set():
-            if not sock.poll(100, zmq.POLLIN):
-                continue
-            frames = recv_bounded(sock, STATUS_BOUND)
-            try:
-                if isinstance(frames, Oversize):
-                    counters["status_oversize"] += 1
-                    raise ProtocolError(
-                        wire.R_OVERSIZE,
-                        f"a status request of {frames.frames} frames and {frames.nbytes} bytes "
-                        f"is larger than this socket accepts ({STATUS_BOUND.nbytes} bytes) in "
-                        f"at most {STATUS_BOUND.frames} frame",
-                    )
-                req = check_status_request(frames)
-                counters["status_requests"] += 1
-                doc = self._published
-                job = doc.get("job")
-                if req.ack == DONE and job is not None and job["state"] in (DONE, FAILED):
-                    self._acked.set()
-                if encoded is None or encoded[0] is not doc:
-                    encoded = (doc, wire.encode(wire.status_reply(doc)))
-                out = encoded[1]
-            except ProtocolError as exc:
-                counters["status_rejected"] += 1  # only this thread writes it
-                out = wire.encode(wire.error_message(exc.code, exc.message))
-            sock.send_multipart(out)
-            if gap:
-                next_at = max(next_at, time.monotonic() - 20 * gap) + gap
-                self._stop.wait(max(0.0, next_at - time.monotonic()))
 
 
 def _test_write_hook() -> Callable[[Path], None] | None:

@@ -1,4 +1,6 @@
-"""The server's parameters: variables, optimizer, the compiled apply step, versioned snapshots.
+"""The server's parameters: variables, optimizer, the compiled apply step; with its parts,
+the dynamic tables (``downpour.server.tables.shard``) and versioned snapshots
+(``downpour.server.snapshots``).
 
 The apply step is a ``tf.function`` whose ``input_signature`` has one ``TensorSpec`` per
 trainable variable: its graph's inputs are exactly those placeholders, fed with the arrays
@@ -28,14 +30,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import keras
-import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from downpour.config.settings import ConfigError
 from downpour.layers import DynamicEmbedding, served
 from downpour.memory.buffers import aligned_empty
-from downpour.memory.tensors import as_array
 from downpour.model import initial
 from downpour.model.build import (
     define_model,
@@ -48,18 +47,16 @@ from downpour.model.build import (
 )
 from downpour.model.partition import Part, Partition, make_partition, message_bytes
 from downpour.server.policies.base import ALL, DENSE, ROWS, ApplyPart
+from downpour.server.snapshots import Snapshots
 from downpour.server.tables.rows import ROW_WISE, make_optimizer, row_optimizer, row_update
+from downpour.server.tables.shard import ShardTables, TableOptions
 from downpour.server.tables.table import DynamicTable
 from downpour.spec import ModelSpec
-from downpour.tables.policy import TablePolicy
 from downpour.wire import (
-    BFloat16,
     Keyed,
     Sparse,
     WireTensor,
     all_finite,
-    as_bf16,
-    is_keyed,
     is_rows,
     logical_shape,
     unique_rows,
@@ -89,29 +86,6 @@ def flat_call_problem() -> str | None:
 
 
 STAGE_CHUNK = 1 << 16  # elements staged and checked at a time: 256 KiB of float32 stay in L2
-
-
-@dataclass(frozen=True)
-class TableOptions:
-    """The server's overrides of its dynamic tables' declared policies, each applied to
-    every table when set (None: the layer's ``TablePolicy`` holds): ``--table-rows-per-shard``,
-    ``--fallback-rows``, ``--evict-policy``, ``--admission``, ``--admit-after``,
-    ``--admit-init``; and ``--evict-idle-versions`` (``downpour.server.tables.table``)."""
-
-    shard_rows: int | None = None
-    fallback_rows: float | None = None
-    evict: str | None = None
-    admission: str | None = None
-    admit_after: int | None = None
-    admit_init: str | None = None
-    idle_versions: int | None = None
-
-    def policy(self, declared: TablePolicy) -> TablePolicy:
-        """``declared`` (a layer's) with these overrides."""
-        return declared.with_overrides(
-            fallback_rows=self.fallback_rows, evict=self.evict, admission=self.admission,
-            admit_after=self.admit_after, admit_init=self.admit_init,
-        )  # fmt: skip
 
 
 DYNAMIC_OPTIMIZER = {  # --optimizer -> its dynamic tables' row-wise kind (Adam's: lazy)
@@ -182,27 +156,6 @@ def _slices(it: Iterator[tf.Tensor], shape: tuple[int, ...]) -> tf.IndexedSlices
     indices = next(it)
     values = next(it)
     return tf.IndexedSlices(values, indices, dense_shape=tf.constant(shape, tf.int64))
-
-
-def _round_bf16_fn(variables: list[tf.Variable]) -> tf.types.experimental.ConcreteFunction:
-    """A compiled call returning ``variables`` (float32) rounded to bfloat16, as the bits
-    (uint16) NumPy can take without a copy."""
-
-    @tf.function(input_signature=[])
-    def round_bf16() -> list[tf.Tensor]:
-        return [tf.bitcast(tf.cast(v, tf.bfloat16), tf.uint16) for v in variables]
-
-    return round_bf16.get_concrete_function()
-
-
-def _gather_fn(variable: keras.Variable) -> tf.types.experimental.ConcreteFunction:
-    """A compiled ``tf.gather`` of ``variable``'s rows, traced once for any number of ids."""
-
-    @tf.function(input_signature=[tf.TensorSpec((None,), tf.int64)])
-    def gather(ids: tf.Tensor) -> tf.Tensor:
-        return tf.gather(variable.value, ids)
-
-    return gather.get_concrete_function()
 
 
 def _momentum_variable(optimizer: keras.optimizers.Optimizer) -> tf.Variable | None:
@@ -281,6 +234,10 @@ class ParameterState:
     else of the model; initial values are a function of (seed, variable, row) only
     (``downpour.model.initial``), so the shards together start from exactly the unsharded weights.
     ``names`` are then the parts' wire names and ``model`` is None (a shard cannot evaluate).
+
+    Its parts: the fixed variables and the compiled apply are here; the dynamic tables are
+    ``shard_tables`` (``downpour.server.tables.shard``), what pulls read of each version
+    ``snapshots`` (``downpour.server.snapshots``).
     """
 
     def __init__(
@@ -302,90 +259,31 @@ class ParameterState:
         self.shard = shard
         self.learning_rate = float(learning_rate)
         self.optimizer_name = optimizer
-        self.table_options = table_options or TableOptions()
         self.optimizer = make_optimizer(optimizer, learning_rate)
         # the dynamic tables' row-wise optimizer, with this Keras optimizer's hyperparameters
         self.table_optimizer = row_optimizer(DYNAMIC_OPTIMIZER[optimizer], self.optimizer)
-        parts, row_sparse = self._build(spec, seed, shard, num_shards, sparse_apply)
-        self.names = [p.wire_name for p in parts]
-        self.dynamic = [p.dynamic for p in parts]
-        # wire index -> this shard's TF variable (fixed parts) or dynamic table's path (the
-        # table is looked up in ``tables`` on each use: a restore replaces it there)
-        self._var = dict(zip(self._fixed, self.variables, strict=True))
-        self._table_path = {i: self.partition_paths[parts[i].var] for i in self._keyed}
-        # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
-        # the rows a push touched. Their row count varies per push, which XLA would compile
-        # anew for each size, so such a model's step runs as a graph without XLA.
-        self.sparse = [row_sparse[p.var] or p.dynamic for p in parts]
-        self.jit = jit and not any(self.sparse)
-        self.shapes = [
-            tuple(int(d) for d in (p.shape if p.dynamic else self._var[i].shape))
-            for i, p in enumerate(parts)
-        ]
-        self.dtypes = [np.dtype(p.dtype) for p in parts]
-        self.payload_bytes = sum(
-            message_bytes(s, d, dyn)
-            for s, d, dyn in zip(self.shapes, self.dtypes, self.dynamic, strict=True)
-        )
-        # row-sparse tables updated row-wise here (downpour.server.tables.rows), the rest by Keras
-        self.row_wise = [self.sparse[i] and optimizer in ROW_WISE for i in self._fixed]
-        self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
-        self.optimizer.build(self.variables)
-        self.slot_bytes = sum(  # the optimizer's arrays the size of a variable (not scalars)
-            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize
-            for v in self.optimizer.variables
-            if len(v.shape) > 0
-        )
+        options = table_options or TableOptions()
+        parts, row_sparse = self._build(spec, seed, shard, num_shards, sparse_apply, options)
+        self._lay_out(parts, row_sparse, jit)
+        self._build_optimizer()
         self.version = 0
         self.apply_traces = 0
-        self.index = {name: i for i, name in enumerate(self.names)}
-        # Per-version snapshots, one array per variable, taken when a pull first needs it: a
-        # row-sparse table is snapshotted only when someone pulls it whole (a snapshot holds
-        # the variable's buffer, so the next apply would copy the whole table to write it).
-        self._snap_version = -1
-        self._snap: list[np.ndarray | None] = []
-        self._snapshot: tuple[int, list[np.ndarray]] | None = None
-        # Whole pulls in bfloat16: the float32 variables rounded by one compiled call, once
-        # per version, without a float32 snapshot (``weights_bf16``).
-        self._bf16: tuple[int, list[WireTensor]] | None = None
-        self._rounded = [i for i in self._fixed if self.dtypes[i] == np.float32]
-        self._round_bf16 = _round_bf16_fn([self._var[i] for i in self._rounded])
-        self._gathers = {i: _gather_fn(v) for i, v in self._var.items() if self.sparse[i]}
-        # One staging buffer per dense variable, reused by every apply (the step is
-        # synchronous); a row-sparse one is fed its rows, never staged: a zero-stride view
-        # standing for its shape and dtype, holding no memory.
-        self._staging = [
-            np.broadcast_to(np.empty((), d), s) if sparse else aligned_empty(s, d)
-            for s, d, sparse in zip(self.shapes, self.dtypes, self.sparse, strict=True)
-        ]
-
-        # The variables each kind of apply updates (``apply``'s ``part``): all, or a hybrid
-        # policy's halves, the dense variables or the row-sparse ones (fixed and dynamic).
-        self.row_parts = tuple(i for i, s in enumerate(self.sparse) if s)
-        self.dense_parts = tuple(i for i, s in enumerate(self.sparse) if not s)
-        self._part_of = {ALL: tuple(range(len(self.names))), DENSE: self.dense_parts}
-        self._part_of[ROWS] = self.row_parts
-        # per part: its fixed variables (the compiled step's) and its dynamic tables
-        members = {part: set(indices) for part, indices in self._part_of.items()}
-        self._fixed_by_part = {p: [i for i in self._fixed if i in m] for p, m in members.items()}
-        self._keyed_by_part = {p: [i for i in self._keyed if i in m] for p, m in members.items()}
-        # None: apply steps are called flat; else why each apply binds its inputs again
-        self.apply_call_problem = flat_call_problem()
-        if self.apply_call_problem:
-            log.warning(
-                "%s: every apply binds its inputs through the structured signature, a fixed "
-                "cost per apply",
-                self.apply_call_problem,
-            )
-        self._steps = {ALL: self._trace_apply_step(self._fixed)}  # the halves' on first use
+        self.snapshots = Snapshots(self._var, self.shapes, self.dtypes, self.sparse)
+        self._prepare_apply()
 
     def _build(
-        self, spec: ModelSpec, seed: int, shard: int, num_shards: int, sparse_apply: bool
+        self,
+        spec: ModelSpec,
+        seed: int,
+        shard: int,
+        num_shards: int,
+        sparse_apply: bool,
+        table_options: TableOptions,
     ) -> tuple[tuple[Part, ...], list[bool]]:
         """Declare the model, probe it, partition it and allocate this shard's variables (the
-        whole model unsharded): sets the model's identity, ``partition``, ``model`` and
-        ``variables``; returns this shard's parts and which of the model's variables are
-        row-sparse."""
+        whole model unsharded) and its dynamic tables: sets the model's identity,
+        ``partition``, ``model``, ``variables`` and ``shard_tables``; returns this shard's
+        parts and which of the model's variables are row-sparse."""
         with served(_Unheld):  # a DynamicEmbedding's rows are this shard's DynamicTable's
             model = define_model(spec, seed)  # declared, not allocated (downpour.model.initial)
         full = list(model.trainable_variables)
@@ -408,8 +306,12 @@ class ParameterState:
         self._fixed = [i for i, p in enumerate(parts) if not p.dynamic]
         self._keyed = [i for i, p in enumerate(parts) if p.dynamic]
         self.parts = [parts[i] for i in self._fixed]  # what checkpoints hold as arrays
-        self.tables = {full[parts[i].var].path: self._new_table(layers[full[parts[i].var].path])
-                       for i in self._keyed}  # fmt: skip
+        # wire index -> the dynamic table's path (the table is looked up in ``tables`` on
+        # each use: a restore replaces it there)
+        paths = {i: full[parts[i].var].path for i in self._keyed}
+        self.shard_tables = ShardTables(
+            layers, paths, self.table_optimizer, table_options, shard, num_shards
+        )
         # a shard evaluates nothing; nor does a server whose rows are in dynamic tables
         self.model: keras.Model | None = model if num_shards == 1 and not layers else None
         if num_shards == 1:
@@ -421,30 +323,79 @@ class ParameterState:
             self.variables = _own_parts(full, self.parts, seed, shard)
         return parts, row_sparse
 
-    def _new_table(self, layer: DynamicEmbedding) -> DynamicTable:
-        """This shard's empty store of ``layer``'s rows, within the layer's policy and the
-        server's overrides."""
-        config = {"optimizer": self.table_optimizer, "rule": layer.rule, "seed": layer.seed}
-        try:
-            config |= self._split(self.table_options.policy(layer.policy))
-            return DynamicTable(layer.name, layer.dim, **config)
-        except ValueError as exc:  # the layer's budget with this server's settings
-            raise ConfigError(f"dynamic table {layer.name!r}: {exc}") from None
+    def _lay_out(self, parts: Sequence[Part], row_sparse: Sequence[bool], jit: bool) -> None:
+        """Every wire index's name, kind, shape and dtype, and the bytes of a push."""
+        self.names = [p.wire_name for p in parts]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.dynamic = [p.dynamic for p in parts]
+        # wire index -> this shard's TF variable (fixed parts)
+        self._var = dict(zip(self._fixed, self.variables, strict=True))
+        # Variables whose gradients are row-sparse (an Embedding's) are applied sparsely: only
+        # the rows a push touched. Their row count varies per push, which XLA would compile
+        # anew for each size, so such a model's step runs as a graph without XLA.
+        self.sparse = [row_sparse[p.var] or p.dynamic for p in parts]
+        self.jit = jit and not any(self.sparse)
+        self.shapes = [
+            tuple(int(d) for d in (p.shape if p.dynamic else self._var[i].shape))
+            for i, p in enumerate(parts)
+        ]
+        self.dtypes = [np.dtype(p.dtype) for p in parts]
+        self.payload_bytes = sum(
+            message_bytes(s, d, dyn)
+            for s, d, dyn in zip(self.shapes, self.dtypes, self.dynamic, strict=True)
+        )
 
-    def _split(self, policy: TablePolicy) -> dict[str, object]:
-        """How ``DynamicTable`` takes ``policy`` on this shard of this partition."""
-        return {
-            "policy": policy,
-            "num_shards": self.partition.num_shards,
-            "shard": self.shard,
-            "shard_rows": self.table_options.shard_rows,
-        }
+    def _build_optimizer(self) -> None:
+        """The Keras optimizer's slots, built before tracing, and its momentum as a
+        variable the step reads."""
+        # row-sparse tables updated row-wise here (downpour.server.tables.rows), the rest by Keras
+        self.row_wise = [self.sparse[i] and self.optimizer_name in ROW_WISE for i in self._fixed]
+        self.momentum = _momentum_variable(self.optimizer)  # before tracing: the step reads it
+        self.optimizer.build(self.variables)
+        self.slot_bytes = sum(  # the optimizer's arrays the size of a variable (not scalars)
+            int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize
+            for v in self.optimizer.variables
+            if len(v.shape) > 0
+        )
+
+    def _prepare_apply(self) -> None:
+        """The staging buffers, which variables each kind of apply updates, and the apply
+        step of them all, traced here."""
+        # One staging buffer per dense variable, reused by every apply (the step is
+        # synchronous); a row-sparse one is fed its rows, never staged: a zero-stride view
+        # standing for its shape and dtype, holding no memory.
+        self._staging = [
+            np.broadcast_to(np.empty((), d), s) if sparse else aligned_empty(s, d)
+            for s, d, sparse in zip(self.shapes, self.dtypes, self.sparse, strict=True)
+        ]
+        # The variables each kind of apply updates (``apply``'s ``part``): all, or a hybrid
+        # policy's halves, the dense variables or the row-sparse ones (fixed and dynamic).
+        self.row_parts = tuple(i for i, s in enumerate(self.sparse) if s)
+        self.dense_parts = tuple(i for i, s in enumerate(self.sparse) if not s)
+        self._part_of = {ALL: tuple(range(len(self.names))), DENSE: self.dense_parts}
+        self._part_of[ROWS] = self.row_parts
+        # per part: its fixed variables (the compiled step's) and its dynamic tables
+        members = {part: set(indices) for part, indices in self._part_of.items()}
+        self._fixed_by_part = {p: [i for i in self._fixed if i in m] for p, m in members.items()}
+        self._keyed_by_part = {p: [i for i in self._keyed if i in m] for p, m in members.items()}
+        # None: apply steps are called flat; else why each apply binds its inputs again
+        self.apply_call_problem = flat_call_problem()
+        if self.apply_call_problem:
+            log.warning(
+                "%s: every apply binds its inputs through the structured signature, a fixed "
+                "cost per apply",
+                self.apply_call_problem,
+            )
+        self._steps = {ALL: self._trace_apply_step(self._fixed)}  # the halves' on first use
+
+    @property
+    def tables(self) -> dict[str, DynamicTable]:
+        """This shard's dynamic tables by variable path (``ShardTables.tables``)."""
+        return self.shard_tables.tables
 
     def table_config(self, path: str) -> dict[str, object]:
         """The keyword arguments that rebuild table ``path`` (``DynamicTable.from_state``)."""
-        table = self.tables[path]
-        config = {"optimizer": table.opt, "rule": table.rule, "seed": table.seed}
-        return config | self._split(table.policy)
+        return self.shard_tables.config(path)
 
     def _trace_apply_step(self, fixed: Sequence[int]) -> tf.types.experimental.ConcreteFunction:
         """The compiled apply step of the fixed variables ``fixed`` (wire indices), traced
@@ -569,7 +520,7 @@ class ParameterState:
         self.version += 1
         keyed = self._keyed_by_part[part]
         if keyed:
-            self._apply_tables(grads, keyed, rate, int(step.numpy()))
+            self.shard_tables.apply(grads, keyed, rate, self.version, int(step.numpy()))
         return self.version
 
     def _step(self, part: ApplyPart) -> tf.types.experimental.ConcreteFunction:
@@ -578,35 +529,6 @@ class ParameterState:
         if part not in self._steps:
             self._steps[part] = self._trace_apply_step(self._fixed_by_part[part])
         return self._steps[part]
-
-    def _apply_tables(
-        self,
-        grads: Sequence[np.ndarray | Sparse | None],
-        keyed: Sequence[int],
-        lr: float,
-        step: int,
-    ) -> None:
-        """The dynamic tables ``keyed``' rows of this update (``Keyed``: checked by the
-        gradient handler), at this version; then the rows idle too long are evicted."""
-        for i in keyed:
-            g = grads[i]
-            assert is_keyed(g), self.names[i]
-            table = self.tables[self._table_path[i]]
-            ids, values, counts = np.asarray(g.indices), np.asarray(g.values), g.lookups()
-            table.apply(ids, values, lr, self.version, step, counts)
-            idle = self.table_options.idle_versions
-            if idle is not None and self.version % max(1, idle // 8) == 0:
-                table.evict_idle(self.version, idle)
-
-    def _arrays(self, which: Sequence[int]) -> list[np.ndarray | None]:
-        """This version's snapshot list, with the variables ``which`` filled in."""
-        if self._snap_version != self.version:
-            self._snap_version = self.version
-            self._snap = [None] * len(self.names)
-        for i in which:
-            if self._snap[i] is None:
-                self._snap[i] = self._var[i].numpy()
-        return self._snap
 
     def set_momentum(self, beta_1: float) -> bool:
         """Use ``beta_1`` as the optimizer's momentum from the next apply on (the
@@ -621,75 +543,29 @@ class ParameterState:
     def weights(self) -> tuple[int, list[np.ndarray]]:
         """(version, arrays) — one snapshot per version, shared by every pull of it. O(model):
         for whole pulls, evaluation and tests; a row pull uses ``dense_weights`` and
-        ``gather``."""
-        if self._snapshot is None or self._snapshot[0] != self.version:
-            self._arrays(self._fixed)
-            arrays = [
-                self._snap[i] if i in self._var else self._no_rows(i)
-                for i in range(len(self.names))
-            ]
-            self._snapshot = (self.version, [a for a in arrays if a is not None])
-        return self._snapshot
+        ``gather`` (``Snapshots.weights``)."""
+        return self.snapshots.weights(self.version)
 
     def weights_bf16(self) -> tuple[int, list[WireTensor]]:
         """(version, tensors) for a whole pull in bfloat16 (``--pull-compress bf16``), one
-        list per version shared by every pull of it. The float32 variables are rounded by
-        one compiled call reading them (nearest even, bit for bit what ``wire.as_bf16``
-        gives a finite value; a NaN stays a NaN) and leave TensorFlow without a copy; no
-        float32 snapshot is taken. Other variables go as ``wire.as_bf16`` sends them:
-        float64 rounded from a snapshot, float16 and integers as they are, dynamic tables
-        without rows."""
-        if self._bf16 is None or self._bf16[0] != self.version:
-            rounded = dict(zip(self._rounded, self._round_bf16(), strict=True))
-            out: list[WireTensor] = []
-            for i in range(len(self.names)):
-                if i in rounded:
-                    bits = as_array(rounded[i])
-                    out.append(BFloat16(bits.view(ml_dtypes.bfloat16), self.dtypes[i]))
-                else:
-                    out.append(as_bf16(self.array(i)))
-            self._bf16 = (self.version, out)
-        return self._bf16
+        list per version shared by every pull of it, the float32 variables rounded by
+        TensorFlow without a float32 snapshot (``Snapshots.weights_bf16``)."""
+        return self.snapshots.weights_bf16(self.version)
 
     def held_bytes(self) -> tuple[int, int]:
         """(parameter bytes, optimizer slot bytes) this shard holds now: its variables and
         their slots, and its dynamic tables' live rows and their slots."""
         fixed = sum(int(np.prod(self.shapes[i])) * self.dtypes[i].itemsize for i in self._fixed)
-        stats = [t.stats() for t in self.tables.values()]
-        return (
-            fixed + sum(s["bytes_rows"] for s in stats),
-            self.slot_bytes + sum(s["bytes_slots"] for s in stats),
-        )
+        rows, slots = self.shard_tables.held_bytes()
+        return fixed + rows, self.slot_bytes + slots
 
     def table_status(self) -> dict[str, dict[str, object]]:
         """Per dynamic table (by path): its live rows, bytes, counters and settings."""
-        return {
-            path: t.stats()
-            | {
-                "optimizer": t.opt.kind,
-                "capacity": t.capacity,
-                "max_rows": t.policy.max_rows,
-                "admit_after": t.policy.admit_after,
-                "evict_policy": t.policy.evict,
-                "admission": t.policy.admission,
-                "admit_init": t.policy.admit_init,
-                "evict_idle_versions": self.table_options.idle_versions,
-            }
-            for path, t in self.tables.items()
-        }
-
-    def _no_rows(self, i: int) -> Keyed:
-        """Dynamic table ``i`` in a whole pull: no rows (they go by id, ``gather``)."""
-        empty = np.zeros((0, *self.shapes[i][1:]), self.dtypes[i])
-        return Keyed(np.zeros(0, np.int64), empty, self.shapes[i])
+        return self.shard_tables.status()
 
     def array(self, i: int) -> np.ndarray | Keyed:
         """Variable ``i`` at this version (a snapshot shared by every pull of it)."""
-        if i in self._table_path:
-            return self._no_rows(i)
-        a = self._arrays((i,))[i]
-        assert a is not None
-        return a
+        return self.snapshots.array(self.version, i)
 
     def dense_variables(self) -> list[keras.Variable]:
         """This shard's TF variables that are not row-sparse (what a row pull sends whole)."""
@@ -698,17 +574,15 @@ class ParameterState:
     def dense_weights(self) -> tuple[int, list[np.ndarray | None]]:
         """(version, arrays) of the variables that are not row-sparse; None for row-sparse
         ones, which are not snapshotted: a row pull gathers their rows (``gather``)."""
-        dense = [i for i in self._fixed if not self.sparse[i]]
-        arrays = self._arrays(dense)
-        return self.version, [None if s else a for a, s in zip(arrays, self.sparse, strict=True)]
+        return self.snapshots.dense_weights(self.version)
 
     def gather(self, i: int, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` (int64, in range: the caller checks) of row-sparse variable ``i`` at
         this version, as a fresh array: O(len(ids)), the table is not copied. A dynamic
         table's ids are any int64; one it does not hold reads its initial value."""
-        if i in self._table_path:
-            return self.tables[self._table_path[i]].gather(ids)
-        return self._gathers[i](tf.constant(ids, tf.int64)).numpy()
+        if i in self.shard_tables.path_of:
+            return self.shard_tables.gather(i, ids)
+        return self.snapshots.gather(i, ids)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
         """The spec's metric on (x, y) with the current weights (unsharded only)."""

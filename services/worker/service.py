@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
@@ -40,8 +39,6 @@ from downpour.inputs.pipeline import (
     Inputs,
     build_dataset,
     check_element_spec,
-    epoch_batches,
-    known_batches,
     resolve_inputs,
 )
 from downpour.model.build import build_model, evaluate, fingerprint_of
@@ -52,6 +49,7 @@ from downpour.runtime.device import configure_device
 from downpour.runtime.logs import set_log_context, stop_on_signals
 from downpour.runtime.metrics import Notices, Rate, new_worker_stats, peak_rss_mib, reported_counts
 from downpour.spec import ModelSpec
+from downpour.worker.batches import TrainingBatches
 from downpour.worker.compress import parse_compression
 from downpour.worker.errors import WorkerError, translated
 from downpour.worker.pull.puller import Puller
@@ -60,7 +58,6 @@ from downpour.worker.rows.cache import caches_of, check_batch, logical_shapes, r
 from downpour.worker.rows.plan import Lookahead, RowPlan
 from downpour.worker.rows.pulling import RowPuller
 from downpour.worker.settings import WorkerConfig, validate_worker
-from downpour.worker.splits import SplitFeed, probe_universe
 from downpour.worker.step import GradientStep, batch_signature
 from downpour.worker.tf1 import Tf1Step, check_tf1_inputs
 
@@ -96,7 +93,7 @@ class Worker:
         self.config = config
         self.inputs = inputs if inputs is not None else resolve_inputs(spec, config.data_dir)
         self.id = config.resolved_id()
-        self.input_ctx = InputContext(
+        ctx = InputContext(
             worker_index=config.worker_index,
             num_workers=config.num_workers,
             seed=config.seed if config.seed is not None else 0,
@@ -104,29 +101,13 @@ class Worker:
             batch_size=spec.batch_size,
             worker_id=self.id,
         )
+        self.data = TrainingBatches(self.inputs.train, ctx, config, spec.name)
         # the slow paths this worker takes: logged, and reported to the servers' status
         self.notices = Notices()
-        with row_cache_scope(config.row_cache_rows):  # big Embeddings as row caches
-            self.model = build_model(spec)
-        self.caches = caches_of(self.model)
-        dynamic = sorted(p for p, c in self.caches.items() if c.keyed)
-        if dynamic and (config.row_pulls != "auto" or config.graph != "tf2"):
-            raise WorkerError(
-                f"model {spec.name!r} has dynamic tables ({', '.join(dynamic)}), whose rows "
-                "a worker pulls by id: they need --row-pulls auto and --graph tf2"
-            )
-        self.dispatched = config.data_dispatch == "server"
-        universe = None
-        if self.dispatched:  # the whole data, probed for what the server is to divide
-            universe, first = probe_universe(self.inputs.train, self.input_ctx, config.split_size)
-        else:
-            first = build_dataset(self.inputs.train, self.input_ctx)  # InputError: refused
+        dynamic = self._build_model()
+        first = self.data.first_dataset()  # InputError: refused
         self.step_fn = self._build_step(first)
-        self.planned_per_epoch = None if self.dispatched else known_batches(first)
-        self.epoch = 0  # the epoch of the batch computed last
-        self._input_stream: Iterator[tuple[int, Any]] | None = None
-        if not self.dispatched:
-            self._batches = self._prime(first)
+        self.data.prime(first)
         self.partition = self._partition(len(config.endpoints()))
         self._stop = threading.Event()
         # Sent with every push and heartbeat; names and units:
@@ -144,17 +125,22 @@ class Worker:
             config, self.shards, self.step_fn, self.stats, self._stop, lambda: self.pusher.seq
         )
         self._stream: Lookahead | None = None  # the batches, read ahead for row pulls
-        self.feed: SplitFeed | None = None  # --data-dispatch server: splits from shard 0
-        if self.dispatched:
-            self.feed = SplitFeed(
-                self.inputs.train,
-                self.input_ctx,
-                universe,
-                self.shards.new_client(self.shards.shards[0]),
-                epochs=0 if config.steps is not None else int(config.epochs),
-                stop=self._stop,
+        if self.data.dispatched:
+            self.data.from_splits(self.shards.new_client(self.shards.shards[0]), self._stop)
+
+    def _build_model(self) -> list[str]:
+        """The model, big Embeddings as row caches; its dynamic tables' paths, which need
+        row pulls by id (WorkerError when the settings rule them out)."""
+        with row_cache_scope(self.config.row_cache_rows):  # big Embeddings as row caches
+            self.model = build_model(self.spec)
+        self.caches = caches_of(self.model)
+        dynamic = sorted(p for p, c in self.caches.items() if c.keyed)
+        if dynamic and (self.config.row_pulls != "auto" or self.config.graph != "tf2"):
+            raise WorkerError(
+                f"model {self.spec.name!r} has dynamic tables ({', '.join(dynamic)}), whose rows "
+                "a worker pulls by id: they need --row-pulls auto and --graph tf2"
             )
-            self._batches = self.feed.batches()  # asks for its first split after the hello
+        return dynamic
 
     def _build_step(self, first: Any) -> GradientStep | Tf1Step:
         """The step function for the first dataset's batches, traced now: InputError when
@@ -264,14 +250,10 @@ class Worker:
     def close(self) -> None:
         """Close sockets and the context; queued pushes get ``push_linger_s`` to leave."""
         self._stop.set()  # ends any retry loop still waiting on the server
-        # The input generators are closed here, so their tf.data iterators go now: a worker
-        # sits in reference cycles, and a cyclic GC long after would delete them all at once.
-        self._batches.close()
-        if self._input_stream is not None:
-            self._input_stream.close()
+        self.data.close()  # the input generators, so their tf.data iterators go now
         clean = self.puller.close()
-        if self.feed is not None:
-            self.feed.client.close()
+        if self.data.feed is not None:
+            self.data.feed.client.close()
         self.shards.close(self.config.push_linger_s)
         if clean:
             self.ctx.term()  # waits up to the push linger for queued gradients to leave
@@ -284,11 +266,9 @@ class Worker:
         sequence resumes. The row puller for the tables every shard serves by row, if any."""
         with translated():
             hellos = self.shards.hello_all(self.spec.name)
-        if self.feed is not None and hellos[0].reply.worker_index is not None:
+        if self.data.feed is not None and hellos[0].reply.worker_index is not None:
             index = hellos[0].reply.worker_index  # shard 0 dispatches: its order of workers
-            known = max(hellos[0].reply.workers or 0, index + 1)
-            self.input_ctx = replace(self.input_ctx, worker_index=index, num_workers=known)
-            self.feed.ctx = self.input_ctx
+            self.data.joined(index, max(hellos[0].reply.workers or 0, index + 1))
         for shard, hello in zip(self.shards.shards, hellos, strict=True):
             log.info(
                 "worker %s joined server %s (shard %d of %d) at version %d (model %s)",
@@ -339,56 +319,16 @@ class Worker:
 
     # ------------------------------------------------------------ input
 
-    def _prime(self, first: Any) -> Iterator[tuple[int, Any]]:
-        """The training batches, epoch after epoch, with the first one read already: a
-        worker whose share is empty is refused before its hello."""
-        cfg = self.config
-        epochs = None if cfg.steps is not None else cfg.epochs
-        stream = epoch_batches(self.inputs.train, self.input_ctx, epochs, first)
-        try:
-            head = next(stream)
-        except StopIteration:  # epochs > 0 always yields or raises; kept for safety
-            raise InputError("input_fn gave no batch") from None
-        except (tf.errors.OpError, ValueError, TypeError) as exc:
-            if isinstance(exc, InputError):
-                raise
-            raise InputError(
-                f"model {self.spec.name!r}: reading input_fn's first batch: {exc}"
-            ) from None
-
-        def chained() -> Iterator[tuple[int, Any]]:
-            yield head
-            yield from stream
-
-        self._input_stream = stream  # closed by close() even when chained never started
-
-        return chained()
-
-    def total_steps(self) -> int | None:
-        """--steps, or --epochs worth of this worker's batches (None: tf.data cannot tell
-        how many batches an epoch has before reading it)."""
-        if self.config.steps is not None:
-            return self.config.steps
-        if self.planned_per_epoch is None:
-            return None
-        return max(1, int(round(self.config.epochs * self.planned_per_epoch)))
+    @property
+    def input_ctx(self) -> InputContext:
+        """What this worker's ``input_fn`` is told (after the hello under dispatch: its
+        place in shard 0's order of the workers)."""
+        return self.data.ctx
 
     def batches(self) -> Iterator[tuple[Any, Any]]:
         """The training batches this worker computes on, ``(features, labels)`` as the step
-        takes them (NumPy for tf1), at most ``--steps`` of them."""
-        limit = self.config.steps
-        n = 0
-        while limit is None or n < limit:  # checked first: a split feed asks for no split more
-            item = next(self._batches, None)
-            if item is None:
-                return
-            n += 1
-            epoch, (x, y) = item
-            self.epoch = epoch
-            if self.config.graph == "tf1":
-                yield x.numpy(), y.numpy()
-            else:
-                yield x, y
+        takes them (NumPy for tf1), at most ``--steps`` of them (``TrainingBatches``)."""
+        return self.data.batches()
 
     def held_out(self) -> float | None:
         """The spec's metric on the held-out set with this worker's model as it ends: the last
@@ -415,12 +355,12 @@ class Worker:
         """Train until the step budget is spent or stop() is called: the next batch, the
         puller before the step, the gradient step, the pusher."""
         cfg = self.config
-        total = self.total_steps()
+        total = self.data.total_steps()
         started = time.monotonic()
         loss = float("nan")
         recent: deque[float] = deque(maxlen=RECENT_LOSSES)  # finite batch losses, for the summary
         step = 0
-        feed = self.feed
+        feed = self.data.feed
         set_log_context(worker=self.id, version=lambda: self.version)
         log.info("computing on %s", self.device)
         self._stream = Lookahead((x, y, feed and feed.mark) for x, y in self.batches())
@@ -508,10 +448,10 @@ class Worker:
             "row_cache_evictions": sum(c.evictions for c in self.caches.values()),
             "peak_rss_mib": peak_rss_mib(),
             "last_seq": self.pusher.seq,
-            "epochs": self.epoch + 1 if steps else 0,
+            "epochs": self.data.epoch + 1 if steps else 0,
             "stopped_early": not finished,
             "notices": list(self.notices.items()),
         }
-        if self.feed is not None:
-            out["dispatch"] = dict(self.feed.counts)
+        if self.data.feed is not None:
+            out["dispatch"] = dict(self.data.feed.counts)
         return out

@@ -9,9 +9,9 @@ shard its slice under one sequence number, and notice a shard's new incarnation 
 A restarted server may listen for gradients on another port (``--push-port 0``), and a PUSH
 socket never reports that nobody reads it: it queues up to its high-water mark, then blocks.
 The signal is the REQ side: every pull and heartbeat reply carries the server's incarnation,
-and any thread that gets one reports it (``saw``). A shard whose incarnation differs from the
-one it said hello to is greeted again before the next push, and also while a push is blocked
-at the high-water mark (``rehello_restarted``): the new hello brings the push port (and the
+and any thread that gets one reports it (``Shard.saw``). A shard whose incarnation differs
+from the one it said hello to is greeted again before the next push, and also while a push is
+blocked at the high-water mark (``rehello_restarted``): the new hello brings the push port (and the
 policy, the last accepted seq ...), the gradient socket is reconnected when the port moved,
 and the blocked gradient, computed from the old incarnation's weights, is dropped (counted
 ``dropped``). Gradients still queued for the old port are lost with its socket.
@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -77,7 +76,8 @@ def partition_of(
 
 @dataclass
 class Shard:
-    """What a client holds for one server shard."""
+    """What a client holds for one server shard, and what its replies' incarnations say
+    (a restart: ``note_incarnation``, ``needs_hello``)."""
 
     index: int
     host: str
@@ -106,6 +106,35 @@ class Shard:
     def touch(self) -> None:
         """Note that the shard answered just now."""
         self.last_contact = time.monotonic()
+
+    def note_incarnation(self, incarnation: str | None, version: int) -> bool:
+        """Record what the shard says its incarnation is (owning thread); True (and a
+        warning) when it differs from the one seen before: the server restarted."""
+        restarted = self.incarnation is not None and incarnation != self.incarnation
+        if restarted:
+            log.warning(
+                "server %s restarted (now at version %d); continuing", self.endpoint, version
+            )
+        self.incarnation = incarnation
+        self.saw(incarnation)
+        return restarted
+
+    def saw(self, incarnation: str | None) -> None:
+        """Note the incarnation a reply from the shard carried (any thread may call this)."""
+        if incarnation is not None:
+            self.seen_incarnation = incarnation
+
+    def needs_hello(self) -> bool:
+        """True when the shard answered from another incarnation than the one greeted: the
+        server restarted, maybe on another push port."""
+        seen, greeted = self.seen_incarnation, self.hello_incarnation
+        return greeted is not None and seen is not None and seen != greeted
+
+    def pull_request(self, encoding: str = wire.DENSE) -> wire.PullRequest:
+        """A pull of the shard's weights newer than the ones held (all when none are held)."""
+        if self.version < 0:
+            return wire.PullRequest(encoding=encoding)
+        return wire.PullRequest(self.version, self.incarnation, encoding)
 
 
 class ShardSet:
@@ -270,33 +299,10 @@ class ShardSet:
             on_reply=shard.touch,
         )
 
-    def note_incarnation(self, shard: Shard, incarnation: str | None, version: int) -> bool:
-        """Record what ``shard`` says its incarnation is; True (and a warning) when it
-        differs from the one seen before: the server restarted."""
-        restarted = shard.incarnation is not None and incarnation != shard.incarnation
-        if restarted:
-            log.warning(
-                "server %s restarted (now at version %d); continuing", shard.endpoint, version
-            )
-        shard.incarnation = incarnation
-        self.saw(shard, incarnation)
-        return restarted
-
-    def saw(self, shard: Shard, incarnation: str | None) -> None:
-        """Note the incarnation a reply from ``shard`` carried (any thread may call this)."""
-        if incarnation is not None:
-            shard.seen_incarnation = incarnation
-
-    def needs_hello(self, shard: Shard) -> bool:
-        """True when ``shard`` answered from another incarnation than the one greeted: the
-        server restarted, maybe on another push port."""
-        seen, greeted = shard.seen_incarnation, shard.hello_incarnation
-        return greeted is not None and seen is not None and seen != greeted
-
     def rehello_restarted(self) -> list[Shard]:
         """Say hello again to every shard that restarted since its hello (owning thread
         only); the shards greeted. Refused / ServerUnavailable / Stopped from the client."""
-        again = [s for s in self.shards if self.needs_hello(s)]
+        again = [s for s in self.shards if s.needs_hello()]
         for shard in again:
             old_port = shard.push_port
             self.hello(shard, self.model)
@@ -336,7 +342,7 @@ class ShardSet:
         ServerUnavailable / Stopped from the client."""
         self.model = model
         hello = shard.client.hello(self.hello_request(shard, model))
-        self.note_incarnation(shard, hello.reply.incarnation, hello.version)
+        shard.note_incarnation(hello.reply.incarnation, hello.version)
         shard.hello_incarnation = hello.reply.incarnation
         offered = hello.reply.encodings or ()
         missing = sorted(self.encodings - set(offered))
@@ -383,12 +389,6 @@ class ShardSet:
 
     # ------------------------------------------------------------ pull
 
-    def pull_request(self, shard: Shard, encoding: str = wire.DENSE) -> wire.PullRequest:
-        """A pull of ``shard``'s weights newer than the ones held (all when none are held)."""
-        if shard.version < 0:
-            return wire.PullRequest(encoding=encoding)
-        return wire.PullRequest(shard.version, shard.incarnation, encoding)
-
     def check_slice(self, shard: Shard, weights: Weights) -> None:
         """ValueError unless ``weights`` (not unchanged) are exactly ``shard``'s slice."""
         want = self.wire_names[shard.index]
@@ -406,14 +406,14 @@ class ShardSet:
         def pull(shard: Shard) -> Weights:
             client = self.new_client(shard)
             try:
-                return client.pull(self.pull_request(shard, encoding))
+                return client.pull(shard.pull_request(encoding))
             finally:
                 client.close()
 
         with ThreadPoolExecutor(len(self.shards)) as pool:
             replies = list(pool.map(pull, self.shards))
         for shard, w in zip(self.shards, replies, strict=True):
-            self.note_incarnation(shard, w.reply.incarnation, w.version)
+            shard.note_incarnation(w.reply.incarnation, w.version)
             if not w.unchanged:
                 self.check_slice(shard, w)
                 shard.arrays, shard.version = list(w.tensors.values()), w.version
@@ -497,7 +497,7 @@ class ShardSet:
                     frames,
                     self.server_timeout_s,
                     self.stop,
-                    abandon=partial(self.needs_hello, shard),
+                    abandon=shard.needs_hello,
                 )
             except ServerUnavailable:
                 raise ServerUnavailable(

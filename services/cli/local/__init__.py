@@ -30,7 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -257,8 +258,8 @@ def _write_run_files(
 
 
 def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen]) -> int:
-    shards = args.shards
-    dispatched = args.data_dispatch == "server"
+    """Start the servers, then the workers; watch them train; then report, score and write
+    the run directory. The exit code: 1 when a worker failed."""
     status_keys, eval_keys = _make_keys(args, run_dir)
     children = plan_children(args, run_dir)
     if old := children.servers[0].values.get("restore_from"):
@@ -266,85 +267,31 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
             "--state-dir %s holds checkpoints of another number of shards: the %d shard(s) "
             "restore from %s",
             args.state_dir,
-            shards,
+            args.shards,
             old,
         )
     servers, server_logs, ready_files = _spawn_servers(children, run_dir, procs)
     print(f"run directory: {run_dir}", flush=True)
-    evaluator_box: dict[str, Any] = {}
-
-    def load_evaluator() -> None:
-        from downpour.serving.scoring import Evaluator
-
-        evaluator_box.setdefault("e", Evaluator(args.model, args.data_dir, args.device))
-
-    loader = threading.Thread(target=load_evaluator, daemon=True)
-    loader.start()  # import TensorFlow and load data while the servers start
+    loaded = _load_evaluator(args)  # import TensorFlow and load data while the servers start
     eps = [
         wait_ready(p, f, 180.0, lg)
         for p, f, lg in zip(servers, ready_files, server_logs, strict=True)
     ]
-    ep = eps[0]
-    ports = [e["port"] for e in eps]
-    host, port, status_ep = (
-        "127.0.0.1",
-        ports if shards > 1 else ports[0],
-        tcp("127.0.0.1", ep["status_port"]),
-    )
     _print_endpoints(args, run_dir, eps)
-    endpoints = ",".join(f"{host}:{p}" for p in ports)
-    workers = []
-    for child in plan_children(args, run_dir, endpoints).workers:
-        workers.append(spawn(child.argv, run_dir / f"{child.name}.log", stdout=subprocess.PIPE))
-        procs.append(workers[-1])
-    loader.join(timeout=300)
-    evaluator: Evaluator = evaluator_box["e"]
+    workers = _spawn_workers(args, run_dir, eps, procs)
+    cluster = _Cluster(servers, server_logs, eps, workers, status_keys, eval_keys)
+    evaluator = loaded()
     metric = evaluator.spec.metric_name
-    # a dispatched worker's share is whatever splits it gets: no per-worker total then
-    per_worker = args.steps or (
-        None if dispatched else steps_per_worker(evaluator, args.workers, args.epochs)
-    )
-    bars = _progress_bars(args.workers, per_worker, args.no_progress)
-    history: list[dict[str, Any]] = []
-    worker_rows: list[dict[str, Any]] = []  # workers.csv: per-worker throughput over time
-    t_start = time.monotonic()
-    last_eval = t_start
-    while any(w.poll() is None for w in workers):
-        for srv, srv_log in zip(servers, server_logs, strict=True):
-            if srv.poll() is not None:
-                raise RuntimeError(f"server exited with {srv.returncode}; see {srv_log}")
-        doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
-        row = _history_row(doc, round(time.monotonic() - t_start, 2), metric)
-        worker_rows += _worker_rows(row["t"], doc)
-        for wid, w in doc["workers"].items():
-            if wid in bars:
-                bars[wid].n = w["steps"] if per_worker is None else min(w["steps"], per_worker)
-                bars[wid].set_postfix(
-                    loss=f"{w['loss'] or 0:.3f}", stale=w["staleness"], refresh=False
-                )
-                bars[wid].refresh()
-        if time.monotonic() - last_eval >= args.eval_every:
-            row["version"], row[metric] = evaluator.score(host, port, eval_keys)
-            last_eval = time.monotonic()
-            if args.no_progress:
-                print(
-                    f"t={row['t']:.0f}s version {row['version']} loss {row['loss']} "
-                    f"held-out {metric} {row[metric]:.4f}",
-                    flush=True,
-                )
-        history.append(row)
-        _wait_any(workers, 0.5)
-    for bar in bars.values():
-        bar.close()
+    history, worker_rows, t_start = _watch(args, cluster, evaluator)
     failed = [w.returncode for w in workers if w.returncode != 0]
     _print_worker_summaries(workers)
-    doc = fetch_status(status_ep, timeout_s=10.0, keys=status_keys)
-    version, acc = evaluator.score(host, port, eval_keys)
+    doc = cluster.status()
+    version, acc = cluster.score(evaluator)
     history.append(
         _history_row(doc, round(time.monotonic() - t_start, 2), metric)
         | {"version": version, metric: acc}
     )
-    docs = [doc] + [fetch_status(tcp(host, e["status_port"]), 10.0, status_keys) for e in eps[1:]]
+    docs = [doc] + [cluster.status(shard) for shard in range(1, len(eps))]
     _write_run_files(run_dir, docs, history, worker_rows)
     _print_server_lines(docs)
     if failed:
@@ -356,6 +303,119 @@ def _run(args: argparse.Namespace, run_dir: Path, procs: list[subprocess.Popen])
         _report_checkpoints(args, children, run_dir, version)
     print(f"held-out {metric}: {acc:.4f}", flush=True)
     return 1 if failed else 0
+
+
+@dataclass
+class _Cluster:
+    """What run-local started, and how it reads it: the server and worker processes, the
+    servers' endpoints (their ready files, in shard order) and run-local's own keys for
+    status and evaluation."""
+
+    servers: list[subprocess.Popen]
+    server_logs: list[Path]
+    eps: list[dict[str, Any]]
+    workers: list[subprocess.Popen]
+    status_keys: security.ClientKeys | None
+    eval_keys: security.ClientKeys | None
+    host: str = "127.0.0.1"
+
+    def status(self, shard: int = 0) -> dict[str, Any]:
+        """Shard ``shard``'s status document."""
+        endpoint = tcp(self.host, self.eps[shard]["status_port"])
+        return fetch_status(endpoint, timeout_s=10.0, keys=self.status_keys)
+
+    def score(self, evaluator: Evaluator) -> tuple[int, float]:
+        """(version, held-out metric) of the servers' weights now."""
+        ports = [e["port"] for e in self.eps]
+        return evaluator.score(self.host, ports if len(ports) > 1 else ports[0], self.eval_keys)
+
+    def check_servers(self) -> None:
+        """RuntimeError, naming its log, when a server has exited."""
+        for srv, srv_log in zip(self.servers, self.server_logs, strict=True):
+            if srv.poll() is not None:
+                raise RuntimeError(f"server exited with {srv.returncode}; see {srv_log}")
+
+
+def _load_evaluator(args: argparse.Namespace) -> Callable[[], Evaluator]:
+    """Load the held-out evaluator (TensorFlow, the model, the data) on a thread; the call
+    returned waits for it (at most 300 s)."""
+    box: dict[str, Any] = {}
+
+    def load() -> None:
+        from downpour.serving.scoring import Evaluator
+
+        box.setdefault("e", Evaluator(args.model, args.data_dir, args.device))
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+
+    def loaded() -> Evaluator:
+        loader.join(timeout=300)
+        return box["e"]
+
+    return loaded
+
+
+def _spawn_workers(
+    args: argparse.Namespace,
+    run_dir: Path,
+    eps: list[dict[str, Any]],
+    procs: list[subprocess.Popen],
+) -> list[subprocess.Popen]:
+    """Start every worker child, given the servers' REP endpoints in shard order."""
+    endpoints = ",".join(f"127.0.0.1:{e['port']}" for e in eps)
+    workers = []
+    for child in plan_children(args, run_dir, endpoints).workers:
+        workers.append(spawn(child.argv, run_dir / f"{child.name}.log", stdout=subprocess.PIPE))
+        procs.append(workers[-1])
+    return workers
+
+
+def _watch(
+    args: argparse.Namespace, cluster: _Cluster, evaluator: Evaluator
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """Until every worker has exited: a progress bar per worker and a history row per refresh
+    (with workers.csv rows) from shard 0's status, the held-out metric every
+    ``--eval-every`` seconds; RuntimeError when a server exits. Returns (history rows,
+    workers.csv rows, the monotonic time their ``t`` counts from)."""
+    metric = evaluator.spec.metric_name
+    # a dispatched worker's share is whatever splits it gets: no per-worker total then
+    per_worker = args.steps or (
+        None
+        if args.data_dispatch == "server"
+        else steps_per_worker(evaluator, args.workers, args.epochs)
+    )
+    bars = _progress_bars(args.workers, per_worker, args.no_progress)
+    history: list[dict[str, Any]] = []
+    worker_rows: list[dict[str, Any]] = []  # workers.csv: per-worker throughput over time
+    t_start = time.monotonic()
+    last_eval = t_start
+    while any(w.poll() is None for w in cluster.workers):
+        cluster.check_servers()
+        doc = cluster.status()
+        row = _history_row(doc, round(time.monotonic() - t_start, 2), metric)
+        worker_rows += _worker_rows(row["t"], doc)
+        for wid, w in doc["workers"].items():
+            if wid in bars:
+                bars[wid].n = w["steps"] if per_worker is None else min(w["steps"], per_worker)
+                bars[wid].set_postfix(
+                    loss=f"{w['loss'] or 0:.3f}", stale=w["staleness"], refresh=False
+                )
+                bars[wid].refresh()
+        if time.monotonic() - last_eval >= args.eval_every:
+            row["version"], row[metric] = cluster.score(evaluator)
+            last_eval = time.monotonic()
+            if args.no_progress:
+                print(
+                    f"t={row['t']:.0f}s version {row['version']} loss {row['loss']} "
+                    f"held-out {metric} {row[metric]:.4f}",
+                    flush=True,
+                )
+        history.append(row)
+        _wait_any(cluster.workers, 0.5)
+    for bar in bars.values():
+        bar.close()
+    return history, worker_rows, t_start
 
 
 def _print_worker_summaries(workers: list[subprocess.Popen]) -> None:

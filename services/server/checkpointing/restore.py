@@ -30,11 +30,16 @@ When the old shards stopped at different versions (each checkpoints on its own),
 
 Each row keeps the value its old shard had, so the new shards start from the union of the old
 shards' last checkpoints, as after a restart of each of them.
+
+``resume`` is what a server with a ``--state-dir`` does at start: find the sources, restore
+them, and hand back what the server carries on with (``Resumed``: the version, the workers'
+sequence numbers, the finished workers, the dispatcher).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,3 +237,56 @@ def restore_dispatcher(
         return Dispatcher.from_state(doc, lease)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{ckpt.path}: dispatcher state: {exc}") from None
+
+
+@dataclass
+class Resumed:
+    """What a server resumes from its state directory (``resume``); the defaults when it
+    found no checkpoint."""
+
+    version: int | None = None  # the version restored; None: fresh weights
+    seconds: float | None = None  # reading and assigning the checkpoint(s)
+    workers: dict[str, int] = field(default_factory=dict)  # each worker's last accepted seq
+    finished: dict[str, int] = field(default_factory=dict)  # workers a checkpoint says finished
+    dispatcher: Dispatcher | None = None  # the split dispatcher, restored when there is one
+
+
+def resume(
+    state: Any,
+    store: CheckpointStore,
+    restore_from: str | None,
+    dispatcher: Dispatcher | None,
+    seed: int,
+) -> Resumed:
+    """Restore ``state`` from what ``find_sources`` finds for ``store`` (the leftovers of an
+    interrupted write removed first) and ``--restore-from``; fresh weights when nothing is
+    found. The workers' sequence numbers come from the checkpoints, the finished workers
+    from this shard's own checkpoint only; ``dispatcher`` (set when the server dispatches
+    data) is replaced by the one the checkpoints hold. ValueError when refused."""
+    store.clean_leftovers()
+    t0 = time.perf_counter()
+    sources = find_sources(state, store, restore_from)
+    if not sources:
+        log.info("no checkpoint in %s: starting from fresh weights", store.dir)
+        return Resumed(dispatcher=dispatcher)
+    done = restore_set(state, sources)
+    out = Resumed(done.version, round(time.perf_counter() - t0, 3), done.workers)
+    if len(sources) == 1 and same_layout(sources[0], state):
+        finished = sources[0].meta.get("finished") or {}
+        out.finished = {str(w): int(seq) for w, seq in finished.items()}
+    log.info(
+        "restored version %d in %.1f s from %s",
+        done.version,
+        out.seconds,
+        ", ".join(str(c.path) for c in sources),
+    )
+    if dispatcher is not None:
+        out.dispatcher = restore_dispatcher(done.dispatch, seed)
+        if out.dispatcher.configured:
+            log.info(
+                "resuming epoch %d: %d of %d splits done, the rest back in the queue",
+                out.dispatcher.epoch,
+                out.dispatcher.progress()["splits_done"],
+                out.dispatcher.num_splits,
+            )
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,28 @@ class CheckpointWriter:
         by_count = self.every > 0 and version - max(self.last_version, 0) >= self.every
         by_time = self.secs > 0 and time.monotonic() - self.last_time >= self.secs
         return by_count or by_time
+
+    def checkpoint(
+        self,
+        state: Any,
+        server_meta: Callable[[], dict[str, Any]],
+        mark: Any = None,
+        final: bool = False,
+    ) -> None:
+        """When a checkpoint of ``state`` is due (or ``final``), capture it on the calling
+        thread, between applies, and write it: in the background, or with ``final`` now,
+        after any running write. ``server_meta`` gives the metadata that is the server's, not
+        its state's (``capture_state``)."""
+        if not (final or self.due(state.version, mark)):
+            return
+        from downpour.server.checkpointing.capture import capture_state  # TensorFlow: not at import
+
+        arrays, meta = capture_state(state)  # fixed variables and tables, one version
+        meta |= server_meta()
+        if final:
+            self.write_now(state.version, arrays, meta, mark)
+        else:
+            self.submit(state.version, arrays, meta, mark)
 
     def _write(
         self, version: int, arrays: dict[str, np.ndarray], meta: dict[str, Any], mark: Any = None

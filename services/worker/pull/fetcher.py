@@ -99,7 +99,7 @@ class Fetcher:
 
     def _pull(self, have: int, rows: Rows) -> Weights:
         weights = self.client.pull(self._make_request(self.shard, have, False), rows=rows)
-        self.shards.saw(self.shard, weights.reply.incarnation)
+        self.shard.saw(weights.reply.incarnation)
         return weights
 
     def _loop(self) -> None:
@@ -143,7 +143,7 @@ class Fetcher:
             return
         try:
             _, reply = self.client.heartbeat(dict(self._stats), self.shards.notices.items())
-            self.shards.saw(self.shard, reply.incarnation)  # a restart: greeted again later
+            self.shard.saw(reply.incarnation)  # a restart: greeted again later
         except (ServerUnavailable, RemoteError, wire.ProtocolError) as exc:
             log.debug("heartbeat failed: %s", exc)
 

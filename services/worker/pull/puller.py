@@ -221,7 +221,7 @@ class Puller:
         """``install`` without row pulls: every changed shard's slice, then the joined model."""
         changed = stale = False
         for shard, weights in zip(self.shards.shards, replies, strict=True):
-            self.shards.note_incarnation(shard, weights.reply.incarnation, weights.version)
+            shard.note_incarnation(weights.reply.incarnation, weights.version)
             if weights.reply.dropped_stale > 0:
                 self.stats["dropped_stale"] += weights.reply.dropped_stale
                 stale = True

@@ -76,7 +76,7 @@ class RowPuller:
         plan = self.plan
         changed = stale = False
         for shard, weights in zip(self.shards.shards, replies, strict=True):
-            if self.shards.note_incarnation(shard, weights.reply.incarnation, weights.version):
+            if shard.note_incarnation(weights.reply.incarnation, weights.version):
                 plan.forget(shard.index)  # its versions started again
             if weights.reply.dropped_stale > 0:
                 self.stats["dropped_stale"] += weights.reply.dropped_stale
